@@ -1,0 +1,143 @@
+"""ModelConfig and the registry of named models (--model, --model_config)."""
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from syntorch.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    arch: str  # "gpt" (decoder-only, causal LM) | "bert" (encoder + MLM head)
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    n_positions: int  # context length
+    d_head: int = 0  # 0: d_model // n_head
+    d_ff: int = 0  # 0: 4 * d_model, as in GPT-2/GPT-3/BERT
+    pos: str = "learned"  # "learned" (GPT-2/3, BERT) | "rotary" (GPT-J)
+    rotary_dim: int = 0  # rotary applies to the first rotary_dim dims of each head (GPT-J: 64)
+    parallel_residual: bool = False  # GPT-J: attn and MLP read one LayerNorm, added together
+    tied_head: bool = True  # LM head shares the token embedding (GPT-2/3, BERT)
+    head_bias: bool = False  # GPT-J's untied head has a bias
+    qkv_bias: bool = True  # GPT-J projections have no bias
+    proj_bias: bool = True  # attention output projection (GPT-J has none)
+    activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf
+    ln_eps: float = 1e-5
+    type_vocab_size: int = 2  # BERT segment embeddings
+    pad_token_id: int = 0
+    mask_token_id: int = 103  # BERT [MASK]; used by MLM data
+
+    def __post_init__(self):
+        self.d_head = self.d_head or self.d_model // self.n_head
+        self.d_ff = self.d_ff or 4 * self.d_model
+        check_config(self)
+
+    @property
+    def causal(self) -> bool:
+        return self.arch == "gpt"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_config(c: ModelConfig) -> None:
+    def need(ok, what):
+        if not ok:
+            raise UserError(f"model config '{c.name}': {what}")
+
+    need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
+    need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
+    need(c.activation in ("gelu_tanh", "gelu"), f"activation must be 'gelu_tanh' or 'gelu', got {c.activation!r}")
+    for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) > 0, f"{k} must be a positive integer, got {getattr(c, k)!r}")
+    need(c.pos != "rotary" or 0 < c.rotary_dim <= c.d_head and c.rotary_dim % 2 == 0,
+         f"rotary_dim must be even and in (0, d_head={c.d_head}], got {c.rotary_dim}")
+    need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
+
+
+def _gpt3(name, n_layer, d_model, n_head):
+    # Brown et al. 2020, Table 2.1: dense attention, context 2048, GPT-2 tokenizer.
+    return ModelConfig(name, "gpt", n_layer, d_model, n_head, vocab_size=50257, n_positions=2048)
+
+
+def _gpt2(name, n_layer, d_model, n_head):
+    return ModelConfig(name, "gpt", n_layer, d_model, n_head, vocab_size=50257, n_positions=1024)
+
+
+def _bert(name, n_layer, d_model, n_head):
+    return ModelConfig(name, "bert", n_layer, d_model, n_head, vocab_size=30522, n_positions=512,
+                       activation="gelu", ln_eps=1e-12, head_bias=True)
+
+
+REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
+    _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
+    _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
+    _gpt3("gpt3-125m", 12, 768, 12), _gpt3("gpt3-350m", 24, 1024, 16),
+    _gpt3("gpt3-760m", 24, 1536, 16), _gpt3("gpt3-1.3b", 24, 2048, 16),
+    _gpt3("gpt3-2.7b", 32, 2560, 32), _gpt3("gpt3-6.7b", 32, 4096, 32),
+    _gpt3("gpt3-13b", 40, 5120, 40), _gpt3("gpt3-175b", 96, 12288, 96),
+    ModelConfig("gptj-6b", "gpt", 28, 4096, 16, vocab_size=50400, n_positions=2048, d_ff=16384,
+                pos="rotary", rotary_dim=64, parallel_residual=True, tied_head=False,
+                head_bias=True, qkv_bias=False, proj_bias=False),
+    _bert("bert-base-uncased", 12, 768, 12), _bert("bert-large-uncased", 24, 1024, 16),
+]}
+ALIASES = {"gpt2-small": "gpt2", "gpt-j-6b": "gptj-6b", "gpt-j-6B": "gptj-6b", "bert-base": "bert-base-uncased",
+           "bert-large": "bert-large-uncased"}
+
+
+def get_config(name: str) -> ModelConfig:
+    name = ALIASES.get(name, name)
+    if name not in REGISTRY:
+        raise UserError(f"unknown model '{name}'; choose one of: {', '.join(REGISTRY)} (or give --model_config FILE)")
+    return dataclasses.replace(REGISTRY[name])
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def config_from_dict(d: dict, base: ModelConfig | None = None, source: str = "model config") -> ModelConfig:
+    """A config from JSON fields; with `base`, the fields override it. Unknown or mistyped fields are errors."""
+    if not isinstance(d, dict):
+        raise UserError(f"{source}: expected a JSON object of model fields")
+    unknown = sorted(set(d) - set(FIELDS) - {"base"})
+    if unknown:
+        raise UserError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(FIELDS)}")
+    for k, v in d.items():
+        if k == "base":
+            continue
+        typ = FIELDS[k].type
+        want = (int, float) if typ is float else typ
+        if not isinstance(v, want) or (typ is not bool and isinstance(v, bool)):
+            raise UserError(f"{source}: field '{k}' must be {typ.__name__}, got {v!r}")
+    if base is None:
+        missing = [f.name for f in FIELDS.values()
+                   if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise UserError(f"{source}: missing field(s) {', '.join(missing)} (or name a registry model in 'base')")
+        fields = {k: v for k, v in d.items() if k != "base"}
+        return ModelConfig(**fields)
+    fields = {**base.to_dict(), **{k: v for k, v in d.items() if k != "base"}}
+    fields["d_head"] = d.get("d_head", 0 if ("d_model" in d or "n_head" in d) else base.d_head)
+    fields["d_ff"] = d.get("d_ff", 0 if "d_model" in d else base.d_ff)
+    return ModelConfig(**fields)
+
+
+def load_model_config(path: str | Path, base_name: str | None = None) -> ModelConfig:
+    """--model_config FILE: a JSON object of ModelConfig fields. 'base' (or --model) names the model it overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"model config file not found: {path}")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"model config {path} is not valid JSON: {e}") from None
+    base = d.get("base", base_name) if isinstance(d, dict) else base_name
+    return config_from_dict(d, get_config(base) if base else None, source=str(path))
+
+
+def save_model_config(config: ModelConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")

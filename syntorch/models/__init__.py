@@ -1,0 +1,18 @@
+"""Plain PyTorch models. Nothing here knows about tracing or parallelism."""
+import torch
+
+from syntorch.config import ModelConfig
+from syntorch.models.bert import Bert
+from syntorch.models.gpt import GPT
+from syntorch.models.layers import init_weights
+
+
+def build_model(config: ModelConfig, device="cpu", dtype=torch.float32):
+    """A randomly initialised model; on `meta` it takes no memory and no init time."""
+    with torch.device("meta"):  # skips torch's default init, which we would overwrite anyway
+        model = (GPT if config.arch == "gpt" else Bert)(config)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        init_weights(model)
+        model.tie_weights()
+    return model.to(dtype).eval()

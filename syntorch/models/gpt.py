@@ -1,0 +1,59 @@
+"""Decoder-only family: GPT-2, GPT-3 (learned positions, sequential residual, tied head)
+and GPT-J (rotary, parallel residual, untied head with bias), chosen by ModelConfig flags."""
+import torch
+import torch.nn as nn
+
+from syntorch.config import ModelConfig
+from syntorch.models.layers import MLP, Attention, rotary_tables
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.parallel_residual = c.parallel_residual
+        self.ln1 = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.attn = Attention(c)
+        # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
+        self.ln2 = None if c.parallel_residual else nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, start: int = 0, rope=None):
+        h = self.ln1(x)
+        if self.parallel_residual:
+            return x + self.attn(h, start, rope) + self.mlp(h)
+        x = x + self.attn(h, start, rope)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = nn.Embedding(c.n_positions, c.d_model) if c.pos == "learned" else None
+        # a ModuleDict keeps names like layers.3 when a pipeline stage drops other layers
+        self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
+        self.ln_f = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.head_bias)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Share the token embedding with the LM head (again, after loading or moving with assign)."""
+        if self.config.tied_head:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """idx: [B, T] token ids at positions start..start+T. Returns logits [B, T, V] ([B, 1, V] if last_only)."""
+        T = idx.shape[1]
+        positions = torch.arange(start, start + T, device=idx.device)
+        x = self.tok_emb(idx)  # [B, T, d]
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        else:
+            rope = rotary_tables(positions, self.config.rotary_dim)
+        for block in self.layers.values():
+            x = block(x, start, rope)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.ln_f(x))

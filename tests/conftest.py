@@ -1,0 +1,19 @@
+import dataclasses
+
+import pytest
+import torch
+
+from syntorch.config import get_config
+
+
+def tiny_config(base: str = "gpt2", **overrides):
+    """A registry config shrunk to test size (2 layers, d_model 64, 4 heads, vocab 128)."""
+    small = dict(n_layer=2, d_model=64, n_head=4, d_head=16, d_ff=256, vocab_size=128, n_positions=64)
+    if get_config(base).pos == "rotary":
+        small["rotary_dim"] = 8
+    return dataclasses.replace(get_config(base), name=f"tiny-{base}", **{**small, **overrides})
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
