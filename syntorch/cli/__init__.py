@@ -1,0 +1,35 @@
+"""`syntorch <command>`: one module per command in this package, each with add_parser(subparsers).
+
+A command module parses and validates, then calls library functions; it holds no logic of its own.
+"""
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from syntorch.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="syntorch", description="Run, parallelize and trace LLM workloads.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}").add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UserError as e:
+        print(f"syntorch {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"syntorch {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_main():
+    sys.exit(main())
