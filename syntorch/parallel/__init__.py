@@ -1,0 +1,1 @@
+"""Parallelism as plans applied to a plain model: mesh, collectives, TP/PP/DP."""
