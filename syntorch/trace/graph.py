@@ -1,0 +1,161 @@
+"""TraceGraph: the data model every exporter reads. One networkx.DiGraph per rank with typed nodes.
+
+Node ids are ints in traced order (0, 1, 2, ...), so two traces of the same run diff cleanly.
+Attribute names are a public schema (DESIGN.md, "The TraceGraph"):
+
+- every node: `kind` ("tensor" | "op" | "collective"), `name`
+- tensor: `shape` (list), `dtype` (str), `bytes`, `is_param`, `device`, `version` (0, then +1 for every
+  in-place write, so data flow through in-place ops and KV-cache writes has no cycles)
+- op: `module` (e.g. "layers.3.attn.qkv", "" at the root), `phase` ("prefill", "decode[7]", "forward",
+  "backward", "optimizer"), `flops`, `bytes_read`, `bytes_written`, `is_view`, `duration_us` (when known)
+- collective: `module`, `phase`, `collective` (COLLECTIVES), `reduce_op` (sum/avg/min/max/prod or None),
+  `group` (list of global ranks), `bytes` (per rank), `src`, `dst` (global ranks or None), `tag`,
+  `order` (0, 1, ... among the collectives of the same group on this rank)
+- edges: tensor -> op (an input) and op -> tensor (an output), `arg` = argument / output position
+- graph: `model`, `rank`, `world_size`, `tp`, `pp`, `dp`, `level`, `syntorch_version`
+
+Op -> op data dependencies (Chakra's data_deps) are derived by `op_deps()`, never stored.
+"""
+from collections.abc import Callable, Iterator, Mapping
+
+import networkx as nx
+
+from syntorch import __version__
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv", "barrier")
+REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
+LEVELS = ("op", "module", "layer")
+GRAPH_DEFAULTS = dict(model="", rank=0, world_size=1, tp=1, pp=1, dp=1, level="op", syntorch_version=__version__)
+
+
+class TraceGraph(nx.DiGraph):
+    """A networkx.DiGraph with typed nodes. Build it with add_tensor / add_op / add_collective;
+    read it with the plain networkx API or the helpers below."""
+
+    def __init__(self, incoming_graph_data=None, **attr):
+        super().__init__(incoming_graph_data, **attr)
+        for key, value in GRAPH_DEFAULTS.items():
+            self.graph.setdefault(key, value)
+
+    # --- building -------------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        return len(self)  # ids are dense and in traced order; nodes are never removed
+
+    def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
+                   device: str = "cpu", version: int = 0, **attrs) -> int:
+        node = self._new_id()
+        self.add_node(node, kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
+                      bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs)
+        return node
+
+    def add_op(self, name: str, inputs=(), outputs=(), *, module: str = "", phase: str = "forward",
+               flops: int = 0, bytes_read: int = 0, bytes_written: int = 0, is_view: bool = False,
+               **attrs) -> int:
+        """inputs/outputs: tensor node ids in argument order (None skips a position)."""
+        node = self._new_id()
+        self.add_node(node, kind="op", name=name, module=module, phase=phase, flops=int(flops),
+                      bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view, **attrs)
+        self._connect(node, inputs, outputs)
+        return node
+
+    def add_collective(self, collective: str, inputs=(), outputs=(), *, group, nbytes: int,
+                       reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
+                       tag: int = 0, module: str = "", phase: str = "forward", name: str = "", **attrs) -> int:
+        """group: the global ranks of the process group; `order` is assigned here, per group."""
+        assert collective in COLLECTIVES, f"unknown collective {collective!r}"
+        group = [int(r) for r in group]
+        node = self._new_id()
+        self.add_node(node, kind="collective", name=name or collective, module=module, phase=phase,
+                      collective=collective, reduce_op=reduce_op, group=group, bytes=int(nbytes),
+                      src=src, dst=dst, tag=int(tag), order=self._next_order(group), **attrs)
+        self._connect(node, inputs, outputs)
+        return node
+
+    def _connect(self, node: int, inputs, outputs):
+        for arg, t in enumerate(inputs):
+            if t is not None and not self.has_edge(t, node):  # x * x: one edge, the first position
+                self.add_edge(t, node, arg=arg)
+        for arg, t in enumerate(outputs):
+            if t is not None:
+                self.add_edge(node, t, arg=arg)
+
+    def _next_order(self, group: list[int]) -> int:
+        if "_orders" not in self.__dict__:  # rebuilt after load or copy
+            self._orders = {}
+            for _, c in self.collectives():
+                key = tuple(c["group"])
+                self._orders[key] = max(self._orders.get(key, 0), c["order"] + 1)
+        key = tuple(group)
+        order = self._orders.get(key, 0)
+        self._orders[key] = order + 1
+        return order
+
+    # --- reading --------------------------------------------------------------------------------
+    def nodes_of(self, kind: str) -> Iterator[tuple[int, dict]]:
+        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] == kind)
+
+    def tensors(self) -> Iterator[tuple[int, dict]]:
+        return self.nodes_of("tensor")
+
+    def ops(self) -> Iterator[tuple[int, dict]]:
+        return self.nodes_of("op")
+
+    def collectives(self) -> Iterator[tuple[int, dict]]:
+        return self.nodes_of("collective")
+
+    def work(self) -> Iterator[tuple[int, dict]]:
+        """Ops and collectives (everything a simulator runs) in traced order."""
+        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] != "tensor")
+
+    def op_deps(self) -> dict[int, list[int]]:
+        """For each op/collective, the ops/collectives that produced its inputs (in traced order)."""
+        deps = {}
+        for node, _ in self.work():
+            producers = {p for t in self.predecessors(node) for p in self.predecessors(t)}
+            deps[node] = sorted(producers)
+        return deps
+
+    def total_flops(self) -> int:
+        return sum(d["flops"] for _, d in self.ops())
+
+
+class RankTraces(Mapping):
+    """rank -> TraceGraph for a multi-rank run.
+
+    Ranks whose traces are identical share one graph: `put_shared` takes a builder that runs once, on first
+    access, and every rank gets a read-only view of the same nodes with its own graph attributes (`rank`).
+    """
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._graphs: dict[int, TraceGraph] = {}
+        self._pending: dict[int, tuple[list[int], Callable[[], TraceGraph]]] = {}
+
+    def put(self, rank: int, graph: TraceGraph):
+        self._graphs[rank] = graph
+
+    def put_shared(self, ranks, build: Callable[[], TraceGraph]):
+        ranks = sorted(ranks)
+        for r in ranks:
+            self._pending[r] = (ranks, build)
+
+    def __getitem__(self, rank: int) -> TraceGraph:
+        if rank not in self._graphs and rank in self._pending:
+            ranks, build = self._pending[rank]
+            shared = build()
+            for r in ranks:
+                self._pending.pop(r, None)
+                self._graphs[r] = shared if r == ranks[0] else _rank_view(shared, r)
+        return self._graphs[rank]
+
+    def __iter__(self):
+        return iter(sorted(set(self._graphs) | set(self._pending)))
+
+    def __len__(self):
+        return len(set(self._graphs) | set(self._pending))
+
+
+def _rank_view(graph: TraceGraph, rank: int) -> TraceGraph:
+    view = nx.graphviews.generic_graph_view(graph)
+    view.graph = {**graph.graph, "rank": rank}
+    return view
