@@ -1,0 +1,13 @@
+"""Seed 000's command, verbatim: python inference.py --num_input_tokens 10 --num_output_tokens 20 --tp 1 --device cpu
+
+A thin wrapper of `syntorch infer --model gpt3-125m`; outputs go to the current folder unless --out is given.
+"""
+import sys
+
+from syntorch.cli import main
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", "."]
+    sys.exit(main(["infer", *args]))

@@ -1,0 +1,172 @@
+"""The main job as a library: pick a model, make a prompt, generate, report.
+
+`syntorch infer` only parses options into an InferenceSpec and calls these functions, so scripts and the
+tensor-parallel ranks run exactly the same steps.
+"""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from syntorch.config import ModelConfig, get_config, load_model_config
+from syntorch.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class InferenceSpec:
+    model: str = "gpt3-125m"
+    model_config: str | None = None  # JSON file overriding or defining the model
+    checkpoint: str | None = None  # HuggingFace directory
+    device: str = "cpu"
+    dtype: str = "fp32"
+    num_input_tokens: int = 10
+    num_output_tokens: int = 20
+    batch_size: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    beam_width: int = 1
+    stop_tokens: list[int] = field(default_factory=list)
+    input_ids: list[int] | None = None
+    prompt: str | None = None
+    tokenizer: str | None = None  # local HF tokenizer folder (tokenizer.json)
+    tp: int = 1
+    sp: bool = False
+
+    def check(self) -> None:
+        if self.num_input_tokens <= 0 and not self.input_ids and not self.prompt:
+            raise UserError(f"--num_input_tokens must be positive, got {self.num_input_tokens}")
+        if self.num_output_tokens <= 0:
+            raise UserError(f"--num_output_tokens must be positive, got {self.num_output_tokens}")
+        if self.batch_size <= 0:
+            raise UserError(f"--batch_size must be positive, got {self.batch_size}")
+        if self.beam_width <= 0:
+            raise UserError(f"--beam_width must be positive, got {self.beam_width}")
+        if self.tp <= 0:
+            raise UserError(f"--tp must be positive, got {self.tp}")
+        if self.sp and self.tp == 1:
+            raise UserError("--sp (sequence parallel) needs --tp > 1")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.prompt is not None and self.tokenizer is None:
+            raise UserError("--prompt needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
+        if self.input_ids is not None and self.prompt is not None:
+            raise UserError("give either --input_ids or --prompt, not both")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"unknown --device {device!r}; use cpu, cuda or meta") from None
+    if kind not in ("cpu", "cuda", "meta"):
+        raise UserError(f"unsupported --device {device!r}; use cpu, cuda or meta")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was given but CUDA is not available here; use --device cpu or meta")
+
+
+def resolve_config(spec: InferenceSpec) -> ModelConfig:
+    """The model's config, from a checkpoint's config.json, a --model_config file or the registry."""
+    if spec.checkpoint:
+        from syntorch.checkpoints import hf_config_to_model_config
+        path = Path(spec.checkpoint) / "config.json"
+        if not path.is_file():
+            raise UserError(f"no config.json in checkpoint folder {spec.checkpoint}; give a HuggingFace model folder")
+        try:
+            return hf_config_to_model_config(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{path} is not valid JSON: {e}") from None
+    if spec.model_config:
+        return load_model_config(spec.model_config, base_name=spec.model)
+    return get_config(spec.model)
+
+
+def load_model(spec: InferenceSpec, config: ModelConfig):
+    """The full (unsharded) model: loaded from --checkpoint, or random with the seed."""
+    dtype = DTYPES[spec.dtype]
+    if spec.checkpoint:
+        from syntorch.checkpoints import load_checkpoint
+        return load_checkpoint(spec.checkpoint, device=spec.device, dtype=dtype)[1]
+    from syntorch.models import build_model
+    torch.manual_seed(spec.seed)
+    return build_model(config, device=spec.device, dtype=dtype)
+
+
+def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
+    """[batch, T] token ids: --input_ids, --prompt via --tokenizer, or random ids drawn from the seed."""
+    if spec.input_ids is not None:
+        ids = list(spec.input_ids)
+    elif spec.prompt is not None:
+        ids = encode(spec.tokenizer, spec.prompt)
+    else:
+        g = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, config.vocab_size, (spec.num_input_tokens,), generator=g).tolist()
+    if not ids:
+        raise UserError("the prompt is empty; give at least one token")
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary of {config.name} (0..{config.vocab_size - 1})")
+    total = len(ids) + spec.num_output_tokens
+    if config.arch == "gpt" and total > config.n_positions:
+        raise UserError(f"{len(ids)} prompt tokens + {spec.num_output_tokens} new tokens exceed the context of "
+                        f"{config.name} ({config.n_positions}); shorten the prompt or generate fewer tokens")
+    return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
+
+
+def load_tokenizer(folder: str):
+    from tokenizers import Tokenizer
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"no tokenizer.json in {folder}; give a HuggingFace tokenizer folder saved by save_pretrained")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for malformed files
+        raise UserError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from None
+
+
+def encode(folder: str, text: str) -> list[int]:
+    return load_tokenizer(folder).encode(text, add_special_tokens=False).ids
+
+
+def decode(folder: str, ids: list[int]) -> str:
+    return load_tokenizer(folder).decode(ids)
+
+
+def sampling_of(spec: InferenceSpec):
+    from syntorch.generate import Sampling
+    return Sampling(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
+
+
+def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scope=None):
+    from syntorch.generate import generate
+    return generate(model, prompt.to(spec.device), spec.num_output_tokens, sampling_of(spec),
+                    stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width, phase_scope=phase_scope)
+
+
+def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result) -> dict:
+    """What run.json holds: the run's identity, its tokens and its timings."""
+    outputs = [list(map(int, seq)) for seq in result.tokens]
+    decode_ms = [s * 1e3 for s in result.decode_s]
+    record = {
+        "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp,
+        "batch_size": spec.batch_size, "seed": spec.seed,
+        "sampling": {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
+                     "beam_width": spec.beam_width, "stop_tokens": spec.stop_tokens},
+        "input_ids": prompt.tolist(), "output_ids": outputs,
+        "prefill_ms": result.prefill_s * 1e3,
+        "decode_ms_per_token": sum(decode_ms) / len(decode_ms) if decode_ms else 0.0,
+        "tokens_per_s": result.tokens_per_s,
+        "model_config": config.to_dict(),
+    }
+    if spec.tokenizer:
+        record["output_text"] = [decode(spec.tokenizer, seq) for seq in outputs]
+    return record
+
+
+def write_run_json(record: dict, out_dir: Path) -> None:
+    (Path(out_dir) / "run.json").write_text(json.dumps(record, indent=2) + "\n")
