@@ -1,0 +1,191 @@
+"""HardwareConfig and its presets (--hw_config NAME|FILE.json).
+
+Units are the ones datasheets print, so a JSON file reads like one: TFLOP/s, GB/s (10^9 bytes per
+second, one direction), GB (10^9 bytes), microseconds. `cost.py` turns them into per-node durations.
+"""
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from syntorch.errors import UserError
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    name: str
+    peak_tflops: dict[str, float]  # dense peak per dtype ("float32" required; others fall back to it)
+    memory_bw_gb_s: float  # device memory bandwidth
+    memory_gb: float  # device memory capacity
+    intra_node_bw_gb_s: float  # per device, one direction, to a device in the same node
+    intra_node_latency_us: float  # per ring step
+    inter_node_bw_gb_s: float  # per device, one direction, to a device in another node
+    inter_node_latency_us: float  # per ring step
+    devices_per_node: int
+
+    def peak_flops(self, dtype: str) -> float:
+        """FLOP/s for a dtype name ("bfloat16" or "torch.bfloat16"); unknown dtypes use float32's peak."""
+        dtype = dtype.removeprefix("torch.")
+        return 1e12 * self.peak_tflops.get(dtype, self.peak_tflops["float32"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# NVLink and InfiniBand figures are per direction: NVIDIA prints NVLink as the bidirectional total
+# (600 GB/s A100, 900 GB/s H100/H200 -> 300 / 450 GB/s each way) and InfiniBand in Gbit/s per port
+# (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s; DGX nodes have one port per GPU).
+# Latencies per ring step are NCCL's own tuning model (src/graph/tuning.cc, hwLat: ~2 us per NVLink
+# step with LL128, ~5 us per network step), rounded.
+PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TFLOPS (no tensor cores; PyTorch
+    # keeps TF32 off for matmuls by default), BF16/FP16 tensor core 312 TFLOPS dense (624 with
+    # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 3 600 GB/s. DGX A100: 8 GPUs, 8x HDR 200 Gb/s.
+    HardwareConfig("a100-80gb", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0},
+                   memory_bw_gb_s=2039.0, memory_gb=80.0,
+                   intra_node_bw_gb_s=300.0, intra_node_latency_us=2.0,
+                   inter_node_bw_gb_s=25.0, inter_node_latency_us=5.0, devices_per_node=8),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
+    # with sparsity = 989.4 dense, HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s. DGX H100: 8 GPUs,
+    # 8x ConnectX-7 NDR 400 Gb/s.
+    HardwareConfig("h100-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
+                   memory_bw_gb_s=3350.0, memory_gb=80.0,
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.0,
+                   inter_node_bw_gb_s=50.0, inter_node_latency_us=5.0, devices_per_node=8),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM (FP32 67, BF16/FP16
+    # 1,979 sparse = 989.4 dense TFLOPS), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s. DGX H200: 8 GPUs,
+    # 8x NDR 400 Gb/s.
+    HardwareConfig("h200-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
+                   memory_bw_gb_s=4800.0, memory_gb=141.0,
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.0,
+                   inter_node_bw_gb_s=50.0, inter_node_latency_us=5.0, devices_per_node=8),
+]}
+
+
+def cpu_config_path() -> Path:
+    """Where `syntorch calibrate` saves the `cpu` preset: $SYNTORCH_CACHE_DIR, else
+    $XDG_CACHE_HOME/syntorch, else ~/.cache/syntorch; the file is cpu.json."""
+    cache = os.environ.get("SYNTORCH_CACHE_DIR")
+    if not cache:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "syntorch"
+    return Path(cache) / "cpu.json"
+
+
+def load_hw_config(name_or_path: str) -> HardwareConfig:
+    """A preset name (a100-80gb, h100-sxm, h200-sxm, cpu) or a JSON file of HardwareConfig fields."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if name_or_path == "cpu":
+        path = cpu_config_path()
+        if not path.is_file():
+            raise UserError(f"the cpu preset is not calibrated yet ({path} missing); run `syntorch calibrate`")
+        return _load_json(path)
+    if name_or_path.endswith(".json") or os.sep in name_or_path:
+        return _load_json(Path(name_or_path))
+    raise UserError(f"unknown --hw_config {name_or_path!r}; use one of {', '.join([*PRESETS, 'cpu'])} or a .json file")
+
+
+def _load_json(path: Path) -> HardwareConfig:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"hw_config file {path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"hw_config {path} is not readable JSON: {e}") from None
+    return config_from_dict(data, source=str(path))
+
+
+def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:
+    """Checks every field (present, known, right type, positive) and builds the config."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a JSON object of hardware fields")
+    names = [f.name for f in fields(HardwareConfig)]
+    unknown = sorted(set(data) - set(names))
+    missing = [n for n in names if n not in data and n != "name"]
+    if unknown:
+        raise UserError(f"{source}: unknown field(s) {', '.join(unknown)}; expected {', '.join(names)}")
+    if missing:
+        raise UserError(f"{source}: missing field(s) {', '.join(missing)}")
+    peak = data["peak_tflops"]
+    if not isinstance(peak, dict) or "float32" not in peak:
+        raise UserError(f"{source}: peak_tflops must be an object of dtype -> TFLOP/s with a float32 entry")
+    for dtype, value in peak.items():
+        _check_number(source, f"peak_tflops.{dtype}", value, allow_zero=False)
+    values = {}
+    for f in fields(HardwareConfig):
+        if f.name in ("name", "peak_tflops"):
+            continue
+        is_latency = f.name.endswith("latency_us")
+        _check_number(source, f.name, data[f.name], allow_zero=is_latency, integer=f.type is int)
+        values[f.name] = data[f.name]
+    name = data.get("name", Path(source).stem)
+    if not isinstance(name, str):
+        raise UserError(f"{source}: name must be a string")
+    return HardwareConfig(name=name, peak_tflops={k: float(v) for k, v in peak.items()}, **values)
+
+
+def _check_number(source, field, value, allow_zero: bool, integer: bool = False):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise UserError(f"{source}: {field} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{source}: {field} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def calibrate_cpu(seconds: float = 1.0, matmul_size: int = 1024, copy_mb: int = 256) -> HardwareConfig:
+    """Measures this machine: best-of matmul FLOP/s for float32 and bfloat16, and memory bandwidth
+    from a large tensor copy (read + write). Each figure gets about `seconds` of repeats."""
+    import torch
+
+    peak = {dtype: _matmul_tflops(getattr(torch, dtype), matmul_size, seconds) for dtype in ("float32", "bfloat16")}
+    bw = _copy_gb_s(copy_mb, seconds)
+    # Ranks on one machine talk through shared memory (gloo): a copy is the link. The inter-node
+    # figures assume 10 GbE and a TCP round trip, since a laptop has no fabric to measure.
+    return HardwareConfig("cpu", peak, memory_bw_gb_s=bw, memory_gb=_memory_gb(),
+                          intra_node_bw_gb_s=bw / 2, intra_node_latency_us=10.0,
+                          inter_node_bw_gb_s=1.25, inter_node_latency_us=50.0,
+                          devices_per_node=os.cpu_count() or 1)
+
+
+def save_cpu_config(config: HardwareConfig, path: Path | None = None) -> Path:
+    from syntorch.outdir import atomic_output_file
+
+    path = path or cpu_config_path()
+    with atomic_output_file(path) as tmp:
+        tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return path
+
+
+def _best_seconds(fn, budget: float) -> float:
+    import time
+
+    fn()  # warm-up: thread pools, page faults
+    best, start = float("inf"), time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            return best
+
+
+def _matmul_tflops(dtype, n: int, budget: float) -> float:
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), budget) / 1e12
+
+
+def _copy_gb_s(mb: int, budget: float) -> float:
+    import torch
+
+    src = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src), budget) / 1e9
+
+
+def _memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 1.0
