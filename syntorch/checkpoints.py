@@ -1,0 +1,365 @@
+"""HuggingFace checkpoints <-> syntorch models.
+
+Loads GPT2LMHeadModel, GPTJForCausalLM and BertForMaskedLM directories as they are (config.json +
+model.safetensors or pytorch_model.bin, optionally sharded with an index.json) and saves our models so
+`transformers`' `from_pretrained` reads them back with the same logits. The key map is one table per
+family, used in both directions; TP shard loading reuses `hf_to_syntorch_state_dict`.
+"""
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from syntorch.config import ModelConfig
+from syntorch.errors import UserError
+from syntorch.models import build_model
+from syntorch.outdir import atomic_output_dir
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    model_type: str  # config.json "model_type"
+    flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
+    architecture: str  # config.json "architectures" entry we write and recognise
+    body: str  # prefix of the base model's keys ("transformer."), absent when a base model was saved
+    head: str  # prefix of the LM head's keys, which never carry `body`
+    # our module -> HF module; "{i}" is the block index; a 3-tuple is q, k, v fused into our qkv
+    modules: dict
+    conv1d: tuple = ()  # our modules whose HF weight is stored [in, out] (GPT-2's Conv1D)
+    params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
+    ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
+    tied: str = ""  # HF key of the LM head weight, which HF ties to the embedding
+
+
+_GPT_IGNORED = r"\.attn\.(masked_)?bias$"  # causal-mask buffers in older checkpoints
+
+GPT2 = Family(
+    "gpt2", dict(pos="learned", parallel_residual=False, head_bias=False, qkv_bias=True, proj_bias=True), "GPT2LMHeadModel", "transformer.", "lm_head.",
+    modules={"tok_emb": "transformer.wte", "pos_emb": "transformer.wpe", "ln_f": "transformer.ln_f",
+             "lm_head": "lm_head", "layers.{i}.ln1": "transformer.h.{i}.ln_1",
+             "layers.{i}.attn.qkv": "transformer.h.{i}.attn.c_attn", "layers.{i}.attn.proj": "transformer.h.{i}.attn.c_proj",
+             "layers.{i}.ln2": "transformer.h.{i}.ln_2", "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.c_fc",
+             "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.c_proj"},
+    conv1d=("layers.{i}.attn.qkv", "layers.{i}.attn.proj", "layers.{i}.mlp.fc1", "layers.{i}.mlp.fc2"),
+    ignored=_GPT_IGNORED, tied="lm_head.weight")
+
+GPTJ = Family(
+    "gptj", dict(pos="rotary", parallel_residual=True, head_bias=True, qkv_bias=False, proj_bias=False), "GPTJForCausalLM", "transformer.", "lm_head.",
+    modules={"tok_emb": "transformer.wte", "ln_f": "transformer.ln_f", "lm_head": "lm_head",
+             "layers.{i}.ln1": "transformer.h.{i}.ln_1",
+             "layers.{i}.attn.qkv": tuple(f"transformer.h.{{i}}.attn.{x}_proj" for x in "qkv"),
+             "layers.{i}.attn.proj": "transformer.h.{i}.attn.out_proj",
+             "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.fc_in", "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.fc_out"},
+    ignored=_GPT_IGNORED, tied="lm_head.weight")
+
+BERT = Family(
+    "bert", dict(pos="learned", parallel_residual=False, head_bias=True, qkv_bias=True, proj_bias=True), "BertForMaskedLM", "bert.", "cls.",
+    modules={"tok_emb": "bert.embeddings.word_embeddings", "pos_emb": "bert.embeddings.position_embeddings",
+             "type_emb": "bert.embeddings.token_type_embeddings", "ln_emb": "bert.embeddings.LayerNorm",
+             "layers.{i}.attn.qkv": tuple(f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")),
+             "layers.{i}.attn.proj": "bert.encoder.layer.{i}.attention.output.dense",
+             "layers.{i}.ln1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
+             "layers.{i}.mlp.fc1": "bert.encoder.layer.{i}.intermediate.dense",
+             "layers.{i}.mlp.fc2": "bert.encoder.layer.{i}.output.dense",
+             "layers.{i}.ln2": "bert.encoder.layer.{i}.output.LayerNorm",
+             "head_dense": "cls.predictions.transform.dense", "head_ln": "cls.predictions.transform.LayerNorm",
+             "lm_head": "cls.predictions.decoder"},
+    params={"lm_head.bias": "cls.predictions.bias"},  # HF ties decoder.bias to this one and saves only it
+    # BertForPreTraining checkpoints (bert-base-uncased) also hold the pooler and the next-sentence head
+    ignored=r"embeddings\.position_ids$|^bert\.pooler\.|^cls\.seq_relationship\.|^cls\.predictions\.decoder\.bias$",
+    tied="cls.predictions.decoder.weight")
+
+FAMILIES = (GPT2, GPTJ, BERT)
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+# ---- config.json <-> ModelConfig
+
+
+def family_of(hf_config: dict) -> Family:
+    model_type, archs = hf_config.get("model_type"), hf_config.get("architectures") or []
+    for fam in FAMILIES:
+        if model_type == fam.model_type or (model_type is None and fam.architecture in archs):
+            return fam
+    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES)
+    raise UserError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
+                    f"syntorch loads {known}")
+
+
+def _require(hf_config: dict, key: str, allowed, default):
+    value = hf_config.get(key, default)
+    if value not in allowed:
+        raise UserError(f"config.json: {key}={value!r} is not supported by syntorch's model "
+                        f"(supported: {', '.join(map(repr, allowed))})")
+    return value
+
+
+def _size(hf_config: dict, key: str, default=None) -> int:
+    value = hf_config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _eps(hf_config: dict, key: str, default: float) -> float:
+    value = hf_config.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> ModelConfig:
+    """Our ModelConfig for a HuggingFace config.json; fields our model cannot represent are UserErrors."""
+    if not isinstance(hf_config, dict):
+        raise UserError("config.json must hold a JSON object")
+    fam = family_of(hf_config)
+    _require(hf_config, "add_cross_attention", (False,), False)
+    if fam is BERT:
+        _require(hf_config, "position_embedding_type", ("absolute",), "absolute")
+        _require(hf_config, "is_decoder", (False,), False)
+        _require(hf_config, "hidden_act", ("gelu",), "gelu")  # our MLM head applies exact gelu, as BERT's does
+        d_model, n_head = _size(hf_config, "hidden_size"), _size(hf_config, "num_attention_heads")
+        sizes = dict(n_layer=_size(hf_config, "num_hidden_layers"), vocab_size=_size(hf_config, "vocab_size"),
+                     n_positions=_size(hf_config, "max_position_embeddings"), d_ff=_size(hf_config, "intermediate_size"))
+        pad = hf_config.get("pad_token_id", 0)
+        extra = dict(activation="gelu", ln_eps=_eps(hf_config, "layer_norm_eps", 1e-12), head_bias=True,
+                     type_vocab_size=_size(hf_config, "type_vocab_size", 2), pad_token_id=pad if isinstance(pad, int) else 0,
+                     tied_head=hf_config.get("tie_word_embeddings", True) is not False)
+        if isinstance(hf_config.get("mask_token_id"), int):
+            extra["mask_token_id"] = hf_config["mask_token_id"]
+    else:
+        act = _require(hf_config, "activation_function", tuple(_ACTIVATIONS), "gelu_new")
+        d_model, n_head = _size(hf_config, "n_embd"), _size(hf_config, "n_head")
+        inner = hf_config.get("n_inner")
+        sizes = dict(n_layer=_size(hf_config, "n_layer"), vocab_size=_size(hf_config, "vocab_size"),
+                     n_positions=_size(hf_config, "n_positions"), d_ff=0 if inner is None else _size(hf_config, "n_inner"))
+        extra = dict(activation=_ACTIVATIONS[act], ln_eps=_eps(hf_config, "layer_norm_epsilon", 1e-5))
+        if fam is GPT2:
+            _require(hf_config, "scale_attn_weights", (True,), True)
+            _require(hf_config, "scale_attn_by_inverse_layer_idx", (False,), False)
+            extra.update(tied_head=hf_config.get("tie_word_embeddings", True) is not False)
+        else:  # GPT-J: rotary over rotary_dim (all of the head when null), parallel residual, no attention biases
+            rotary = hf_config.get("rotary_dim")
+            extra.update(pos="rotary", rotary_dim=d_model // n_head if rotary is None else _size(hf_config, "rotary_dim"),
+                         parallel_residual=True, head_bias=True, qkv_bias=False, proj_bias=False,
+                         tied_head=hf_config.get("tie_word_embeddings", False) is True)
+    if d_model % n_head:
+        raise UserError(f"config.json: hidden size {d_model} is not divisible by the head count {n_head}")
+    return ModelConfig(name, "bert" if fam is BERT else "gpt", d_model=d_model, n_head=n_head, **sizes, **extra)
+
+
+def model_config_to_hf_config(c: ModelConfig) -> dict:
+    """The config.json that makes `transformers` build the same model; UserError if no HF class can."""
+    fam = _family_for(c)
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
+    common = {"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": c.vocab_size,
+              "tie_word_embeddings": c.tied_head}
+    if fam is BERT:
+        return {**common, "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+                "intermediate_size": c.d_ff, "hidden_act": act, "max_position_embeddings": c.n_positions,
+                "type_vocab_size": c.type_vocab_size, "layer_norm_eps": c.ln_eps, "pad_token_id": c.pad_token_id,
+                "mask_token_id": c.mask_token_id, "position_embedding_type": "absolute"}
+    gpt = {**common, "n_embd": c.d_model, "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": c.d_ff,
+           "n_positions": c.n_positions, "activation_function": act, "layer_norm_epsilon": c.ln_eps}
+    return {**gpt, "rotary_dim": c.rotary_dim} if fam is GPTJ else gpt
+
+
+def _family_for(c: ModelConfig) -> Family:
+    fam = BERT if c.arch == "bert" else GPTJ if c.pos == "rotary" else GPT2
+    for key, want in fam.flags.items():
+        if getattr(c, key) != want:
+            raise UserError(f"model '{c.name}': {key}={getattr(c, key)!r} has no HuggingFace {fam.architecture} "
+                            f"equivalent (it needs {want!r}); cannot save it in HF format")
+    if c.d_head * c.n_head != c.d_model:
+        raise UserError(f"model '{c.name}': d_head {c.d_head} x n_head {c.n_head} != d_model {c.d_model}; "
+                        "HuggingFace models need d_model = n_head x d_head")
+    if fam is BERT and c.activation != "gelu":
+        raise UserError(f"model '{c.name}': activation {c.activation!r}; BERT in HF format needs 'gelu'")
+    return fam
+
+
+# ---- state dicts
+
+
+def _key_map(keys, c: ModelConfig, fam: Family) -> dict:
+    """Our parameter name -> (HF name or (q, k, v) names, is_conv1d_weight), for our state-dict keys."""
+    out = {}
+    for key in keys:
+        module, param = key.rsplit(".", 1)
+        block = re.match(r"layers\.(\d+)\.", module)
+        template = f"layers.{{i}}.{module[block.end():]}" if block else module
+        index = block.group(1) if block else None
+        hf = fam.modules[template]
+        names = tuple(f"{s.format(i=index)}.{param}" for s in (hf if isinstance(hf, tuple) else (hf,)))
+        source = names if isinstance(hf, tuple) else names[0]
+        out[key] = (fam.params.get(key, source), template in fam.conv1d and param == "weight")
+    if c.tied_head:
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    return out
+
+
+def _canonical(key: str, fam: Family) -> str:
+    """HF key as the full LM model names it: the body prefix added if a base model was saved; LayerNorm gamma/beta renamed."""
+    if not key.startswith((fam.body, fam.head)):
+        key = fam.body + key
+    return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
+
+
+def _few(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
+    """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
+    (one file read per access) keeps at most one converted tensor beyond the result in memory."""
+    fam = _family_for(config)
+    hf_keys = {_canonical(k, fam): k for k in hf_state_dict}
+    expected = build_model(config, device="meta").state_dict()
+    key_map = _key_map(expected, config, fam)
+    wanted = {s for source, _ in key_map.values() for s in ((source,) if isinstance(source, str) else source)}
+    missing = wanted - set(hf_keys)
+    if missing:
+        raise UserError(f"checkpoint lacks tensor(s) {_few(missing)}; it does not hold a complete {fam.architecture}")
+    ignored = {k for k in hf_keys if re.search(fam.ignored, k) or (config.tied_head and k == fam.tied)}
+    extra = set(hf_keys) - wanted - ignored
+    if extra:
+        raise UserError(f"checkpoint has tensor(s) {_few(hf_keys[k] for k in extra)} that {fam.architecture} does not; "
+                        "is config.json the one saved with these weights?")
+    out, done = {}, {}
+    for key, (source, conv1d) in key_map.items():
+        if source not in done:
+            t = (torch.cat([hf_state_dict[hf_keys[s]] for s in source]) if isinstance(source, tuple)
+                 else hf_state_dict[hf_keys[source]])
+            done[source] = t.t().contiguous() if conv1d else t
+        out[key] = done[source]
+        if out[key].shape != expected[key].shape:
+            raise UserError(f"checkpoint tensor {source} has shape {list(out[key].shape)} but config.json implies "
+                            f"{list(expected[key].shape)}; the weights do not belong to this config.json")
+    return out
+
+
+def syntorch_to_hf_state_dict(model) -> dict:
+    """HF-named, contiguous CPU tensors of `model`; a tied head is left out, as transformers saves it."""
+    c = model.config
+    fam = _family_for(c)
+    state = model.state_dict()
+    out = {}
+    for key, (source, conv1d) in _key_map(state, c, fam).items():
+        if c.tied_head and key == "lm_head.weight":
+            continue
+        t = state[key].detach().cpu()
+        parts = zip(source, t.chunk(3)) if isinstance(source, tuple) else [(source, t.t() if conv1d else t)]
+        out.update({name: part.contiguous() for name, part in parts})
+    return out
+
+
+# ---- directories
+
+
+class _LazyTensors(Mapping):
+    """name -> tensor, read from disk on access and cast to (device, dtype), so no full second copy is held."""
+
+    def __init__(self, getters: dict, device, dtype):
+        self._getters, self._device, self._dtype = getters, device, dtype
+
+    def __getitem__(self, key):
+        t = self._getters[key]()
+        return t.to(self._device, self._dtype) if t.is_floating_point() else t
+
+    def __iter__(self):
+        return iter(self._getters)
+
+    def __len__(self):
+        return len(self._getters)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            weight_map = _read_json(path / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{path / index} has no 'weight_map' object; re-save the checkpoint")
+            files = [path / name for name in dict.fromkeys(weight_map.values())]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise UserError(f"{path / index} names shard(s) {_few(absent)} that are not in {path}")
+            return files
+    raise UserError(f"no weights in {path}: expected model.safetensors or pytorch_model.bin (or a sharded index.json)")
+
+
+def _open_weights(files: list[Path]) -> dict:
+    """name -> zero-argument function that reads that tensor."""
+    getters = {}
+    for f in files:
+        try:
+            getters.update(_open_safetensors(f) if f.suffix == ".safetensors" else _open_bin(f))
+        except UserError:
+            raise
+        except Exception as e:  # any parse failure of a stranger's file: truncated, corrupt, not a state dict
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot read weights file {f} ({first}); it is corrupt or truncated, re-download or "
+                            "re-save it") from None
+    return getters
+
+
+def _open_safetensors(f: Path) -> dict:
+    from safetensors import safe_open
+
+    handle = safe_open(str(f), framework="pt")  # reads the header only; tensors are read on access
+    return {k: (lambda k=k: handle.get_tensor(k)) for k in handle.keys()}
+
+
+def _open_bin(f: Path) -> dict:
+    # a pickle: only the restricted unpickler; mmap leaves the file's pages to the OS until they are used
+    state = torch.load(f, weights_only=True, map_location="cpu", mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in state.items()):
+        raise UserError(f"weights file {f} is not a state dict of named tensors; save it with save_pretrained")
+    return {k: (lambda t=t: t) for k, t in state.items()}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return value
+
+
+def load_checkpoint(path, device="cpu", dtype=torch.float32):
+    """(ModelConfig, model) from a HuggingFace directory. Builds on meta and assigns the loaded tensors,
+    so the weights are allocated once."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"checkpoint folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} has no config.json; give a HuggingFace model folder (config.json + weights)")
+    config = hf_config_to_model_config(_read_json(path / "config.json"), name=path.resolve().name)
+    hf_state = _LazyTensors(_open_weights(_weight_files(path)), device, dtype)
+    state = hf_to_syntorch_state_dict(hf_state, config)
+    model = build_model(config, device="meta", dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return config, model.eval()
+
+
+def save_checkpoint(model, path) -> None:
+    """Write `model` as a HuggingFace folder (config.json + model.safetensors) that from_pretrained loads."""
+    from safetensors.torch import save_file
+
+    if any(p.is_meta for p in model.parameters()):
+        raise UserError("cannot save a model on the meta device: it has no weights")
+    hf_config = model_config_to_hf_config(model.config)
+    tensors = syntorch_to_hf_state_dict(model)
+    with atomic_output_dir(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
