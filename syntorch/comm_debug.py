@@ -1,0 +1,283 @@
+"""CommDebugMode: torch's collective-debug API (torch.distributed.tensor.debug.CommDebugMode) on syntorch traces.
+
+    comm_mode = CommDebugMode()
+    with comm_mode:
+        output = model(inp)
+    print(comm_mode.generate_comm_debug_tracing_table(noise_level=0))
+
+Inside the context a syntorch Tracer records the run; everything after is read from its TraceGraph, so the same
+report comes from a live run (real gloo/NCCL ranks or the symbolic fake backend) and from a saved trace
+(`CommReport.from_graph(load(path))`, which `syntorch comm` does).
+
+Meanings follow torch: counts per module include the module's descendants, "Global" holds everything, and the
+sections are FORWARD PASS / BACKWARD PASS (phases prefill and decode[i] are forward; an OPTIMIZER STEP section
+holds phase "optimizer"). Noise levels, as the tutorial defines them:
+  0  module-level collective counts
+  1  + module info (type, parameters and their local shards), collectives one by one, and the ops that read a
+     (sharded) parameter -- the syntorch analogue of torch's "DTensor ops" -- without trivial ops
+  2  + every tensor-level op except trivial ones
+  3  everything
+Beyond torch: each collective's bytes, group (global ranks), reduce op, order in its group and p2p peers, and
+byte totals per module and per phase.
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+
+from syntorch.errors import UserError
+
+NOISE_LEVELS = (0, 1, 2, 3)
+SECTIONS = ("forward", "backward", "optimizer")
+GLOBAL = "Global"  # torch's name for the root of the module tree
+# torch's trivial_ops, by op packet (the overload is dropped so "aten.t" and "aten.t.default" both match)
+TRIVIAL_OPS = frozenset({"aten.detach", "aten.t", "aten.view", "aten._to_copy", "aten.as_strided",
+                         "aten.transpose"})
+COLLECTIVE_FIELDS = ("collective", "reduce_op", "bytes", "group", "order", "src", "dst", "tag")
+
+
+def check_noise_level(noise_level) -> int:
+    if isinstance(noise_level, bool) or noise_level not in NOISE_LEVELS:
+        raise UserError(f"noise level must be 0, 1, 2 or 3, got {noise_level!r}")
+    return int(noise_level)
+
+
+def section_of(phase: str) -> str:
+    return phase if phase in ("backward", "optimizer") else "forward"
+
+
+def is_trivial(op_name: str) -> bool:
+    return op_name in TRIVIAL_OPS or op_name.rsplit(".", 1)[0] in TRIVIAL_OPS
+
+
+@dataclass
+class OpRecord:
+    """One op or collective, as the report lists it under the module that issued it."""
+    node: int
+    name: str
+    kind: str  # "op" | "collective"
+    phase: str
+    input_shapes: list
+    params: list  # names of the parameters it reads, directly or through views of them
+    collective: dict = field(default_factory=dict)  # COLLECTIVE_FIELDS, for collectives
+
+    @property
+    def section(self) -> str:
+        return section_of(self.phase)
+
+    def visible_at(self, noise_level: int) -> bool:
+        if noise_level >= 3:
+            return True
+        if noise_level == 0 or is_trivial(self.name):
+            return False
+        return noise_level == 2 or self.kind == "collective" or bool(self.params)
+
+
+@dataclass
+class ModuleInfo:
+    fqn: str  # "" for Global
+    module_type: str = ""
+    parameters: dict = field(default_factory=dict)  # name -> {"shape", "dtype"} of this rank's shard
+    children: list = field(default_factory=list)
+    records: list = field(default_factory=list)  # ops and collectives issued here (not in children)
+    # section -> collective kind -> [count, bytes], this module and its descendants (torch's meaning)
+    totals: dict = field(default_factory=lambda: {s: {} for s in SECTIONS})
+
+    @property
+    def name(self) -> str:
+        return self.fqn or GLOBAL
+
+    @property
+    def depth(self) -> int:
+        return self.fqn.count(".") + 1 if self.fqn else 0
+
+    def add_collective(self, section: str, kind: str, nbytes: int):
+        count_bytes = self.totals[section].setdefault(kind, [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += nbytes
+
+
+class CommReport:
+    """What CommDebugMode knows about one rank's run, read from its TraceGraph."""
+
+    def __init__(self, graph, module_types: dict | None = None):
+        self.graph_attrs = dict(graph.graph)
+        self.modules: dict[str, ModuleInfo] = {"": ModuleInfo("")}
+        self.collectives: list[dict] = []
+        self.phase_totals: dict[str, dict] = {}  # phase -> kind -> [count, bytes], in traced order
+        self._read(graph)
+        for fqn, module_type in (module_types or graph.graph.get("module_types") or {}).items():
+            if fqn in self.modules:
+                self.modules[fqn].module_type = module_type
+
+    # --- reading the graph ----------------------------------------------------------------------
+    def _read(self, graph):
+        param_derived = {}  # tensor node -> parameter name, for parameters and views of them
+        for node, data in sorted(graph.nodes(data=True)):
+            if data["kind"] == "tensor":
+                if data.get("is_param"):
+                    param_derived[node] = data["name"]
+                    self._add_parameter(data)
+                continue
+            inputs = [t for t, _, _ in sorted(graph.in_edges(node, data="arg"), key=lambda e: e[2])]
+            params = sorted({param_derived[t] for t in inputs if t in param_derived})
+            if data.get("is_view") and params:
+                param_derived.update((t, params[0]) for t in graph.successors(node))
+            record = OpRecord(node, data["name"], data["kind"], data.get("phase", "forward"),
+                              [list(graph.nodes[t].get("shape", [])) for t in inputs], params)
+            self._module(data.get("module", "")).records.append(record)
+            if record.kind == "collective":
+                self._add_collective(record, data)
+
+    def _module(self, fqn: str) -> ModuleInfo:
+        """The module's entry, creating it and its missing parents (so parents come before children)."""
+        if fqn not in self.modules:
+            parent = self._module(fqn.rsplit(".", 1)[0] if "." in fqn else "")
+            self.modules[fqn] = ModuleInfo(fqn)
+            parent.children.append(fqn)
+        return self.modules[fqn]
+
+    def _add_parameter(self, data: dict):
+        fqn, _, short = data["name"].rpartition(".")
+        self._module(fqn).parameters.setdefault(short, {"shape": list(data["shape"]), "dtype": data["dtype"]})
+
+    def _add_collective(self, record: OpRecord, data: dict):
+        record.collective = {key: data.get(key) for key in COLLECTIVE_FIELDS}
+        self.collectives.append({"node": record.node, "module": data.get("module", ""), "phase": record.phase,
+                                 **record.collective})
+        kind, nbytes = data["collective"], int(data.get("bytes") or 0)
+        for fqn in self._ancestry(data.get("module", "")):
+            self.modules[fqn].add_collective(record.section, kind, nbytes)
+        count_bytes = self.phase_totals.setdefault(record.phase, {}).setdefault(kind, [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += nbytes
+
+    @staticmethod
+    def _ancestry(fqn: str) -> list[str]:
+        parts = fqn.split(".") if fqn else []
+        return [""] + [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+    # --- torch's getters ------------------------------------------------------------------------
+    def comm_counts(self) -> dict[str, int]:
+        """Collective kind -> count over the whole run (torch keys by op; syntorch by collective kind)."""
+        return dict(Counter(c["collective"] for c in self.collectives))
+
+    def module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """fqn ("Global" for the root) -> section -> kind -> count, for modules with collectives (torch's
+        comm_module_counts)."""
+        return {m.name: {s: {k: cb[0] for k, cb in m.totals[s].items()} for s in SECTIONS}
+                for m in self.modules.values() if any(m.totals.values())}
+
+    def parameter_info(self) -> dict[str, dict[str, dict]]:
+        """fqn -> parameter name -> {"shape", "dtype"} of this rank's shard."""
+        return {m.name: dict(m.parameters) for m in self.modules.values() if m.parameters}
+
+
+class CommDebugMode:
+    """torch's CommDebugMode on a syntorch Tracer. Pass `model` to name modules from the start; without it the
+    first module called inside the context becomes the model, as torch's module tracker finds it."""
+
+    def __init__(self, model=None, meta: dict | None = None):
+        self.model = model
+        self.meta = meta or {}
+        self._tracer = None
+        self._root_hook = None
+        self._report = None
+
+    def __enter__(self):
+        import torch.distributed as dist
+        from syntorch.trace.tracer import Tracer
+
+        live = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if live else (0, 1)
+        self._tracer = Tracer(self.model, rank=rank, world_size=world, meta=self.meta)
+        self._report = None
+        if self.model is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+            self._root_hook = register_module_forward_pre_hook(self._adopt_root)
+        self._tracer.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._remove_root_hook()
+        self._tracer.__exit__(*exc)
+        self._report = self._build_report()
+        return False
+
+    def _adopt_root(self, module, _args):
+        """The first module called is the model: the tracer watches its modules from now on. Its own pre-hook
+        was registered too late for this call, so its path ("") is pushed here for its post-hook to pop.
+        (Reaches into the tracer: it has no public way yet to start watching a model mid-trace.)"""
+        self._remove_root_hook()
+        self.model = self._tracer.model = module
+        self._tracer._watch_modules(module)
+        self._tracer.modules.append("")
+
+    def _remove_root_hook(self):
+        if self._root_hook is not None:
+            self._root_hook.remove()
+            self._root_hook = None
+
+    def phase(self, name: str):
+        """Label what runs inside (e.g. "optimizer", "prefill", "decode[0]"); forward and backward are found."""
+        return self._tracer.phase(name)
+
+    @property
+    def graph(self):
+        """The TraceGraph of everything that ran inside the context."""
+        return self._tracer.graph
+
+    @property
+    def report(self) -> CommReport:
+        return self._report or self._build_report()  # inside the context: what ran so far
+
+    def _build_report(self) -> CommReport:
+        if self._tracer is None:
+            raise RuntimeError("CommDebugMode: run something inside `with comm_mode:` first")
+        return CommReport(self._tracer.graph, module_types(self.model))
+
+    # --- torch's API ----------------------------------------------------------------------------
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        from syntorch.export.comm_report import tracing_table
+        return tracing_table(self.report, noise_level)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3):
+        from syntorch.export.comm_report import write_table
+        write_table(self.report, noise_level, file_name)
+
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3):
+        from syntorch.export.comm_report import write_json
+        write_json(self.report, noise_level, file_name)
+
+    def generate_html(self, file_name: str = "comm_mode_log.html", noise_level: int = 3):
+        """The browser view: one self-contained page with the module tree and the tables."""
+        from syntorch.export.comm_report import write_html
+        write_html(self.report, noise_level, file_name)
+
+    def get_total_counts(self) -> int:
+        return len(self.report.collectives)
+
+    def get_comm_counts(self) -> dict[str, int]:
+        return self.report.comm_counts()
+
+    def get_comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        return self.report.module_counts()
+
+    def get_parameter_info(self) -> dict[str, dict]:
+        """fqn -> parameter name -> tensor, for the modules that ran (torch's meaning; shapes are this rank's)."""
+        if self.model is None:
+            return {}
+        return {name: {p: self.model.get_submodule(fqn).get_parameter(p) for p in params}
+                for name, params, fqn in ((m.name, m.parameters, m.fqn) for m in self.report.modules.values())
+                if params}
+
+    def get_collectives(self) -> list[dict]:
+        """Every collective in traced order: module, phase, kind, reduce op, bytes, group, order, src, dst, tag."""
+        return self.report.collectives
+
+    def __repr__(self):
+        return f"CommDebugMode(get_total_counts()={self.get_total_counts() if self._tracer else 0})"
+
+
+def module_types(model) -> dict[str, str]:
+    if model is None:
+        return {}
+    return {fqn: f"{type(m).__module__}.{type(m).__qualname__}" for fqn, m in model.named_modules()}
