@@ -1,0 +1,282 @@
+"""Chakra execution traces that ASTRA-sim runs: `<prefix>.<rank>.et` per rank, `comm_groups.json`, and
+`tensor_trace_chakra.json` (rank 0 in protobuf's JSON form, as `chakra_jsonizer` prints it).
+
+Written with the official mlc-chakra schema and protolib. The rules followed here are DESIGN.md's
+"ASTRA-sim rules"; `syntorch.validate` checks them on the files.
+
+Graph -> Chakra:
+- op -> COMP_NODE (num_ops, tensor_size, duration_micros, is_cpu_op=false); views and ops that move no
+  bytes are folded away: their consumers depend on whatever they depended on.
+- collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE.
+- data_deps: op -> tensor -> op in the graph; ctrl_deps: each process group's previous communication
+  node (one stream per communicator, as NCCL runs them), so every member issues them in traced order.
+"""
+import io
+import json
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+from pathlib import Path
+
+import networkx as nx
+from chakra.schema.protobuf import et_def_pb2 as et
+from chakra.src.third_party.utils.protolib import encodeMessage
+from google.protobuf.json_format import MessageToDict
+
+from syntorch.errors import UserError
+
+COMM_TYPES = {"all_reduce": et.ALL_REDUCE, "all_gather": et.ALL_GATHER,
+              "reduce_scatter": et.REDUCE_SCATTER, "all_to_all": et.ALL_TO_ALL}
+# Collectives ASTRA-sim throws on (barrier, reduce, gather, scatter) or only replays by duration
+# (broadcast), as ones it simulates: name -> (comm type, comm_size from (bytes, group size), note).
+REWRITES = {
+    "broadcast": (et.ALL_GATHER, lambda b, n: math.ceil(b / n),
+                  "broadcast written as all_gather of bytes/n per rank (same result, same ring traffic)"),
+    "barrier": (et.ALL_REDUCE, lambda b, n: 4, "barrier written as a 4-byte all_reduce, as NCCL runs it"),
+    "reduce": (et.ALL_REDUCE, lambda b, n: b, "reduce written as all_reduce of the same bytes"),
+    "gather": (et.ALL_GATHER, lambda b, n: b, "gather written as all_gather of the same bytes"),
+    "scatter": (et.ALL_GATHER, lambda b, n: b, "scatter written as all_gather of each rank's part"),
+}
+P2P = {"send": et.COMM_SEND_NODE, "recv": et.COMM_RECV_NODE}
+TRACE_FILES = ("comm_groups.json", "tensor_trace_chakra.json")
+SCHEMA_VERSION = "0.0.4"  # Chakra ET schema, as mlc-chakra 1.0.0's converter writes it
+
+
+def scan_groups(graphs) -> tuple[dict[tuple[int, ...], int], list[str]]:
+    """Every process group of every rank -> its comm-group id (1, 2, ...; "0" means all ranks to
+    ASTRA-sim, so it is never used) in order of first appearance, and the notes on rewritten collectives."""
+    ids, notes = {}, set()
+    for graph in graphs:
+        for _, data in graph.nodes(data=True):
+            if data["kind"] == "collective":
+                ids.setdefault(tuple(sorted(data["group"])), len(ids) + 1)
+                if data["collective"] in REWRITES:
+                    notes.add(REWRITES[data["collective"]][2])
+    return ids, sorted(notes)
+
+
+def _folded(data: dict) -> bool:
+    return data["kind"] == "op" and (data.get("is_view") or (
+        data["flops"] == 0 and data["bytes_read"] + data["bytes_written"] == 0 and not data.get("duration_us")))
+
+
+class NodeSpec(NamedTuple):
+    """One Chakra node as plain values: cheap to build, then turned into the protobuf (to_proto) and,
+    for the readable JSON, into protobuf's JSON mapping (to_json) without a slow round trip."""
+    id: int
+    name: str
+    type: int
+    data_deps: list[int]
+    ctrl_deps: list[int]
+    duration_micros: int
+    inputs: tuple[str, str, str]  # IOInfo values (tensor ids), shapes, types, each a JSON list
+    outputs: tuple[str, str, str]
+    attrs: list[tuple[str, str, object]]  # (name, AttributeProto value field, value)
+
+
+def to_proto(spec: NodeSpec) -> et.Node:
+    return et.Node(id=spec.id, name=spec.name, type=spec.type, data_deps=spec.data_deps, ctrl_deps=spec.ctrl_deps,
+                   duration_micros=spec.duration_micros,
+                   inputs=et.IOInfo(values=spec.inputs[0], shapes=spec.inputs[1], types=spec.inputs[2]),
+                   outputs=et.IOInfo(values=spec.outputs[0], shapes=spec.outputs[1], types=spec.outputs[2]),
+                   attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
+
+
+_JSON_FIELD = {"int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
+
+
+def to_json(spec: NodeSpec) -> dict:
+    """What google.protobuf.json_format.MessageToDict gives for to_proto(spec) (tested): defaults left out,
+    64-bit integers as strings, enums by name."""
+    def io(values):
+        return {k: v for k, v in zip(("values", "shapes", "types"), values) if v}
+
+    out = {"id": str(spec.id), "name": spec.name, "type": et.NodeType.Name(spec.type),
+           "ctrlDeps": [str(d) for d in spec.ctrl_deps], "dataDeps": [str(d) for d in spec.data_deps],
+           "durationMicros": str(spec.duration_micros), "inputs": io(spec.inputs), "outputs": io(spec.outputs),
+           "attr": [{"name": name, _JSON_FIELD[field]: value if field in ("bool_val", "string_val") else str(value)}
+                    for name, field, value in spec.attrs]}
+    return {k: v for k, v in out.items() if v not in ("0", "", [])}
+
+
+def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
+    kind = data["collective"]
+    if kind in P2P:
+        peer = ("comm_dst", data["dst"]) if kind == "send" else ("comm_src", data["src"])
+        return P2P[kind], [(peer[0], "int64_val", peer[1]), ("comm_tag", "int64_val", data["tag"]),
+                           ("comm_size", "int64_val", max(data["bytes"], 1)), ("pg_name", "string_val", pg_name)]
+    if kind in COMM_TYPES:
+        comm_type, size = COMM_TYPES[kind], data["bytes"]
+    else:
+        comm_type, size_of, _ = REWRITES[kind]
+        size = size_of(data["bytes"], len(data["group"]))
+    return et.COMM_COLL_NODE, [("comm_type", "int64_val", comm_type), ("comm_size", "int64_val", max(size, 1)),
+                               ("pg_name", "string_val", pg_name)]
+
+
+def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpec]:
+    """The Chakra nodes of one rank's graph, ids 0.. in traced order; `groups` from scan_groups."""
+    try:
+        return _chakra_nodes(graph, graph, groups)
+    except KeyError:  # a producer after its consumer: node ids are not in traced order
+        return _chakra_nodes(graph, list(nx.topological_sort(graph)), groups)
+
+
+def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
+    nodes, pred, succ, out = graph.nodes, graph.pred, graph.succ, []
+    deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
+    last_comm = {}  # process group -> its previous communication node's Chakra id
+    tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
+
+    def ordered(adj):
+        return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else list(adj)
+
+    def io_text(tensors):
+        for t in tensors:
+            if t not in tensor_text:
+                d = nodes[t]
+                tensor_text[t] = (str(t), "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"')
+        parts = [tensor_text[t] for t in tensors]
+        return ("[" + ",".join([p[0] for p in parts]) + "]", "[" + ",".join([p[1] for p in parts]) + "]",
+                "[" + ",".join([p[2] for p in parts]) + "]")
+
+    for n in order:
+        data = nodes[n]
+        if data["kind"] == "tensor":
+            continue
+        inputs = ordered(pred[n])
+        deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
+        if _folded(data):
+            deps_of[n] = deps
+            continue
+        nid, ctrl = len(out), []
+        if data["kind"] == "op":
+            kind = et.COMP_NODE
+            attrs = [("num_ops", "int64_val", data["flops"]),
+                     ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])]
+        else:
+            group = tuple(sorted(data["group"]))
+            kind, attrs = _comm_attrs(data, str(groups[group]))
+            if group in last_comm:
+                ctrl = [last_comm[group]]
+            last_comm[group] = nid
+        attrs.append(("is_cpu_op", "bool_val", False))
+        name = f"{data.get('module') or 'root'}:{data['name']}"
+        out.append(NodeSpec(nid, name, kind, deps, ctrl, round(data.get("duration_us") or 0),
+                            io_text(inputs), io_text(ordered(succ[n])), attrs))
+        deps_of[n] = (nid,)
+    return out
+
+
+def _attr(name: str, **value) -> et.AttributeProto:
+    return et.AttributeProto(name=name, **value)
+
+
+def global_metadata(graph: nx.DiGraph, model: str, level: str, notes: list[str], durations: bool) -> et.GlobalMetadata:
+    g = graph.graph
+    return et.GlobalMetadata(version=SCHEMA_VERSION, attr=[
+        _attr("producer", string_val=f"syntorch {g.get('syntorch_version', '')}".strip()),
+        _attr("model", string_val=model), _attr("level", string_val=level),
+        _attr("rank", int64_val=g.get("rank", 0)), _attr("world_size", int64_val=g.get("world_size", 1)),
+        *[_attr(k, int64_val=g.get(k, 1)) for k in ("tp", "pp", "dp")],
+        _attr("durations", string_val="from hw_config" if durations else "none (no --hw_config): 0 us"),
+        _attr("notes", string_list=et.StringList(values=notes)),
+    ])
+
+
+def _serialize(specs: list[NodeSpec]) -> bytes:
+    buf = io.BytesIO()
+    for spec in specs:
+        encodeMessage(buf, to_proto(spec))
+    return buf.getvalue()
+
+
+def _graph_key(graph) -> int:
+    # RankTraces gives identical ranks views of one graph: same node dict, so one encoding serves them all.
+    return id(graph._node)
+
+
+def _level_graph(graph, level: str):
+    if level == "op":
+        return graph
+    if level != "module":
+        raise UserError(f"Chakra traces are written at level op or module, not {level!r}")
+    try:
+        from syntorch.trace.levels import level_view
+    except ImportError:
+        raise UserError("--trace_level module needs syntorch.trace.levels, which this build lacks; use op") from None
+    return level_view(graph, "module")
+
+
+def _check_out_dir(out_dir: Path, prefix: str, world: int, force: bool) -> list[Path]:
+    """Trace files already in `out_dir` that this run would not overwrite (they would mix with ours)."""
+    if not out_dir.is_dir():
+        return []
+    ours = {f"{prefix}.{r}.et" for r in range(world)} | set(TRACE_FILES)
+    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in TRACE_FILES]
+    if found and not force:
+        raise UserError(f"{out_dir} already holds Chakra traces ({found[0].name}, ...); pass --force to replace them")
+    return [p for p in found if p.name not in ours]
+
+
+def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
+                 level: str = "op", force: bool = False) -> dict:
+    """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and `tensor_trace_chakra.json`
+    (rank 0) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
+    from syntorch.outdir import atomic_output_dir
+
+    ranks = sorted(graphs_by_rank)
+    if ranks != list(range(len(ranks))) or not ranks:
+        raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
+    out_dir = Path(out_dir)
+    model = model_name or graphs_by_rank[0].graph.get("model") or "trace"
+    stale = _check_out_dir(out_dir, model, len(ranks), force)
+    graphs = {r: _level_graph(graphs_by_rank[r], level) for r in ranks}
+    distinct = {_graph_key(g): g for g in graphs.values()}
+    groups, notes = scan_groups(distinct.values())
+    encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
+    with atomic_output_dir(out_dir) as tmp:
+        for rank in ranks:
+            graph, key = graphs[rank], _graph_key(graphs[rank])
+            if key not in encoded:
+                specs = chakra_nodes(graph, groups)
+                encoded[key] = (_serialize(specs), len(specs), any(s.duration_micros for s in specs))
+                if rank == 0:
+                    _write_json_form(tmp / "tensor_trace_chakra.json",
+                                     global_metadata(graph, model, level, notes, encoded[key][2]), specs)
+                del specs
+            body, _, durations = encoded[key]
+            path = tmp / f"{model}.{rank}.et"
+            with open(path, "wb") as f:
+                encodeMessage(f, global_metadata(graph, model, level, notes, durations))
+                f.write(body)
+            total += path.stat().st_size
+        (tmp / "comm_groups.json").write_text(json.dumps({str(i): list(g) for g, i in groups.items()}))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return {"dir": str(out_dir), "prefix": str(out_dir / model), "ranks": len(ranks),
+            "distinct_traces": len(encoded), "nodes": sum(n for _, n, _ in encoded.values()),
+            "et_bytes": total, "groups": len(groups), "notes": notes}
+
+
+def _write_json_form(path: Path, header: et.GlobalMetadata, specs: list[NodeSpec]) -> None:
+    # chakra_jsonizer prints MessageToJson of each message back to back, which is not one JSON
+    # document; we write the same objects as one: {"global_metadata": ..., "nodes": [...]}.
+    with open(path, "w") as f:
+        f.write('{"global_metadata": ' + json.dumps(MessageToDict(header)) + ',\n"nodes": [\n')
+        f.write(",\n".join(json.dumps(to_json(spec), separators=(",", ":")) for spec in specs))
+        f.write("\n]}\n")
+
+
+def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> dict:
+    """`syntorch export --format chakra`: a saved graph into the folder `path`. A tensor-parallel graph
+    stands for every rank (TP ranks run the same ops), so it is written once per rank."""
+    from syntorch.trace.graph import RankTraces
+
+    world, tp = graph.graph.get("world_size", 1), graph.graph.get("tp", 1)
+    if world != tp:
+        raise UserError(f"this graph is one rank of a {world}-rank run that is not pure TP; "
+                        "write per-rank traces with `syntorch trace` instead")
+    ranks = RankTraces(world)
+    ranks.put_shared(range(world), lambda: graph)
+    return write_chakra(ranks, path, level=level, force=force)
