@@ -1,0 +1,102 @@
+"""What a c10d op seen in the dispatch mode means: kind, group's global ranks, reduce op, bytes, peers.
+
+torch.distributed's collectives reach a TorchDispatchMode as `c10d.*` ops (real gloo/NCCL and the fake
+backend alike) whose process group and reduce op are TorchScript objects; functional collectives
+(`torch.distributed._functional_collectives`) arrive as `_c10d_functional.*` ops naming their group.
+`bytes` is the per-rank buffer a collective works on: the whole tensor for all-reduce and broadcast, the
+gathered (larger) tensor for all-gather and reduce-scatter, as nccl-tests count a collective's size.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = {0: "sum", 1: "avg", 2: "prod", 3: "min", 4: "max"}  # ReduceOp.RedOpType values
+
+# c10d op -> (collective, argument holding the inputs, argument holding the outputs)
+C10D_OPS = {
+    "allreduce_": ("all_reduce", "tensors", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors", "tensors"),
+    "_allgather_base_": ("all_gather", "input_tensor", "output_tensor"),
+    "allgather_": ("all_gather", "input_tensors", "output_tensors"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "inputs", "outputs"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor", "output_tensor"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors", "output_tensors"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", "outputs"),
+    "broadcast_": ("broadcast", "tensors", "tensors"),
+    "alltoall_base_": ("all_to_all", "input", "output"),
+    "alltoall_": ("all_to_all", "input_tensors", "output_tensors"),
+    "send": ("send", "tensors", None),
+    "recv_": ("recv", None, "tensors"),
+    "recv_any_source_": ("recv", None, "tensors"),
+    "barrier": ("barrier", None, None),
+}
+FUNCTIONAL_OPS = {  # functional collectives return a new tensor
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+}
+
+
+@dataclass
+class CollectiveCall:
+    name: str
+    collective: str
+    group: list[int]
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    nbytes: int = 0
+    reduce_op: str | None = None
+    src: int | None = None
+    dst: int | None = None
+    tag: int = 0
+
+
+def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
+    """The collective `func` runs, or None for c10d ops that move no data (e.g. wait_tensor)."""
+    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+              for i, a in enumerate(func._schema.arguments)}
+    op = func._overloadpacket.__name__
+    if func.namespace == "c10d" and op in C10D_OPS:
+        kind, in_arg, out_arg = C10D_OPS[op]
+        pg = dist.ProcessGroup.unbox(values["process_group"])
+        call = CollectiveCall(f"c10d.{op}", kind, dist.get_process_group_ranks(pg),
+                              _tensors(values.get(in_arg)), _tensors(values.get(out_arg)))
+        _peers(call, pg, values)
+    elif func.namespace == "_c10d_functional" and op in FUNCTIONAL_OPS:
+        pg = dist.distributed_c10d._resolve_process_group(values["group_name"])
+        call = CollectiveCall(f"_c10d_functional.{op}", FUNCTIONAL_OPS[op], dist.get_process_group_ranks(pg),
+                              _tensors(values.get("input") or values.get("inputs")), _tensors(out))
+        if "src" in values:
+            call.src = dist.get_global_rank(pg, values["src"])
+        reduce_op = values.get("reduce_op")
+        call.reduce_op = reduce_op.lower().replace("product", "prod") if isinstance(reduce_op, str) else None
+    else:
+        return None
+    call.nbytes = max(_bytes(call.inputs), _bytes(call.outputs))
+    return call
+
+
+def _peers(call: CollectiveCall, pg, values: dict):
+    """Reduce op, and src/dst/tag as global ranks (c10d ops carry group-local ones)."""
+    if "reduce_op" in values:
+        call.reduce_op = REDUCE_OPS.get(values["reduce_op"].op(), "sum")
+    if call.collective == "broadcast":
+        call.src = dist.get_global_rank(pg, values["root_rank"])
+    if call.collective == "send":
+        call.src, call.dst = dist.get_rank(), dist.get_global_rank(pg, values["dst"])
+    if call.collective == "recv" and "src" in values:
+        call.src, call.dst = dist.get_global_rank(pg, values["src"]), dist.get_rank()
+    call.tag = int(values.get("tag") or 0)
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,312 @@
+"""The Tracer: records every aten op and collective that runs inside it into a TraceGraph.
+
+    with Tracer(model, meta={"model": "gpt2"}) as tracer:
+        with tracer.phase("prefill"):
+            model(x)
+    graph = tracer.graph
+
+Three pieces cooperate (DESIGN.md, facts):
+- forward pre/post hooks on every module keep a stack of module paths (the forward attribution);
+- a TorchFunctionMode tags each new autograd node with the module it was created in, so a backward op is
+  attributed through `torch._C._current_autograd_node()` -- exact even when modules share an input, where
+  torch's ModuleTracker merges them; it also records scaled_dot_product_attention as one fused op, so the
+  op structure does not depend on the device (on meta sdpa decomposes into the math path);
+- a TorchDispatchMode records each aten op (after autograd) with FLOPs from torch.utils.flop_counter's
+  formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
+"""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.weak import WeakIdKeyDictionary
+
+from syntorch.trace.collectives import collective_call
+from syntorch.trace.graph import TraceGraph
+
+SDPA = "aten.scaled_dot_product_attention"
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Tracer:
+    """Context manager recording what runs inside it. `default_phase=None` records only inside `phase()`."""
+
+    def __init__(self, model: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1,
+                 meta: dict | None = None, default_phase: str | None = "forward"):
+        self.graph = TraceGraph(**{**(meta or {}), "rank": rank, "world_size": world_size})
+        self.model = model
+        self.modules = [""]  # stack of module paths, innermost last
+        self.phases = [default_phase]
+        self.paused = 0  # > 0 while a fused op runs its parts
+        self.tensors = WeakIdKeyDictionary()  # tensor -> (node, storage key, storage writes when node was made)
+        self.writes: dict[int, tuple[int, int]] = {}  # storage key -> (number of writes, last writing op)
+        self.names = WeakIdKeyDictionary()  # parameter/buffer -> its name
+        self.layer_calls: list[tuple[str, int, int]] = []  # (block path, first node id, end node id)
+        self._exits = contextlib.ExitStack()
+
+    # --- entering and leaving ------------------------------------------------------------------
+    def __enter__(self):
+        if self.model is not None:
+            self._watch_modules(self.model)
+        self._exits.enter_context(_FunctionMode(self))
+        self._exits.enter_context(_DispatchMode(self))
+        return self
+
+    def __exit__(self, *exc):
+        self._exits.close()
+        return False
+
+    def _name_tensors(self):
+        for name, p in self.model.named_parameters():
+            self.names[p] = name
+        for name, b in self.model.named_buffers():  # again per phase: KV caches are attached late
+            self.names[b] = name
+
+    def _watch_modules(self, model: torch.nn.Module):
+        self._name_tensors()
+        layers = getattr(model, "layers", None)
+        for path, module in model.named_modules():
+            is_layer = layers is not None and any(module is m for m in layers.values())
+            self._exits.enter_context(module.register_forward_pre_hook(self._enter_module(path, is_layer)))
+            self._exits.enter_context(module.register_forward_hook(self._leave_module(is_layer), always_call=True))
+
+    def _enter_module(self, path: str, is_layer: bool):
+        def hook(_module, _args):
+            self.modules.append(path)
+            if is_layer:
+                self.layer_calls.append((path, len(self.graph), -1))
+        return hook
+
+    def _leave_module(self, is_layer: bool):
+        def hook(_module, _args, _out):
+            self.modules.pop()
+            if is_layer:
+                path, start, _ = self.layer_calls[-1]
+                self.layer_calls[-1] = (path, start, len(self.graph))
+        return hook
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the ops run inside with `name` (prefill, decode[i], forward, optimizer, ...)."""
+        if self.model is not None:
+            self._name_tensors()
+        self.phases.append(name)
+        try:
+            yield
+        finally:
+            self.phases.pop()
+
+    @contextlib.contextmanager
+    def paused_recording(self):
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    # --- where an op belongs -------------------------------------------------------------------
+    def where(self) -> tuple[str, str | None]:
+        """(module path, phase) of the op running now; backward ops from their autograd node's tag."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return node.metadata.get("module", ""), "backward"
+        return self.modules[-1], self.phases[-1]
+
+    def tag_autograd_nodes(self, out):
+        """Tag autograd nodes created by the call that just returned `out` with the current module."""
+        module = self.modules[-1]
+        todo = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or "module" in node.metadata:
+                continue
+            node.metadata["module"] = module
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    # --- tensors -------------------------------------------------------------------------------
+    def tensor_node(self, t: torch.Tensor) -> int:
+        """The node holding t's current value: new at first sight, a new version after an aliased write."""
+        key = _storage_key(t)
+        writes, writer = self.writes.get(key, (0, None))
+        known = self.tensors.get(t)
+        if known is not None and known[2] == writes:
+            return known[0]
+        # first sight, or a write through another alias (a view, a KV-cache slice) changed the storage since
+        version = self.graph.nodes[known[0]]["version"] + 1 if known else 0
+        node = self._add_tensor(t, key, writes, version)
+        if known is not None and writer is not None:
+            self.graph.add_edge(writer, node, arg=-1)  # -1: written through an alias, not a returned output
+        return node
+
+    def output_node(self, t: torch.Tensor, op: int, arg: int, wrote: bool) -> int:
+        """A new node for an op's output: a new version if the op wrote t in place (which every alias of
+        its storage then sees), else a fresh tensor or a view."""
+        key = _storage_key(t)
+        writes = self.writes.get(key, (0, None))[0]
+        if wrote:
+            writes += 1
+            self.writes[key] = (writes, op)
+        known = self.tensors.get(t)
+        version = self.graph.nodes[known[0]]["version"] + 1 if known else 0
+        node = self._add_tensor(t, key, writes, version)
+        self.graph.add_edge(op, node, arg=arg)
+        return node
+
+    def _add_tensor(self, t: torch.Tensor, key: int, writes: int, version: int) -> int:
+        name = self.names.get(t, "")
+        node = self.graph.add_tensor(t.shape, str(t.dtype).removeprefix("torch."), nbytes(t), name=name,
+                                     is_param=isinstance(t, torch.nn.Parameter), device=t.device.type,
+                                     version=version)
+        self.tensors[t] = (node, key, writes)
+        return node
+
+    # --- ops -----------------------------------------------------------------------------------
+    def record_op(self, name: str, inputs: list, outputs: list, flops: int, is_view: bool = False,
+                  written: list | None = None) -> int | None:
+        """inputs/outputs: tensors (or None) in argument order; `written`: inputs the op mutated in place."""
+        module, phase = self.where()
+        if phase is None:
+            return None
+        in_nodes = [self.tensor_node(t) if t is not None else None for t in inputs]
+        cost = 0 if is_view else 1  # views move no data
+        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view,
+                               bytes_read=cost * _unique_bytes(inputs),
+                               bytes_written=cost * _unique_bytes(list(outputs) + list(written or [])))
+        written_ids = {id(t) for t in written or []}
+        for arg, t in enumerate(outputs):
+            if t is not None:
+                self.output_node(t, op, arg, wrote=id(t) in written_ids or t in self.tensors)
+                written_ids.discard(id(t))
+        for t in written or []:
+            if id(t) in written_ids:  # mutated but not returned, e.g. ops returning None
+                self.output_node(t, op, -1, wrote=True)
+        return op
+
+    def record_aten(self, func, args, kwargs, out):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            call = collective_call(func, args, kwargs, out)
+            if call is not None:
+                return self.record_collective(call)
+        inputs, written = _schema_inputs(func, args, kwargs)
+        outputs = [t if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]]
+        flop_fn = flop_registry.get(func._overloadpacket)
+        flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
+        self.record_op(f"{func.namespace}.{func._overloadpacket.__name__}", inputs, outputs, flops,
+                       is_view=func.is_view, written=written)
+
+    def record_collective(self, call):
+        module, phase = self.where()
+        if phase is None:
+            return
+        inputs = [self.tensor_node(t) for t in call.inputs]
+        node = self.graph.add_collective(call.collective, inputs, group=call.group, nbytes=call.nbytes,
+                                         reduce_op=call.reduce_op, src=call.src, dst=call.dst, tag=call.tag,
+                                         module=module, phase=phase, name=call.name)
+        for arg, t in enumerate(call.outputs):
+            self.output_node(t, node, arg, wrote=True)
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.tracer.paused:
+            self.tracer.record_aten(func, args, kwargs, out)
+        return out
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not self.tracer.paused:
+            out = fused_attention(self.tracer, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.tracer.tag_autograd_nodes(out)
+        return out
+
+
+def fused_attention(tracer: Tracer, q, k, v, attn_mask=None, **kwargs):
+    """scaled_dot_product_attention as one op (and one backward op), whatever kernel the device picks."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _FusedAttention.apply(tracer, kwargs, q, k, v, attn_mask)
+    with tracer.paused_recording():
+        out = _fused_layout(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs))
+    tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape))
+    return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Runs sdpa's own forward and backward unrecorded; records each as a single op."""
+
+    @staticmethod
+    def forward(ctx, tracer, kwargs, q, k, v, attn_mask):
+        ctx.tracer = tracer
+        with tracer.paused_recording(), torch.enable_grad():
+            ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            ctx.out = F.scaled_dot_product_attention(*ctx.inputs, attn_mask=attn_mask, **kwargs)
+            out = _fused_layout(ctx.out.detach())
+        tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape))
+        ctx.saved = (q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tracer, (q, k, v) = ctx.tracer, ctx.saved
+        wanted = [t for t in ctx.inputs if t.requires_grad]
+        with tracer.paused_recording():
+            found = iter(torch.autograd.grad(ctx.out, wanted, grad))
+        grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
+        tracer.record_op(SDPA + "_backward", [grad, q, k, v], grads,
+                         sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+        return None, None, *grads, None
+
+
+def _fused_layout(out: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] stored as [B, T, H, D], as fused kernels (FlashAttention, CPU flash) write it; the math
+    path writes [B, H, T, D] contiguous, which would change the ops that follow (a view vs a copy)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): their own identity
+        return id(t)
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            total += nbytes(t)
+    return total
+
+
+def _schema_inputs(func, args, kwargs):
+    """Tensor arguments in schema order (lists flattened), and those the op writes (`Tensor(a!)`)."""
+    inputs, written = [], []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        tensors = [value] if isinstance(value, torch.Tensor) else [
+            t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+        inputs.extend(tensors)
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.extend(tensors)
+    return inputs, written

@@ -1,0 +1,152 @@
+import networkx as nx
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from conftest import tiny_config
+from syntorch.generate import Sampling
+from syntorch.models import build_model
+from syntorch.trace import Tracer, trace_generation
+
+B, T = 2, 8
+
+
+def run_model(model, device="cpu", backward=False):
+    x = torch.randint(0, 128, (B, T), device=device)
+    logits = model(x)
+    if backward:
+        logits.sum().backward()
+
+
+def trace(base, device="cpu", backward=False):
+    model = build_model(tiny_config(base), device=device).train()
+    with Tracer(model) as tracer:
+        run_model(model, device, backward)
+    return tracer.graph, model
+
+
+def _cpu_flash_fwd(query, key, value, *args, **kwargs):
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_bwd(grad_out, query, key, value, *args, **kwargs):
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter_total(base, backward):
+    """FlopCounterMode on an untraced run; CPU's flash-attention kernel is given flop_counter's own sdpa
+    formulas (it has none registered for the _for_cpu variants)."""
+    aten = torch.ops.aten
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd}
+    model = build_model(tiny_config(base)).train()
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        run_model(model, backward=backward)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("base", ["gpt2", "gptj-6b"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_total_flops_equal_flop_counter_mode(base, backward):
+    graph, _ = trace(base, backward=backward)
+    assert graph.total_flops() == flop_counter_total(base, backward) > 0
+
+
+@pytest.mark.parametrize("base", ["gpt2", "gptj-6b"])
+def test_linear_flops_per_module_forward_and_backward(base):
+    graph, model = trace(base, backward=True)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, linear in linears.items():
+        forward = 2 * linear.in_features * linear.out_features * B * T
+        for phase, expected in (("forward", forward), ("backward", 2 * forward)):
+            got = sum(d["flops"] for _, d in graph.ops() if d["module"] == name and d["phase"] == phase)
+            assert got == expected, (name, phase)
+
+
+def test_backward_ops_carry_their_module():
+    # GPT-J feeds attn.qkv and mlp.fc1 from the same LayerNorm: ModuleTracker merges them in backward
+    graph, _ = trace("gptj-6b", backward=True)
+    backward = [d for _, d in graph.ops() if d["phase"] == "backward"]
+    mms = [d for d in backward if d["name"] == "aten.mm"]
+    assert {d["module"] for d in mms} == {f"layers.{i}.{m}" for i in range(2) for m in
+                                          ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")} | {"lm_head"}
+    assert all(d["module"] for d in backward if d["flops"])
+    layer_norms = [d["module"] for d in backward if d["name"] == "aten.native_layer_norm_backward"]
+    assert layer_norms == ["ln_f", "layers.1.ln1", "layers.0.ln1"]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_attention_is_one_op_and_structure_does_not_depend_on_device(backward):
+    sequences = {}
+    for device in ("cpu", "meta"):
+        graph, _ = trace("gpt2", device, backward)
+        sequences[device] = [(d["name"], d["module"], d["phase"], d["flops"]) for _, d in graph.ops()]
+        attention = [d for _, d in graph.ops() if d["name"].startswith("aten.scaled_dot_product_attention")]
+        assert len(attention) == 2 * (1 + backward)
+        assert not any(d["name"] in ("aten.bmm", "aten.softmax", "aten._softmax") for _, d in graph.ops())
+    assert sequences["cpu"] == sequences["meta"]
+
+
+def test_tensor_nodes_views_and_params():
+    graph, model = trace("gpt2")
+    qkv_weight = [d for _, d in graph.tensors() if d["name"] == "layers.0.attn.qkv.weight"]
+    assert len(qkv_weight) == 1 and qkv_weight[0]["is_param"] and qkv_weight[0]["shape"] == [192, 64]
+    assert qkv_weight[0]["bytes"] == 192 * 64 * 4
+    views = [d for _, d in graph.ops() if d["is_view"]]
+    assert views and all(d["bytes_read"] == d["bytes_written"] == 0 for d in views)
+    mm = next(d for _, d in graph.ops() if d["module"] == "layers.0.attn.qkv" and d["flops"])
+    assert mm["bytes_read"] == 4 * (192 + B * T * 64 + 192 * 64) and mm["bytes_written"] == 4 * B * T * 192
+    for op, d in graph.ops():  # argument positions on every edge, in order
+        assert [graph.edges[t, op]["arg"] for t in graph.predecessors(op)] == sorted(
+            graph.edges[t, op]["arg"] for t in graph.predecessors(op))
+
+
+def test_generation_phases_and_kv_cache_data_flow():
+    model = build_model(tiny_config("gpt2"))
+    graph, result = trace_generation(model, torch.randint(0, 128, (1, 5)), 3, Sampling(temperature=0))
+    assert nx.is_directed_acyclic_graph(graph)
+    assert {d["phase"] for _, d in graph.ops()} == {"prefill", "decode[0]", "decode[1]"}
+    cache = [(n, d) for n, d in graph.tensors() if d["name"] == "layers.1.attn.kv_cache.k"]
+    assert [d["version"] for _, d in cache] == list(range(len(cache))) and len(cache) >= 4
+    # decode[1]'s attention reads keys written by prefill's and decode[0]'s cache updates
+    attention = [n for n, d in graph.ops() if d["phase"] == "decode[1]" and d["module"] == "layers.1.attn"
+                 and d["name"] == "aten.scaled_dot_product_attention"]
+    writers = {graph.nodes[a]["phase"] for a in nx.ancestors(graph, attention[0])
+               if graph.nodes[a]["name"] == "aten.copy_" and graph.nodes[a]["module"] == "layers.1.attn"}
+    assert writers == {"prefill", "decode[0]", "decode[1]"}
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    yield dist.new_group([1, 2])
+    dist.destroy_process_group()
+
+
+def test_collectives_on_the_fake_backend(fake_world):
+    x, pair = torch.ones(4, 8), fake_world
+    with Tracer(rank=2, world_size=4) as tracer:
+        dist.all_reduce(x, group=pair, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(torch.empty(8, 8), x, group=pair)
+        dist.reduce_scatter_tensor(torch.empty(2, 8), x, group=pair, op=dist.ReduceOp.AVG)
+        dist.broadcast(x, src=1, group=pair)
+        dist.send(x, dst=1, group=pair, tag=7)
+        dist.recv(x, src=1, group=pair, tag=7)
+        y = x * 2
+    got = [(d["collective"], d["group"], d["reduce_op"], d["bytes"], d["src"], d["dst"], d["tag"], d["order"])
+           for _, d in tracer.graph.collectives()]
+    assert got == [("all_reduce", [1, 2], "max", 128, None, None, 0, 0),
+                   ("all_reduce", [0, 1, 2, 3], "sum", 128, None, None, 0, 0),
+                   ("all_gather", [1, 2], None, 256, None, None, 0, 1),
+                   ("reduce_scatter", [1, 2], "avg", 128, None, None, 0, 2),
+                   ("broadcast", [1, 2], None, 128, 1, None, 0, 3),
+                   ("send", [1, 2], None, 128, 2, 1, 7, 4),
+                   ("recv", [1, 2], None, 128, 1, 2, 7, 5)]
+    # the multiply reads the tensor recv wrote: collectives sit in the data flow
+    mul = next(n for n, d in tracer.graph.ops() if d["name"] == "aten.mul")
+    recv = next(n for n, d in tracer.graph.collectives() if d["collective"] == "recv")
+    assert tracer.graph.op_deps()[mul] == [recv]
+    assert nx.is_directed_acyclic_graph(tracer.graph)
