@@ -7,6 +7,7 @@ family, used in both directions; TP shard loading reuses `hf_to_syntorch_state_d
 """
 import json
 import re
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,11 @@ from syntorch.outdir import atomic_output_dir
 @dataclass(frozen=True, eq=False)
 class Family:
     model_type: str  # config.json "model_type"
-    flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
     architecture: str  # config.json "architectures" entry we write and recognise
+    flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
     body: str  # prefix of the base model's keys ("transformer."), absent when a base model was saved
     head: str  # prefix of the LM head's keys, which never carry `body`
-    # our module -> HF module; "{i}" is the block index; a 3-tuple is q, k, v fused into our qkv
-    modules: dict
+    modules: dict  # our module -> HF module; "{i}" is the block index; a 3-tuple is q, k, v fused into our qkv
     conv1d: tuple = ()  # our modules whose HF weight is stored [in, out] (GPT-2's Conv1D)
     params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
     ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
@@ -35,36 +35,41 @@ class Family:
 
 
 _GPT_IGNORED = r"\.attn\.(masked_)?bias$"  # causal-mask buffers in older checkpoints
+_GPT_BLOCK = "transformer.h.{i}."
 
 GPT2 = Family(
-    "gpt2", dict(pos="learned", parallel_residual=False, head_bias=False, qkv_bias=True, proj_bias=True), "GPT2LMHeadModel", "transformer.", "lm_head.",
+    model_type="gpt2", architecture="GPT2LMHeadModel", body="transformer.", head="lm_head.",
+    flags=dict(pos="learned", parallel_residual=False, head_bias=False, qkv_bias=True, proj_bias=True),
     modules={"tok_emb": "transformer.wte", "pos_emb": "transformer.wpe", "ln_f": "transformer.ln_f",
-             "lm_head": "lm_head", "layers.{i}.ln1": "transformer.h.{i}.ln_1",
-             "layers.{i}.attn.qkv": "transformer.h.{i}.attn.c_attn", "layers.{i}.attn.proj": "transformer.h.{i}.attn.c_proj",
-             "layers.{i}.ln2": "transformer.h.{i}.ln_2", "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.c_fc",
-             "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.c_proj"},
+             "lm_head": "lm_head",
+             "layers.{i}.ln1": _GPT_BLOCK + "ln_1", "layers.{i}.attn.qkv": _GPT_BLOCK + "attn.c_attn",
+             "layers.{i}.attn.proj": _GPT_BLOCK + "attn.c_proj", "layers.{i}.ln2": _GPT_BLOCK + "ln_2",
+             "layers.{i}.mlp.fc1": _GPT_BLOCK + "mlp.c_fc", "layers.{i}.mlp.fc2": _GPT_BLOCK + "mlp.c_proj"},
     conv1d=("layers.{i}.attn.qkv", "layers.{i}.attn.proj", "layers.{i}.mlp.fc1", "layers.{i}.mlp.fc2"),
     ignored=_GPT_IGNORED, tied="lm_head.weight")
 
 GPTJ = Family(
-    "gptj", dict(pos="rotary", parallel_residual=True, head_bias=True, qkv_bias=False, proj_bias=False), "GPTJForCausalLM", "transformer.", "lm_head.",
+    model_type="gptj", architecture="GPTJForCausalLM", body="transformer.", head="lm_head.",
+    flags=dict(pos="rotary", parallel_residual=True, head_bias=True, qkv_bias=False, proj_bias=False),
     modules={"tok_emb": "transformer.wte", "ln_f": "transformer.ln_f", "lm_head": "lm_head",
-             "layers.{i}.ln1": "transformer.h.{i}.ln_1",
-             "layers.{i}.attn.qkv": tuple(f"transformer.h.{{i}}.attn.{x}_proj" for x in "qkv"),
-             "layers.{i}.attn.proj": "transformer.h.{i}.attn.out_proj",
-             "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.fc_in", "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.fc_out"},
+             "layers.{i}.ln1": _GPT_BLOCK + "ln_1",
+             "layers.{i}.attn.qkv": tuple(f"{_GPT_BLOCK}attn.{x}_proj" for x in "qkv"),
+             "layers.{i}.attn.proj": _GPT_BLOCK + "attn.out_proj",
+             "layers.{i}.mlp.fc1": _GPT_BLOCK + "mlp.fc_in", "layers.{i}.mlp.fc2": _GPT_BLOCK + "mlp.fc_out"},
     ignored=_GPT_IGNORED, tied="lm_head.weight")
 
+_BERT_BLOCK = "bert.encoder.layer.{i}."
 BERT = Family(
-    "bert", dict(pos="learned", parallel_residual=False, head_bias=True, qkv_bias=True, proj_bias=True), "BertForMaskedLM", "bert.", "cls.",
+    model_type="bert", architecture="BertForMaskedLM", body="bert.", head="cls.",
+    flags=dict(pos="learned", parallel_residual=False, head_bias=True, qkv_bias=True, proj_bias=True),
     modules={"tok_emb": "bert.embeddings.word_embeddings", "pos_emb": "bert.embeddings.position_embeddings",
              "type_emb": "bert.embeddings.token_type_embeddings", "ln_emb": "bert.embeddings.LayerNorm",
-             "layers.{i}.attn.qkv": tuple(f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")),
-             "layers.{i}.attn.proj": "bert.encoder.layer.{i}.attention.output.dense",
-             "layers.{i}.ln1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
-             "layers.{i}.mlp.fc1": "bert.encoder.layer.{i}.intermediate.dense",
-             "layers.{i}.mlp.fc2": "bert.encoder.layer.{i}.output.dense",
-             "layers.{i}.ln2": "bert.encoder.layer.{i}.output.LayerNorm",
+             "layers.{i}.attn.qkv": tuple(f"{_BERT_BLOCK}attention.self.{x}" for x in ("query", "key", "value")),
+             "layers.{i}.attn.proj": _BERT_BLOCK + "attention.output.dense",
+             "layers.{i}.ln1": _BERT_BLOCK + "attention.output.LayerNorm",
+             "layers.{i}.mlp.fc1": _BERT_BLOCK + "intermediate.dense",
+             "layers.{i}.mlp.fc2": _BERT_BLOCK + "output.dense",
+             "layers.{i}.ln2": _BERT_BLOCK + "output.LayerNorm",
              "head_dense": "cls.predictions.transform.dense", "head_ln": "cls.predictions.transform.LayerNorm",
              "lm_head": "cls.predictions.decoder"},
     params={"lm_head.bias": "cls.predictions.bias"},  # HF ties decoder.bias to this one and saves only it
@@ -79,7 +84,7 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu
 # ---- config.json <-> ModelConfig
 
 
-def family_of(hf_config: dict) -> Family:
+def _hf_family(hf_config: dict) -> Family:
     model_type, archs = hf_config.get("model_type"), hf_config.get("architectures") or []
     for fam in FAMILIES:
         if model_type == fam.model_type or (model_type is None and fam.architecture in archs):
@@ -115,45 +120,49 @@ def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> M
     """Our ModelConfig for a HuggingFace config.json; fields our model cannot represent are UserErrors."""
     if not isinstance(hf_config, dict):
         raise UserError("config.json must hold a JSON object")
-    fam = family_of(hf_config)
+    fam = _hf_family(hf_config)
     _require(hf_config, "add_cross_attention", (False,), False)
-    if fam is BERT:
-        _require(hf_config, "position_embedding_type", ("absolute",), "absolute")
-        _require(hf_config, "is_decoder", (False,), False)
-        _require(hf_config, "hidden_act", ("gelu",), "gelu")  # our MLM head applies exact gelu, as BERT's does
-        d_model, n_head = _size(hf_config, "hidden_size"), _size(hf_config, "num_attention_heads")
-        sizes = dict(n_layer=_size(hf_config, "num_hidden_layers"), vocab_size=_size(hf_config, "vocab_size"),
-                     n_positions=_size(hf_config, "max_position_embeddings"), d_ff=_size(hf_config, "intermediate_size"))
-        pad = hf_config.get("pad_token_id", 0)
-        extra = dict(activation="gelu", ln_eps=_eps(hf_config, "layer_norm_eps", 1e-12), head_bias=True,
-                     type_vocab_size=_size(hf_config, "type_vocab_size", 2), pad_token_id=pad if isinstance(pad, int) else 0,
-                     tied_head=hf_config.get("tie_word_embeddings", True) is not False)
-        if isinstance(hf_config.get("mask_token_id"), int):
-            extra["mask_token_id"] = hf_config["mask_token_id"]
-    else:
-        act = _require(hf_config, "activation_function", tuple(_ACTIVATIONS), "gelu_new")
-        d_model, n_head = _size(hf_config, "n_embd"), _size(hf_config, "n_head")
-        inner = hf_config.get("n_inner")
-        sizes = dict(n_layer=_size(hf_config, "n_layer"), vocab_size=_size(hf_config, "vocab_size"),
-                     n_positions=_size(hf_config, "n_positions"), d_ff=0 if inner is None else _size(hf_config, "n_inner"))
-        extra = dict(activation=_ACTIVATIONS[act], ln_eps=_eps(hf_config, "layer_norm_epsilon", 1e-5))
-        if fam is GPT2:
-            _require(hf_config, "scale_attn_weights", (True,), True)
-            _require(hf_config, "scale_attn_by_inverse_layer_idx", (False,), False)
-            extra.update(tied_head=hf_config.get("tie_word_embeddings", True) is not False)
-        else:  # GPT-J: rotary over rotary_dim (all of the head when null), parallel residual, no attention biases
-            rotary = hf_config.get("rotary_dim")
-            extra.update(pos="rotary", rotary_dim=d_model // n_head if rotary is None else _size(hf_config, "rotary_dim"),
-                         parallel_residual=True, head_bias=True, qkv_bias=False, proj_bias=False,
-                         tied_head=hf_config.get("tie_word_embeddings", False) is True)
-    if d_model % n_head:
-        raise UserError(f"config.json: hidden size {d_model} is not divisible by the head count {n_head}")
-    return ModelConfig(name, "bert" if fam is BERT else "gpt", d_model=d_model, n_head=n_head, **sizes, **extra)
+    fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
+    if fields["d_model"] % fields["n_head"]:
+        raise UserError(f"config.json: hidden size {fields['d_model']} is not divisible by the head count "
+                        f"{fields['n_head']}")
+    return ModelConfig(name, "bert" if fam is BERT else "gpt", **fields)
+
+
+def _bert_fields(h: dict) -> dict:
+    _require(h, "position_embedding_type", ("absolute",), "absolute")
+    _require(h, "is_decoder", (False,), False)
+    _require(h, "hidden_act", ("gelu",), "gelu")  # our MLM head applies exact gelu, as BERT's does
+    pad = h.get("pad_token_id", 0)  # null in some configs; only our MLM data reads it
+    fields = dict(d_model=_size(h, "hidden_size"), n_head=_size(h, "num_attention_heads"),
+                  n_layer=_size(h, "num_hidden_layers"), vocab_size=_size(h, "vocab_size"),
+                  n_positions=_size(h, "max_position_embeddings"), d_ff=_size(h, "intermediate_size"),
+                  activation="gelu", ln_eps=_eps(h, "layer_norm_eps", 1e-12), head_bias=True,
+                  type_vocab_size=_size(h, "type_vocab_size", 2), pad_token_id=pad if isinstance(pad, int) else 0,
+                  tied_head=h.get("tie_word_embeddings", True) is not False)
+    if isinstance(h.get("mask_token_id"), int):  # written by save_checkpoint; HF keeps it in the tokenizer
+        fields["mask_token_id"] = h["mask_token_id"]
+    return fields
+
+
+def _gpt_fields(h: dict, fam: Family) -> dict:
+    act = _require(h, "activation_function", tuple(_ACTIVATIONS), "gelu_new")
+    d_model, n_head = _size(h, "n_embd"), _size(h, "n_head")
+    fields = dict(d_model=d_model, n_head=n_head, n_layer=_size(h, "n_layer"), vocab_size=_size(h, "vocab_size"),
+                  n_positions=_size(h, "n_positions"), d_ff=0 if h.get("n_inner") is None else _size(h, "n_inner"),
+                  activation=_ACTIVATIONS[act], ln_eps=_eps(h, "layer_norm_epsilon", 1e-5))
+    if fam is GPT2:
+        _require(h, "scale_attn_weights", (True,), True)
+        _require(h, "scale_attn_by_inverse_layer_idx", (False,), False)
+        return {**fields, "tied_head": h.get("tie_word_embeddings", True) is not False}
+    # GPT-J: rotary over rotary_dim dims of each head (all of them when null), untied head by default
+    rotary_dim = d_model // n_head if h.get("rotary_dim") is None else _size(h, "rotary_dim")
+    return {**fields, **fam.flags, "rotary_dim": rotary_dim, "tied_head": h.get("tie_word_embeddings", False) is True}
 
 
 def model_config_to_hf_config(c: ModelConfig) -> dict:
     """The config.json that makes `transformers` build the same model; UserError if no HF class can."""
-    fam = _family_for(c)
+    fam = _family(c)
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
     common = {"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": c.vocab_size,
               "tie_word_embeddings": c.tied_head}
@@ -167,7 +176,7 @@ def model_config_to_hf_config(c: ModelConfig) -> dict:
     return {**gpt, "rotary_dim": c.rotary_dim} if fam is GPTJ else gpt
 
 
-def _family_for(c: ModelConfig) -> Family:
+def _family(c: ModelConfig) -> Family:
     fam = BERT if c.arch == "bert" else GPTJ if c.pos == "rotary" else GPT2
     for key, want in fam.flags.items():
         if getattr(c, key) != want:
@@ -202,7 +211,7 @@ def _key_map(keys, c: ModelConfig, fam: Family) -> dict:
 
 
 def _canonical(key: str, fam: Family) -> str:
-    """HF key as the full LM model names it: the body prefix added if a base model was saved; LayerNorm gamma/beta renamed."""
+    """HF key as the LM model names it: body prefix added when a base model was saved, LayerNorm gamma/beta renamed."""
     if not key.startswith((fam.body, fam.head)):
         key = fam.body + key
     return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
@@ -216,7 +225,7 @@ def _few(names) -> str:
 def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
     """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
     (one file read per access) keeps at most one converted tensor beyond the result in memory."""
-    fam = _family_for(config)
+    fam = _family(config)
     hf_keys = {_canonical(k, fam): k for k in hf_state_dict}
     expected = build_model(config, device="meta").state_dict()
     key_map = _key_map(expected, config, fam)
@@ -245,7 +254,7 @@ def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> di
 def syntorch_to_hf_state_dict(model) -> dict:
     """HF-named, contiguous CPU tensors of `model`; a tied head is left out, as transformers saves it."""
     c = model.config
-    fam = _family_for(c)
+    fam = _family(c)
     state = model.state_dict()
     out = {}
     for key, (source, conv1d) in _key_map(state, c, fam).items():
@@ -317,12 +326,21 @@ def _open_safetensors(f: Path) -> dict:
 
 
 def _open_bin(f: Path) -> dict:
-    # a pickle: only the restricted unpickler; mmap leaves the file's pages to the OS until they are used
-    state = torch.load(f, weights_only=True, map_location="cpu", mmap=True)
+    # a pickle: only the restricted unpickler. mmap leaves the file's pages to the OS until they are used;
+    # torch can map only the zip format (since torch 1.6), older files are read whole
+    state = torch.load(f, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(f))
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                               for k, t in state.items()):
         raise UserError(f"weights file {f} is not a state dict of named tensors; save it with save_pretrained")
     return {k: (lambda t=t: t) for k, t in state.items()}
+
+
+def _vocab_index(vocab: Path, token: str, default: int) -> int:
+    """Line number of `token` in a WordPiece vocab.txt (saved beside BERT checkpoints), else `default`."""
+    if not vocab.is_file():
+        return default
+    lines = vocab.read_text(encoding="utf-8", errors="replace").splitlines()
+    return lines.index(token) if token in lines else default
 
 
 def _read_json(path: Path) -> dict:
@@ -335,17 +353,25 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def load_checkpoint(path, device="cpu", dtype=torch.float32):
-    """(ModelConfig, model) from a HuggingFace directory. Builds on meta and assigns the loaded tensors,
-    so the weights are allocated once."""
+def read_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, our full state dict) from a HuggingFace directory; tensors are read one at a time."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"checkpoint folder not found: {path}")
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json; give a HuggingFace model folder (config.json + weights)")
-    config = hf_config_to_model_config(_read_json(path / "config.json"), name=path.resolve().name)
+    hf_config = _read_json(path / "config.json")
+    config = hf_config_to_model_config(hf_config, name=path.resolve().name)
+    if config.arch == "bert" and "mask_token_id" not in hf_config:
+        config.mask_token_id = _vocab_index(path / "vocab.txt", "[MASK]", default=config.mask_token_id)
     hf_state = _LazyTensors(_open_weights(_weight_files(path)), device, dtype)
-    state = hf_to_syntorch_state_dict(hf_state, config)
+    return config, hf_to_syntorch_state_dict(hf_state, config)
+
+
+def load_checkpoint(path, device="cpu", dtype=torch.float32):
+    """(ModelConfig, model) from a HuggingFace directory. Builds on meta and assigns the loaded tensors,
+    so the weights are allocated once."""
+    config, state = read_checkpoint(path, device, dtype)
     model = build_model(config, device="meta", dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()

@@ -98,7 +98,7 @@ def test_config_mapping(saved):
     assert full_rotary.rotary_dim == 16
 
 
-def test_wrong_dtype_and_swapped_tensors_are_caught(saved, tmp_path):
+def test_parity_check_is_sensitive_and_dtype_applies(saved, tmp_path):
     """The parity test can fail: swapping q and k in a checkpoint moves the logits far beyond 1e-4."""
     model, st, _ = saved["gptj"]
     folder = tmp_path / "swapped"
@@ -150,13 +150,27 @@ def test_bert_pretraining_checkpoint_and_base_model_keys(tmp_path):
         assert (ours(idx) - pre(idx).prediction_logits).abs().max().item() <= 1e-4
     gpt2 = randomized(make_gpt2())
     config = ckpt.hf_config_to_model_config(gpt2.config.to_dict())
+    # as the original gpt2 checkpoint: a GPT2Model (no prefix, no head) with the causal-mask buffers
     base = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
+    base.update({"h.0.attn.bias": torch.ones(1, 1, 64, 64), "h.0.attn.masked_bias": torch.tensor(-1e4)})
     state = hf_to_syntorch_state_dict(base, config)
     assert torch.equal(state["layers.1.mlp.fc1.weight"], gpt2.transformer.h[1].mlp.c_fc.weight.t())
+    assert state["lm_head.weight"] is state["tok_emb.weight"]
     bert_sd = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
                for k, v in pre.state_dict().items()}
     state = hf_to_syntorch_state_dict(bert_sd, ckpt.hf_config_to_model_config(pre.config.to_dict()))
     assert torch.equal(state["layers.0.ln1.bias"], pre.bert.encoder.layer[0].attention.output.LayerNorm.bias)
+
+
+def test_legacy_bin_format_and_mask_token_from_vocab(saved, tmp_path):
+    """.bin files written before torch 1.6 are not zip archives and cannot be memory-mapped."""
+    model, st, _ = saved["bert"]
+    shutil.copy(st / "config.json", tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]) + "\n")
+    config, ours = load_checkpoint(tmp_path)
+    assert (logits(ours, "bert", False) - logits(model, "bert", True)).abs().max().item() <= 1e-4
+    assert config.mask_token_id == 4
 
 
 def test_sharded_checkpoint(saved, tmp_path):
