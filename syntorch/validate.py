@@ -1,0 +1,302 @@
+"""Will ASTRA-sim run these Chakra traces? Every rule of DESIGN.md's "ASTRA-sim rules", per file and
+across ranks. Each problem is one line: `file: node N: what to fix`.
+
+Reads any `.et` (ours, or mlc-chakra's converter output from real captures); a file that does not
+decode is a UserError (exit 2), a trace that decodes but breaks a rule is a problem (exit 1).
+"""
+import json
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+from chakra.schema.protobuf import et_def_pb2 as et
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from syntorch.errors import UserError
+
+SIMULATED = {et.ALL_REDUCE, et.ALL_GATHER, et.ALL_TO_ALL, et.REDUCE_SCATTER, et.BROADCAST}
+INT_FIELDS = {"int32_val", "int64_val", "uint32_val", "uint64_val", "sint32_val", "sint64_val",
+              "fixed32_val", "fixed64_val", "sfixed32_val", "sfixed64_val"}
+# attribute -> the value kinds ASTRA-sim's feeder accepts for it
+ATTR_KINDS = {name: INT_FIELDS for name in ("comm_type", "comm_size", "comm_src", "comm_dst", "comm_tag",
+                                            "num_ops", "tensor_size", "comm_priority")}
+ATTR_KINDS.update(pg_name={"string_val"}, is_cpu_op={"bool_val"} | INT_FIELDS, involved_dim={"bool_list"})
+REQUIRED = {et.COMM_COLL_NODE: ("comm_type", "comm_size", "pg_name"),
+            et.COMM_SEND_NODE: ("comm_dst", "comm_tag", "comm_size"),
+            et.COMM_RECV_NODE: ("comm_src", "comm_tag", "comm_size")}
+COMM_NODES = set(REQUIRED)
+
+
+@dataclass
+class RankTrace:
+    path: Path
+    rank: int
+    nodes: list = field(default_factory=list)
+
+    def where(self, node=None) -> str:
+        return f"{self.path.name}: node {node.id}" if node is not None else self.path.name
+
+
+def find_traces(path) -> list[tuple[int, Path]]:
+    """DIR (one prefix of `<prefix>.<rank>.et` files in it) or PREFIX -> [(rank, file)] sorted by rank."""
+    path = Path(path)
+    folder, prefix = (path, None) if path.is_dir() else (path.parent, path.name)
+    pattern = re.compile(r"(.*)\.(\d+)\.et$")
+    found = defaultdict(list)
+    for f in folder.glob("*.et") if folder.is_dir() else []:
+        m = pattern.match(f.name)
+        if m and (prefix is None or m.group(1) == prefix):
+            found[m.group(1)].append((int(m.group(2)), f))
+    if not found:
+        raise UserError(f"no <prefix>.<rank>.et files at {path}; give the trace folder or its prefix")
+    if len(found) > 1:
+        raise UserError(f"{path} holds traces of several prefixes ({', '.join(sorted(found))}); give one prefix")
+    return sorted(next(iter(found.values())))
+
+
+def read_trace(path: Path) -> tuple[et.GlobalMetadata | None, list[et.Node]]:
+    """Decodes one length-delimited .et file (header None when it starts with a node instead);
+    UserError when it is not a Chakra trace at all."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    messages, pos = [], 0
+    while pos < len(data):
+        size, pos = _varint(data, pos, path)
+        if pos + size > len(data):
+            raise UserError(f"{path}: corrupt .et (a message runs past the end of the file)")
+        messages.append(data[pos:pos + size])
+        pos += size
+    if not messages:
+        raise UserError(f"{path}: empty .et file (no GlobalMetadata, no nodes)")
+    header = _parse(et.GlobalMetadata, messages[0])
+    first = _parse(et.Node, messages[0])
+    if header is None or (UnknownFieldSet(header) and first is not None and first.type):
+        if first is None:
+            raise UserError(f"{path}: corrupt .et (the first message is neither GlobalMetadata nor a node)")
+        header, messages = None, [b"", *messages]  # no header: the first message is a node
+    nodes = [_parse(et.Node, m) for m in messages[1:]]
+    if any(n is None or UnknownFieldSet(n) for n in nodes):
+        raise UserError(f"{path}: corrupt .et (a message does not decode as a Chakra node)")
+    return header, nodes
+
+
+def _parse(message_type, data: bytes):
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        return None
+
+
+def _varint(data: bytes, pos: int, path) -> tuple[int, int]:
+    result = shift = 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        result |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+    raise UserError(f"{path}: corrupt .et (a length prefix is cut off)")
+
+
+def validate_traces(path, comm_groups=None, roofline: bool = False) -> list[str]:
+    """Problems (one line each) ASTRA-sim would hit with the traces at `path` (DIR or PREFIX), using
+    `comm_groups` (a JSON file; default: comm_groups.json beside the traces). [] means it will run."""
+    return check_traces(path, comm_groups, roofline)[0]
+
+
+def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[str], int, int]:
+    """(problems, ranks, nodes) for the traces at `path`; see validate_traces."""
+    files = find_traces(path)
+    problems = []
+    ranks = [r for r, _ in files]
+    if ranks != list(range(len(ranks))):
+        problems.append(f"{files[0][1].parent}: ranks {ranks[:8]} are not 0..{len(ranks) - 1}; "
+                        "ASTRA-sim reads one file per NPU, <prefix>.0.et upward")
+    groups = _load_groups(Path(comm_groups) if comm_groups else files[0][1].parent / "comm_groups.json",
+                          explicit=comm_groups is not None)
+    traces = []
+    for rank, f in files:
+        header, nodes = read_trace(f)
+        trace = RankTrace(f, rank, nodes)
+        if header is None:
+            problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
+                            "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
+        problems += check_rank(trace, groups, len(files), roofline)
+        traces.append(trace)
+    problems += check_collective_order(traces, groups, len(files))
+    problems += check_send_recv(traces)
+    return problems, len(traces), sum(len(t.nodes) for t in traces)
+
+
+def _load_groups(path: Path, explicit: bool) -> dict[str, list[int]]:
+    if not path.is_file():
+        if explicit:
+            raise UserError(f"comm groups file {path} not found")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(data, dict) or not all(
+            re.fullmatch(r"\d+", k) and isinstance(v, list) and all(isinstance(r, int) for r in v)
+            for k, v in data.items()):
+        raise UserError(f"{path}: expected {{\"1\": [0, 1], ...}} (integer-string keys -> lists of ranks)")
+    return data
+
+
+def _attrs(node) -> dict:
+    return {a.name: a for a in node.attr}
+
+
+def _value(attr):
+    return getattr(attr, attr.WhichOneof("value")) if attr.WhichOneof("value") else None
+
+
+def check_rank(trace: RankTrace, groups: dict, world: int, roofline: bool = False) -> list[str]:
+    """Rules within one file: unique ids, deps that exist, no cycle, node types and attributes."""
+    problems, ids = [], Counter(n.id for n in trace.nodes)
+    for node_id, count in ids.items():
+        if count > 1:
+            problems.append(f"{trace.path.name}: node {node_id}: id used by {count} nodes; ids must be unique "
+                            "(ASTRA-sim keeps only the last)")
+    for node in trace.nodes:
+        problems += [f"{trace.where(node)}: {p}" for p in _check_node(node, ids, groups, trace.rank, world, roofline)]
+    problems += _check_cycles(trace)
+    return problems
+
+
+def _check_node(node, ids, groups, rank, world, roofline) -> list[str]:
+    problems = []
+    for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps)):
+        problems += [f"{kind} names node {d}, which is not in this file" for d in deps if d not in ids]
+    if node.type in (et.METADATA_NODE, et.INVALID_NODE):
+        return problems + [f"{et.NodeType.Name(node.type)} is not allowed (ASTRA-sim aborts or stalls); "
+                           "drop it or make it a COMP_NODE"]
+    attrs = _attrs(node)
+    for name, attr in attrs.items():
+        kind = attr.WhichOneof("value")
+        if name in ATTR_KINDS and kind not in ATTR_KINDS[name]:
+            want = "a bool_list" if name == "involved_dim" else "a string_val" if name == "pg_name" else "an integer"
+            problems.append(f"attribute {name} is {kind}, must be {want}")
+    if node.type == et.COMP_NODE and roofline:
+        problems += [f"COMP_NODE needs {a} for roofline" for a in ("num_ops", "tensor_size") if a not in attrs]
+    if node.type in COMM_NODES:
+        problems += _check_comm(node, attrs, groups, rank, world)
+    return problems
+
+
+def _check_comm(node, attrs, groups, rank, world) -> list[str]:
+    problems = [f"{et.NodeType.Name(node.type)} needs attribute {a}" for a in REQUIRED[node.type] if a not in attrs]
+    if "is_cpu_op" in attrs and _value(attrs["is_cpu_op"]):
+        problems.append("communication node with is_cpu_op true; ASTRA-sim rejects it: set it false")
+    size = attrs.get("comm_size")
+    if size is not None and size.WhichOneof("value") in INT_FIELDS and _value(size) <= 0:
+        problems.append(f"comm_size is {_value(size)}; it must be the bytes moved, > 0")
+    comm_type = attrs.get("comm_type")
+    if node.type == et.COMM_COLL_NODE and comm_type is not None and comm_type.WhichOneof("value") in INT_FIELDS:
+        value = _value(comm_type)
+        if value not in SIMULATED:
+            name = et.CollectiveCommType.Name(value) if value in et.CollectiveCommType.values() else value
+            problems.append(f"comm_type {name} throws in ASTRA-sim; express it as ALL_REDUCE, ALL_GATHER, "
+                            "REDUCE_SCATTER, ALL_TO_ALL or send/recv")
+    pg = attrs.get("pg_name")
+    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0"):
+        if pg.string_val not in groups:
+            problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
+        elif node.type == et.COMM_COLL_NODE and rank not in groups[pg.string_val]:
+            problems.append(f"rank {rank} issues a collective of group {pg.string_val} "
+                            f"{groups[pg.string_val]} without being in it")
+    for peer in ("comm_src", "comm_dst"):
+        value = _value(attrs[peer]) if peer in attrs and attrs[peer].WhichOneof("value") in INT_FIELDS else None
+        if value is not None and not 0 <= value < world:
+            problems.append(f"{peer} {value} is not a rank (0..{world - 1})")
+    return problems
+
+
+def _check_cycles(trace: RankTrace) -> list[str]:
+    graph = nx.DiGraph()
+    graph.add_nodes_from(n.id for n in trace.nodes)
+    graph.add_edges_from((d, n.id) for n in trace.nodes for d in (*n.data_deps, *n.ctrl_deps))
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        return []
+    path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+    return [f"{trace.path.name}: node {cycle[0][0]}: dependency cycle {path}; ASTRA-sim cannot start any of them"]
+
+
+def _int_attr(attrs, name):
+    attr = attrs.get(name)
+    return _value(attr) if attr is not None and attr.WhichOneof("value") in INT_FIELDS else None
+
+
+def check_collective_order(traces: list[RankTrace], groups: dict, world: int) -> list[str]:
+    """Every member of a group issues its collectives in the same order, type and size (file order)."""
+    issued = defaultdict(dict)  # group -> rank -> [(node, comm_type, comm_size)]
+    for trace in traces:
+        for node in trace.nodes:
+            if node.type != et.COMM_COLL_NODE:
+                continue
+            attrs = _attrs(node)
+            pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
+            key = "0" if pg == "" else pg
+            issued[key].setdefault(trace.rank, []).append(
+                (node, _int_attr(attrs, "comm_type"), _int_attr(attrs, "comm_size")))
+    problems, by_rank = [], {t.rank: t for t in traces}
+    for pg, per_rank in issued.items():
+        members = list(range(world)) if pg == "0" else groups.get(pg, [])
+        members = [m for m in members if m in by_rank]
+        if not members:
+            continue
+        ref_rank = members[0]
+        ref = per_rank.get(ref_rank, [])
+        for rank in members[1:]:
+            mine = per_rank.get(rank, [])
+            problems += _compare(by_rank[rank], mine, ref_rank, ref, pg)
+    return problems
+
+
+def _describe(entry) -> str:
+    _, comm_type, size = entry
+    name = et.CollectiveCommType.Name(comm_type) if comm_type in et.CollectiveCommType.values() else comm_type
+    return f"{name} of {size} B"
+
+
+def _compare(trace, mine, ref_rank, ref, pg) -> list[str]:
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        if a[1:] != b[1:]:
+            return [f"{trace.where(a[0])}: collective #{i} of group {pg} is {_describe(a)} but rank {ref_rank} "
+                    f"issues {_describe(b)}; every member must issue the group's collectives in the same order"]
+    if len(mine) != len(ref):
+        return [f"{trace.where()}: issues {len(mine)} collectives in group {pg}, rank {ref_rank} issues "
+                f"{len(ref)}; the run would hang waiting for the missing ones"]
+    return []
+
+
+def check_send_recv(traces: list[RankTrace]) -> list[str]:
+    """Every send has a recv on its peer with the same source, tag and size, and the other way round."""
+    sends, recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [(trace, node)]
+    for trace in traces:
+        for node in trace.nodes:
+            attrs = _attrs(node)
+            if node.type == et.COMM_SEND_NODE:
+                key = (trace.rank, _int_attr(attrs, "comm_dst"), _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size"))
+                sends[key].append((trace, node))
+            elif node.type == et.COMM_RECV_NODE:
+                key = (_int_attr(attrs, "comm_src"), trace.rank, _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size"))
+                recvs[key].append((trace, node))
+    problems = []
+    for key in sends.keys() | recvs.keys():
+        src, dst, tag, size = key
+        extra_sends, extra_recvs = sends[key][len(recvs[key]):], recvs[key][len(sends[key]):]
+        problems += [f"{t.where(n)}: send to rank {dst} (tag {tag}, {size} B) has no matching recv on rank {dst}"
+                     for t, n in extra_sends]
+        problems += [f"{t.where(n)}: recv from rank {src} (tag {tag}, {size} B) has no matching send on rank {src}"
+                     for t, n in extra_recvs]
+    return problems
