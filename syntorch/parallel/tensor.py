@@ -1,0 +1,237 @@
+"""Megatron tensor parallelism applied to a finished plain model, in place.
+
+As in gpt-fast's tp.py the model knows nothing of ranks: apply_tp swaps the Linear/Embedding modules named
+in the plan for parallel ones holding this rank's shard (same module and parameter names, so traces and
+state dicts keep their keys). As in torchtitan the plan is data, {module suffix: style}:
+
+- colwise_qkv / colwise: output features split (q, k and v each by heads). Megatron's f before: identity
+  forward, all-reduce of the gradient backward.
+- rowwise: input features split; g after: all-reduce forward; the bias is added once, after it.
+- vocab_embedding: rows of the padded vocabulary split; masked lookup, then all-reduce.
+- vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling.
+
+Sequence parallel (Korthikanti et al. 2022) keeps the residual stream and LayerNorms split along the sequence:
+each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) plus an all-gather (before a
+column-parallel layer). A forward whose length does not divide by the TP degree (a one-token decode step)
+runs plain TP; the embedding decides once per forward and every module follows.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from syntorch.config import ModelConfig
+from syntorch.errors import UserError
+from syntorch.parallel import comm
+
+TP_PLAN = {
+    "tok_emb": "vocab_embedding",
+    "attn.qkv": "colwise_qkv",
+    "attn.proj": "rowwise",
+    "mlp.fc1": "colwise",
+    "mlp.fc2": "rowwise",
+    "lm_head": "vocab_head",
+}
+# sequence parallel also splits what is added to the embedding, gathers the sequence where attention and the
+# MLP start (they need all positions; the gather stands where Megatron's f does), and after the last block
+SP_PLAN = {"pos_emb": "sequence_split", "type_emb": "sequence_split", "attn": "sequence_gather_input",
+           "mlp": "sequence_gather_input"}
+VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 * tp
+
+
+@dataclass
+class TPGroup:
+    """What every parallel module of one model shares: the group, and whether this forward is sequence-split."""
+    group: object  # torch ProcessGroup (None: the whole world)
+    rank: int
+    size: int
+    sequence_parallel: bool = False
+    seq_split: bool = False  # set by the embedding at the start of each forward
+
+
+@dataclass
+class TPPlan:
+    """What apply_tp did: the styles it applied and the local (per-rank) shapes. The config stays global."""
+    tp: int
+    rank: int
+    sequence_parallel: bool
+    padded_vocab: int
+    styles: dict[str, str] = field(default_factory=dict)  # module name -> style
+    local_shapes: dict[str, tuple] = field(default_factory=dict)  # parameter name -> shape on this rank
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """TP splits heads and FFN columns evenly; say in one line when it cannot."""
+    if tp > config.n_head:
+        raise UserError(f"--tp {tp} is larger than {config.name}'s {config.n_head} attention heads; "
+                        f"use a --tp that divides {config.n_head}")
+    for what, n in (("attention heads", config.n_head), ("FFN size", config.d_ff)):
+        if n % tp:
+            fits = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and config.d_ff % d == 0]
+            raise UserError(f"--tp {tp} does not divide {config.name}'s {what} ({n}); "
+                            f"choose --tp from {', '.join(map(str, fits))}")
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    step = VOCAB_MULTIPLE * tp
+    return -(-vocab_size // step) * step
+
+
+def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+    """{module name: style} for this model: every module whose name ends with a plan key."""
+    rules = {**TP_PLAN, **(SP_PLAN if sequence_parallel else {})}
+    plan = {}
+    for name, module in model.named_modules():
+        for suffix, style in rules.items():
+            if module is not None and (name == suffix or name.endswith("." + suffix)):
+                plan[name] = style
+    if sequence_parallel:
+        plan[f"layers.{list(model.layers)[-1]}"] = "sequence_gather"
+    return plan
+
+
+# -- sharding: one function for in-memory weights and lazily opened checkpoints ----------------------------
+
+def _shape(full) -> tuple:
+    return tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
+
+
+def _vocab_rows(full, rank: int, size: int, vocab_pad: int) -> torch.Tensor:
+    # rows [rank * local, (rank + 1) * local) of the vocabulary padded with zeros to vocab_pad
+    shape, local = _shape(full), vocab_pad // size
+    start = rank * local
+    n = max(0, min(shape[0], start + local) - start)
+    rows = full[start:start + n] if n else torch.zeros((0, *shape[1:]))
+    pad = torch.zeros((local - n, *shape[1:]), dtype=rows.dtype, device=rows.device)
+    return torch.cat((rows, pad)) if local > n else rows
+
+
+def take_shard(style: str, param: str, full, rank: int, size: int, vocab_pad: int, d_head: int) -> torch.Tensor:
+    """This rank's part of the full tensor `full` (a tensor, or a safetensors slice read lazily).
+
+    `param` is "weight" or "bias" of a module with that style.
+    """
+    shape = _shape(full)
+    if style == "colwise":
+        n = shape[0] // size
+        return full[rank * n:(rank + 1) * n]
+    if style == "colwise_qkv":  # out dim laid out [3, heads, d_head]: take our heads of each of q, k, v
+        heads = shape[0] // (3 * d_head)
+        rows = heads // size * d_head
+        return torch.cat([full[j * heads * d_head + rank * rows:j * heads * d_head + (rank + 1) * rows]
+                          for j in range(3)])
+    if style == "rowwise":
+        if param == "bias":  # added once, after the all-reduce
+            return full[:]
+        n = shape[1] // size
+        return full[:, rank * n:(rank + 1) * n]
+    if style in ("vocab_embedding", "vocab_head"):
+        return _vocab_rows(full, rank, size, vocab_pad)
+    return full[:]  # replicated
+
+
+# -- the parallel modules -------------------------------------------------------------------------------
+
+def _param(t: torch.Tensor | None, like: nn.Parameter | None):
+    return None if t is None else nn.Parameter(t.contiguous(), requires_grad=like.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, weight, bias, tp: TPGroup):
+        super().__init__()
+        self.weight, self.bias, self.tp = weight, bias, tp
+
+    def forward(self, x):  # x: [B, T, d]
+        if not self.tp.seq_split:  # under SP the all-gather before attn/mlp already reduces the gradient
+            x = comm.copy_to_tp(x, self.tp.group)
+        return F.linear(x, self.weight, self.bias)  # [B, T, out/tp]
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, weight, bias, tp: TPGroup):
+        super().__init__()
+        self.weight, self.bias, self.tp = weight, bias, tp
+
+    def forward(self, x):  # x: [B, T, in/tp]
+        y = F.linear(x, self.weight)  # partial sums [B, T, out]
+        if self.tp.seq_split:
+            y = comm.reduce_scatter_to_sp(y, 1, self.tp.group)  # [B, T/tp, out]
+        else:
+            y = comm.reduce_from_tp(y, self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight, tp: TPGroup):
+        super().__init__()
+        self.weight, self.tp = weight, tp
+        self.vocab_start = tp.rank * weight.shape[0]
+
+    def forward(self, idx):  # idx: [B, T] global token ids
+        tp = self.tp
+        tp.seq_split = tp.sequence_parallel and idx.shape[1] % tp.size == 0
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0)  # [B, T, d], rows other ranks hold are zero
+        return comm.reduce_scatter_to_sp(x, 1, tp.group) if tp.seq_split else comm.reduce_from_tp(x, tp.group)
+
+
+class VocabParallelHead(nn.Module):
+    def __init__(self, weight, bias, vocab_size: int, tp: TPGroup):
+        super().__init__()
+        self.weight, self.bias, self.vocab_size, self.tp = weight, bias, vocab_size, tp
+
+    def forward(self, x):  # x: [B, T, d] -> logits [B, T, vocab_size], the same on every rank
+        logits = F.linear(comm.copy_to_tp(x, self.tp.group), self.weight, self.bias)  # [B, T, V_pad/tp]
+        return comm.gather_from_tp(logits, -1, self.tp.group)[..., :self.vocab_size]
+
+
+def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: ModelConfig) -> nn.Module:
+    def shard(param):
+        full = getattr(module, param, None)
+        if full is None:
+            return None
+        return _param(take_shard(style, param, full.detach(), tp.rank, tp.size, vocab_pad, config.d_head), full)
+
+    if style in ("colwise", "colwise_qkv"):
+        return ColumnParallelLinear(shard("weight"), shard("bias"), tp)
+    if style == "rowwise":
+        return RowParallelLinear(shard("weight"), shard("bias"), tp)
+    if style == "vocab_embedding":
+        return VocabParallelEmbedding(shard("weight"), tp)
+    if style == "vocab_head":
+        return VocabParallelHead(shard("weight"), shard("bias"), config.vocab_size, tp)
+    if style == "sequence_split":  # replicated table; keep this rank's positions
+        module.register_forward_hook(lambda m, inp, out: comm.split_to_sp(out, -2, tp.group) if tp.seq_split else out)
+    elif style == "sequence_gather_input":
+        module.register_forward_pre_hook(
+            lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.seq_split else args)
+    elif style == "sequence_gather":  # into the replicated head: backward keeps this rank's chunk, no reduction
+        module.register_forward_hook(lambda m, inp, out: comm.gather_from_tp(out, 1, tp.group) if tp.seq_split else out)
+    return module
+
+
+def resolve_group(mesh_or_group):
+    """A MeshGroups (its TP group), a ProcessGroup, or None for the whole world."""
+    return getattr(mesh_or_group, "tp", mesh_or_group)
+
+
+def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = False) -> TPPlan:
+    """Shard `model` in place over the TP group; returns the plan with local shapes. The config is not touched."""
+    group = resolve_group(mesh_or_group)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = model.config
+    check_tp(config, size)
+    tp = TPGroup(group, rank, size, sequence_parallel)
+    plan = TPPlan(size, rank, sequence_parallel, padded_vocab(config.vocab_size, size),
+                  styles=plan_for(model, sequence_parallel))
+    for name, style in plan.styles.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _build(style, getattr(parent, child), tp, plan.padded_vocab, config))
+    model.tie_weights()  # the head and the embedding hold the same vocabulary rows
+    plan.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    return plan
