@@ -83,7 +83,7 @@ def test_ring_alpha_beta():
     bw, lat = 450e9, 2.0
     assert cost.collective_us("all_reduce", mb, list(range(8)), H100) == pytest.approx(14 * lat + 1e6 * 2 * 7 / 8 * mb / bw)
     assert cost.collective_us("reduce_scatter", mb, list(range(8)), H100) == pytest.approx(7 * lat + 1e6 * 7 / 8 * mb / bw)
-    assert cost.collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(7 * lat + 1e6 * 7 * mb / bw)
+    assert cost.collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(7 * lat + 1e6 * 7 / 8 * mb / bw)
     assert cost.collective_us("send", mb, [0, 1], H100) == pytest.approx(lat + 1e6 * mb / bw)
     # ranks 0 and 8 sit in different nodes: InfiniBand figures
     assert cost.collective_us("all_reduce", mb, [0, 8], H100) == pytest.approx(2 * 5.0 + 1e6 * mb / 50e9)

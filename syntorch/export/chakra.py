@@ -25,17 +25,27 @@ from google.protobuf.json_format import MessageToDict
 
 from syntorch.errors import UserError
 
-COMM_TYPES = {"all_reduce": et.ALL_REDUCE, "all_gather": et.ALL_GATHER,
-              "reduce_scatter": et.REDUCE_SCATTER, "all_to_all": et.ALL_TO_ALL}
-# Collectives ASTRA-sim throws on (barrier, reduce, gather, scatter) or only replays by duration
-# (broadcast), as ones it simulates: name -> (comm type, comm_size from (bytes, group size), note).
-REWRITES = {
-    "broadcast": (et.ALL_GATHER, lambda b, n: math.ceil(b / n),
-                  "broadcast written as all_gather of bytes/n per rank (same result, same ring traffic)"),
+
+
+def _part(nbytes: int, n: int) -> int:
+    return math.ceil(nbytes / n)
+
+
+# graph collective -> (Chakra comm type, comm_size from the graph's bytes and the group size, note when
+# rewritten). The graph's bytes are the larger buffer (nccl-tests' size); ASTRA-sim's comm_size is the
+# whole buffer for all-reduce, reduce-scatter and all-to-all, but each rank's part for all-gather (its
+# ring sends comm_size per step and ends with n times it). ASTRA-sim throws on barrier, reduce, gather
+# and scatter, and only replays broadcast's duration, so those become collectives it simulates.
+COLLECTIVE_TYPES = {
+    "all_reduce": (et.ALL_REDUCE, lambda b, n: b, None),
+    "reduce_scatter": (et.REDUCE_SCATTER, lambda b, n: b, None),
+    "all_to_all": (et.ALL_TO_ALL, lambda b, n: b, None),
+    "all_gather": (et.ALL_GATHER, _part, None),
+    "broadcast": (et.ALL_GATHER, _part, "broadcast written as all_gather of bytes/n per rank (same result, same ring traffic)"),
     "barrier": (et.ALL_REDUCE, lambda b, n: 4, "barrier written as a 4-byte all_reduce, as NCCL runs it"),
     "reduce": (et.ALL_REDUCE, lambda b, n: b, "reduce written as all_reduce of the same bytes"),
-    "gather": (et.ALL_GATHER, lambda b, n: b, "gather written as all_gather of the same bytes"),
-    "scatter": (et.ALL_GATHER, lambda b, n: b, "scatter written as all_gather of each rank's part"),
+    "gather": (et.ALL_GATHER, _part, "gather written as all_gather of the same bytes"),
+    "scatter": (et.ALL_GATHER, _part, "scatter written as all_gather of each rank's part"),
 }
 P2P = {"send": et.COMM_SEND_NODE, "recv": et.COMM_RECV_NODE}
 TRACE_FILES = ("comm_groups.json", "tensor_trace_chakra.json")
@@ -50,8 +60,9 @@ def scan_groups(graphs) -> tuple[dict[tuple[int, ...], int], list[str]]:
         for _, data in graph.nodes(data=True):
             if data["kind"] == "collective":
                 ids.setdefault(tuple(sorted(data["group"])), len(ids) + 1)
-                if data["collective"] in REWRITES:
-                    notes.add(REWRITES[data["collective"]][2])
+                note = COLLECTIVE_TYPES.get(data["collective"], (None, None, None))[2]
+                if note:
+                    notes.add(note)
     return ids, sorted(notes)
 
 
@@ -105,21 +116,28 @@ def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
         peer = ("comm_dst", data["dst"]) if kind == "send" else ("comm_src", data["src"])
         return P2P[kind], [(peer[0], "int64_val", peer[1]), ("comm_tag", "int64_val", data["tag"]),
                            ("comm_size", "int64_val", max(data["bytes"], 1)), ("pg_name", "string_val", pg_name)]
-    if kind in COMM_TYPES:
-        comm_type, size = COMM_TYPES[kind], data["bytes"]
-    else:
-        comm_type, size_of, _ = REWRITES[kind]
-        size = size_of(data["bytes"], len(data["group"]))
+    if kind not in COLLECTIVE_TYPES:
+        raise UserError(f"collective {kind!r} has no Chakra form; use one of {', '.join([*COLLECTIVE_TYPES, *P2P])}")
+    comm_type, size_of, _ = COLLECTIVE_TYPES[kind]
+    size = size_of(data["bytes"], len(data["group"]))
     return et.COMM_COLL_NODE, [("comm_type", "int64_val", comm_type), ("comm_size", "int64_val", max(size, 1)),
                                ("pg_name", "string_val", pg_name)]
 
 
 def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpec]:
     """The Chakra nodes of one rank's graph, ids 0.. in traced order; `groups` from scan_groups."""
-    try:
-        return _chakra_nodes(graph, graph, groups)
-    except KeyError:  # a producer after its consumer: node ids are not in traced order
-        return _chakra_nodes(graph, list(nx.topological_sort(graph)), groups)
+    return _chakra_nodes(graph, graph if _in_traced_order(graph) else list(nx.topological_sort(graph)), groups)
+
+
+def _in_traced_order(graph: nx.DiGraph) -> bool:
+    """Does every op come after the ops that produce its inputs, in node order (the tracer's order)?"""
+    seen, pred = set(), graph.pred
+    for n, kind in graph.nodes(data="kind"):
+        if kind != "tensor":
+            if any(p not in seen for t in pred[n] for p in pred[t]):
+                return False
+            seen.add(n)
+    return True
 
 
 def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
@@ -231,15 +249,16 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
     out_dir = Path(out_dir)
     model = model_name or graphs_by_rank[0].graph.get("model") or "trace"
     stale = _check_out_dir(out_dir, model, len(ranks), force)
-    graphs = {r: _level_graph(graphs_by_rank[r], level) for r in ranks}
-    distinct = {_graph_key(g): g for g in graphs.values()}
+    graphs = {r: graphs_by_rank[r] for r in ranks}
+    # one level view per distinct graph: the ranks sharing it share its encoding too
+    distinct = {_graph_key(g): _level_graph(g, level) for g in graphs.values()}
     groups, notes = scan_groups(distinct.values())
     encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
     with atomic_output_dir(out_dir) as tmp:
         for rank in ranks:
             graph, key = graphs[rank], _graph_key(graphs[rank])
             if key not in encoded:
-                specs = chakra_nodes(graph, groups)
+                specs = chakra_nodes(distinct[key], groups)
                 encoded[key] = (_serialize(specs), len(specs), any(s.duration_micros for s in specs))
                 if rank == 0:
                     _write_json_form(tmp / "tensor_trace_chakra.json",

@@ -1,11 +1,12 @@
 """Per-node durations from a HardwareConfig: roofline for compute, ring alpha-beta for collectives.
 
 Compute (op nodes):  max(flops / peak[dtype], (bytes_read + bytes_written) / memory bandwidth).
-Collectives (n ranks, B = the node's `bytes`, what each rank puts in; alpha = latency per ring step,
-beta = 1 / link bandwidth, inter-node figures when the group spans nodes):
+Collectives (n ranks, B = the node's `bytes`: the larger of its input and output buffer, as nccl-tests
+count a collective's size; alpha = latency per ring step, beta = 1 / link bandwidth, inter-node figures
+when the group spans nodes):
     all_reduce      2(n-1) alpha + 2(n-1)/n B beta     (reduce-scatter then all-gather)
-    reduce_scatter  (n-1) alpha  + (n-1)/n B beta
-    all_gather      (n-1) alpha  + (n-1)/n (n B) beta  (the output is n B)
+    reduce_scatter  (n-1) alpha  + (n-1)/n B beta      (B is the input)
+    all_gather      (n-1) alpha  + (n-1)/n B beta      (B is the output)
     all_to_all      (n-1) alpha  + (n-1)/n B beta
     broadcast       (n-1) alpha  + B beta              (pipelined ring)
     send / recv     alpha + B beta
@@ -19,7 +20,7 @@ from syntorch.hardware import HardwareConfig
 RING = {
     "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
     "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-    "all_gather": lambda n: (n - 1, float(n - 1)),
+    "all_gather": lambda n: (n - 1, (n - 1) / n),
     "all_to_all": lambda n: (n - 1, (n - 1) / n),
     "broadcast": lambda n: (n - 1, 1.0),
     "send": lambda n: (1, 1.0),

@@ -1,0 +1,189 @@
+"""Chakra .et traces: what the official mlc-chakra tools read back from our files."""
+import json
+import sys
+
+import pytest
+from chakra.schema.protobuf import et_def_pb2 as et
+from chakra.src.jsonizer import jsonizer
+from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
+from google.protobuf.json_format import MessageToDict
+
+from syntorch.errors import UserError
+from syntorch.export.chakra import chakra_nodes, scan_groups, to_json, to_proto, write_chakra
+from syntorch.hardware import load_hw_config
+from syntorch.trace.cost import fill_durations
+from syntorch.trace.graph import RankTraces, TraceGraph
+from syntorch.validate import validate_traces
+
+F32 = "torch.float32"
+
+
+def tp_rank(rank: int, world: int = 2) -> TraceGraph:
+    """A hand-built TP rank: mm -> view -> all_reduce -> gelu -> all_gather, then a broadcast and a barrier."""
+    group = list(range(world))
+    g = TraceGraph(model="toy", rank=rank, world_size=world, tp=world)
+    x = g.add_tensor([4, 8], F32, 128)
+    w = g.add_tensor([8, 8], F32, 256, is_param=True, name="fc.weight")
+    y = g.add_tensor([4, 8], F32, 128)
+    g.add_op("aten.mm", [x, w], [y], module="fc", flops=512, bytes_read=384, bytes_written=128)  # chakra 0
+    v = g.add_tensor([32], F32, 128)
+    g.add_op("aten.view", [y], [v], module="fc", is_view=True)  # folded
+    z = g.add_tensor([32], F32, 128)
+    g.add_collective("all_reduce", [v], [z], group=group, nbytes=128, reduce_op="sum")  # 1
+    a = g.add_tensor([32], F32, 128)
+    g.add_op("aten.gelu", [z], [a], module="act", flops=256, bytes_read=128, bytes_written=128)  # 2
+    gathered = g.add_tensor([32 * world], F32, 128 * world)
+    g.add_collective("all_gather", [a], [gathered], group=group, nbytes=128 * world)  # 3
+    token = g.add_tensor([1], "torch.int64", 8)
+    g.add_collective("broadcast", [token], [], group=group, nbytes=8, src=0)  # 4
+    g.add_collective("barrier", [], [], group=group, nbytes=0)  # 5
+    return g
+
+
+def pp_rank(rank: int) -> TraceGraph:
+    """Two pipeline stages: rank 0 computes and sends, rank 1 receives and computes."""
+    g = TraceGraph(model="pipe", rank=rank, world_size=2, pp=2)
+    x = g.add_tensor([4, 8], F32, 128)
+    if rank == 0:
+        y = g.add_tensor([4, 8], F32, 128)
+        g.add_op("aten.relu", [x], [y], flops=32, bytes_read=128, bytes_written=128)
+        g.add_collective("send", [y], [], group=[0, 1], nbytes=128, src=0, dst=1, tag=7)
+    else:
+        g.add_collective("recv", [], [x], group=[0, 1], nbytes=128, src=0, dst=1, tag=7)
+        y = g.add_tensor([4, 8], F32, 128)
+        g.add_op("aten.relu", [x], [y], flops=32, bytes_read=128, bytes_written=128)
+    return g
+
+
+def read_et(path):
+    """The official reader: protolib over openFileRd, as chakra_jsonizer and the feeder read."""
+    f = openFileRd(str(path))
+    header, nodes = et.GlobalMetadata(), []
+    assert decodeMessage(f, header)
+    node = et.Node()
+    while decodeMessage(f, node):
+        nodes.append(node)
+        node = et.Node()
+    f.close()
+    return header, nodes
+
+
+def attrs(node) -> dict:
+    return {a.name: a for a in node.attr}
+
+
+@pytest.fixture
+def tp_traces(tmp_path):
+    summary = write_chakra({r: tp_rank(r) for r in range(2)}, tmp_path / "chakra")
+    return tmp_path / "chakra", summary
+
+
+def test_official_reader_sees_every_rank(tp_traces):
+    out, summary = tp_traces
+    assert sorted(p.name for p in out.iterdir()) == ["comm_groups.json", "tensor_trace_chakra.json",
+                                                     "toy.0.et", "toy.1.et"]
+    assert json.loads((out / "comm_groups.json").read_text()) == {"1": [0, 1]}
+    for rank in range(2):
+        header, nodes = read_et(out / f"toy.{rank}.et")
+        meta = attrs(header)
+        assert meta["rank"].int64_val == rank and meta["model"].string_val == "toy"
+        assert len(meta["notes"].string_list.values) == 2  # broadcast and barrier were rewritten
+        assert [n.id for n in nodes] == list(range(6))
+        assert [n.type for n in nodes] == [et.COMP_NODE, et.COMM_COLL_NODE, et.COMP_NODE] + [et.COMM_COLL_NODE] * 3
+    assert summary["nodes"] == 12 and summary["ranks"] == 2 and summary["distinct_traces"] == 2
+    assert validate_traces(out) == []
+
+
+def test_nodes_carry_what_astra_sim_reads(tp_traces):
+    out, _ = tp_traces
+    _, nodes = read_et(out / "toy.0.et")
+    mm, ar, gelu, ag, bcast, barrier = nodes
+    assert attrs(mm)["num_ops"].int64_val == 512 and attrs(mm)["tensor_size"].uint64_val == 512
+    assert attrs(mm)["is_cpu_op"].WhichOneof("value") == "bool_val" and not attrs(mm)["is_cpu_op"].bool_val
+    assert mm.inputs.shapes == "[[4,8],[8,8]]" and json.loads(mm.inputs.types) == [F32, F32]
+    # the view is folded: the all-reduce depends on the mm through it
+    assert list(ar.data_deps) == [0] and list(gelu.data_deps) == [1]
+    assert attrs(ar)["comm_type"].int64_val == et.ALL_REDUCE and attrs(ar)["comm_size"].int64_val == 128
+    assert attrs(ar)["pg_name"].string_val == "1"
+    # all-gather: the graph counts the gathered buffer, ASTRA-sim each rank's part
+    assert attrs(ag)["comm_type"].int64_val == et.ALL_GATHER and attrs(ag)["comm_size"].int64_val == 128
+    assert attrs(bcast)["comm_type"].int64_val == et.ALL_GATHER and attrs(bcast)["comm_size"].int64_val == 4
+    assert attrs(barrier)["comm_type"].int64_val == et.ALL_REDUCE and attrs(barrier)["comm_size"].int64_val == 4
+    # one stream per group: each communication waits for the group's previous one
+    assert [list(n.ctrl_deps) for n in nodes] == [[], [], [], [1], [3], [4]]
+
+
+def test_send_recv_pair(tmp_path):
+    write_chakra({r: pp_rank(r) for r in range(2)}, tmp_path)
+    (_, (relu, send)), (_, (recv, relu1)) = read_et(tmp_path / "pipe.0.et"), read_et(tmp_path / "pipe.1.et")
+    assert send.type == et.COMM_SEND_NODE and list(send.data_deps) == [relu.id]
+    assert {k: a.int64_val for k, a in attrs(send).items() if k.startswith("comm")} == \
+        {"comm_dst": 1, "comm_tag": 7, "comm_size": 128}
+    assert recv.type == et.COMM_RECV_NODE and attrs(recv)["comm_src"].int64_val == 0
+    assert list(relu1.data_deps) == [recv.id]
+    assert validate_traces(tmp_path) == []
+
+
+def test_chakra_jsonizer_reads_our_file_and_matches_the_json_form(tp_traces, tmp_path, monkeypatch):
+    out, _ = tp_traces
+    dumped = tmp_path / "jsonized.txt"
+    monkeypatch.setattr(sys, "argv", ["chakra_jsonizer", "--input_filename", str(out / "toy.0.et"),
+                                      "--output_filename", str(dumped)])
+    jsonizer.main()
+    text, objects, pos = dumped.read_text(), [], 0  # back-to-back JSON objects
+    while pos < len(text):
+        obj, pos = json.JSONDecoder().raw_decode(text, pos)
+        objects.append(obj)
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    ours = json.loads((out / "tensor_trace_chakra.json").read_text())
+    assert [ours["global_metadata"], *ours["nodes"]] == objects
+    assert len(objects) == 7
+
+
+def test_json_form_equals_protobuf_json_format():
+    graph = tp_rank(0)
+    fill_durations(graph, load_hw_config("a100-80gb"))
+    groups, _ = scan_groups([graph])
+    for spec in chakra_nodes(graph, groups):
+        assert to_json(spec) == MessageToDict(to_proto(spec))
+
+
+def test_durations_from_hw_config(tmp_path):
+    graph = tp_rank(0, world=1)
+    for _, d in graph.ops():  # big enough to take microseconds on an A100
+        d["flops"] *= 10**8
+    fill_durations(graph, load_hw_config("a100-80gb"))
+    write_chakra({0: graph}, tmp_path)
+    header, nodes = read_et(tmp_path / "toy.0.et")
+    assert nodes[0].duration_micros == round(512e8 / 19.5e12 * 1e6)  # float32: 19.5 TFLOP/s
+    assert attrs(header)["durations"].string_val == "from hw_config"
+
+
+def test_identical_ranks_are_encoded_once(tmp_path):
+    ranks = RankTraces(4)
+    ranks.put_shared(range(4), lambda: tp_rank(0, world=4))
+    summary = write_chakra(ranks, tmp_path)
+    assert summary["distinct_traces"] == 1 and summary["ranks"] == 4
+    bodies = [read_et(tmp_path / f"toy.{r}.et") for r in range(4)]
+    assert all(nodes == bodies[0][1] for _, nodes in bodies)
+    assert [attrs(h)["rank"].int64_val for h, _ in bodies] == [0, 1, 2, 3]
+    assert validate_traces(tmp_path) == []
+
+
+def test_refuses_a_folder_with_other_traces_unless_forced(tmp_path):
+    write_chakra({r: tp_rank(r, world=3) for r in range(3)}, tmp_path)
+    with pytest.raises(UserError, match="already holds Chakra traces"):
+        write_chakra({r: tp_rank(r) for r in range(2)}, tmp_path)
+    assert (tmp_path / "toy.2.et").exists()  # nothing touched
+    write_chakra({r: tp_rank(r) for r in range(2)}, tmp_path, force=True)
+    assert sorted(p.name for p in tmp_path.glob("*.et")) == ["toy.0.et", "toy.1.et"]  # rank 2 was stale
+    assert validate_traces(tmp_path) == []
+
+
+def test_bad_input_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="one graph per rank 0..N-1"):
+        write_chakra({1: tp_rank(1)}, tmp_path)
+    with pytest.raises(UserError, match="level op or module"):
+        write_chakra({0: tp_rank(0, world=1)}, tmp_path, level="layer")
+    assert not list(tmp_path.iterdir())
