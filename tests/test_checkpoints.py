@@ -11,7 +11,7 @@ import syntorch.checkpoints as ckpt
 from syntorch.checkpoints import hf_to_syntorch_state_dict, load_checkpoint, save_checkpoint
 from syntorch.errors import UserError
 from syntorch.models import build_model
-from tests.conftest import tiny_config
+from conftest import tiny_config
 
 TINY = dict(vocab_size=128, n_positions=64)
 
