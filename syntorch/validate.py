@@ -118,8 +118,11 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     if ranks != list(range(len(ranks))):
         problems.append(f"{files[0][1].parent}: ranks {ranks[:8]} are not 0..{len(ranks) - 1}; "
                         "ASTRA-sim reads one file per NPU, <prefix>.0.et upward")
-    groups = _load_groups(Path(comm_groups) if comm_groups else files[0][1].parent / "comm_groups.json",
-                          explicit=comm_groups is not None)
+    groups_file = Path(comm_groups) if comm_groups else files[0][1].parent / "comm_groups.json"
+    groups = _load_groups(groups_file, explicit=comm_groups is not None)
+    for key, members in groups.items():
+        if missing := [m for m in members if m not in ranks]:
+            problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
     traces = []
     for rank, f in files:
         header, nodes = read_trace(f)

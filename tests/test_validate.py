@@ -1,0 +1,198 @@
+"""syntorch validate: a good trace is clean, and breaking it once per ASTRA-sim rule is caught."""
+import json
+
+import pytest
+from chakra.schema.protobuf import et_def_pb2 as et
+from chakra.src.third_party.utils.protolib import encodeMessage
+from test_chakra import attrs, pp_rank, read_et, tp_rank
+
+from syntorch.cli import main
+from syntorch.errors import UserError
+from syntorch.export.chakra import write_chakra
+from syntorch.trace.graph import TraceGraph
+from syntorch.validate import validate_traces
+
+
+def tp_pp_rank(rank: int) -> TraceGraph:
+    """Rank of a 4-rank TP2 x PP2 run: TP groups {0,1} and {2,3}, stage 0 sends to stage 1."""
+    tp = tp_rank(rank % 2)
+    stage = pp_rank(rank // 2)
+    g = TraceGraph(model="mix", rank=rank, world_size=4, tp=2, pp=2)
+    group = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    for source in (tp, stage):
+        offset = len(g)
+        for n, d in source.nodes(data=True):
+            d = dict(d)
+            if d["kind"] == "collective":
+                d["group"] = group if d["collective"] not in ("send", "recv") else [rank % 2, rank % 2 + 2]
+                if d["collective"] == "send":
+                    d["src"], d["dst"] = rank, rank + 2
+                if d["collective"] == "recv":
+                    d["src"], d["dst"] = rank - 2, rank
+            g.add_node(n + offset, **d)
+        g.add_edges_from((u + offset, v + offset, d) for u, v, d in source.edges(data=True))
+    return g
+
+
+@pytest.fixture
+def good(tmp_path):
+    out = tmp_path / "chakra"
+    write_chakra({r: tp_pp_rank(r) for r in range(4)}, out)
+    return out
+
+
+def rewrite(path, change):
+    """Decode a rank with the official reader, let `change(header, nodes)` break it, encode it back."""
+    header, nodes = read_et(path)
+    header, nodes = change(header, nodes)
+    with open(path, "wb") as f:
+        if header is not None:
+            encodeMessage(f, header)
+        for node in nodes:
+            encodeMessage(f, node)
+
+
+def set_attr(node, name, **value):
+    kept = [a for a in node.attr if a.name != name]
+    del node.attr[:]
+    node.attr.extend(kept + ([et.AttributeProto(name=name, **value)] if value else []))
+
+
+def first(nodes, node_type):
+    return next(n for n in nodes if n.type == node_type)
+
+
+def test_good_trace_is_clean(good, capsys):
+    assert json.loads((good / "comm_groups.json").read_text()) == {"1": [0, 1], "2": [0, 2], "3": [1, 3], "4": [2, 3]}
+    assert validate_traces(good) == []
+    assert validate_traces(good / "mix") == []  # the prefix works too
+    assert main(["validate", str(good)]) == 0
+    assert capsys.readouterr().out.strip() == "ok: 4 ranks, 32 nodes"  # 6 TP nodes + 2 pipeline nodes per rank
+
+
+def _dangling(h, nodes):
+    nodes[2].data_deps.append(999)
+    return h, nodes
+
+
+def _cycle(h, nodes):
+    nodes[0].ctrl_deps.append(nodes[2].id)
+    return h, nodes
+
+
+def _duplicate(h, nodes):
+    nodes[3].id = nodes[2].id
+    return h, nodes
+
+
+def _metadata(h, nodes):
+    return h, nodes + [et.Node(id=100, name="process_group:init", type=et.METADATA_NODE)]
+
+
+def _string_comm_type(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "comm_type", string_val="ALL_REDUCE")
+    return h, nodes
+
+
+def _no_comm_size(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "comm_size")
+    return h, nodes
+
+
+def _unknown_pg(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "pg_name", string_val="42")
+    return h, nodes
+
+
+def _not_member(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "pg_name", string_val="4")  # group {2, 3}; this is rank 0
+    return h, nodes
+
+
+def _reorder(h, nodes):
+    ar, ag = [n for n in nodes if n.type == et.COMM_COLL_NODE][:2]
+    for name in ("comm_type", "comm_size"):
+        a, b = attrs(ar)[name].int64_val, attrs(ag)[name].int64_val
+        set_attr(ar, name, int64_val=b)
+        set_attr(ag, name, int64_val=a)
+    return h, nodes
+
+
+def _unmatched_send(h, nodes):
+    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_tag", int64_val=8)
+    return h, nodes
+
+
+def _no_header(h, nodes):
+    return None, nodes
+
+
+def _cpu_comm(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "is_cpu_op", bool_val=True)
+    return h, nodes
+
+
+def _reduce(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "comm_type", int64_val=et.REDUCE)
+    return h, nodes
+
+
+def _zero_size(h, nodes):
+    set_attr(first(nodes, et.COMM_COLL_NODE), "comm_size", int64_val=0)
+    return h, nodes
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (_dangling, "mix.0.et: node 2: data_deps names node 999, which is not in this file"),
+    (_cycle, "dependency cycle"),
+    (_duplicate, "mix.0.et: node 2: id used by 2 nodes"),
+    (_metadata, "mix.0.et: node 100: METADATA_NODE is not allowed"),
+    (_string_comm_type, "attribute comm_type is string_val, must be an integer"),
+    (_no_comm_size, "COMM_COLL_NODE needs attribute comm_size"),
+    (_unknown_pg, "pg_name '42' is not a key of the comm-group JSON"),
+    (_not_member, "rank 0 issues a collective of group 4 [2, 3] without being in it"),
+    (_reorder, "mix.1.et: node 1: collective #0 of group 1 is ALL_REDUCE of 128 B but rank 0 issues ALL_GATHER of 128 B"),
+    (_unmatched_send, "mix.0.et: node 7: send to rank 2 (tag 8, 128 B) has no matching recv on rank 2"),
+    (_no_header, "mix.0.et: does not start with a GlobalMetadata message"),
+    (_cpu_comm, "communication node with is_cpu_op true"),
+    (_reduce, "comm_type REDUCE throws in ASTRA-sim"),
+    (_zero_size, "comm_size is 0"),
+])
+def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
+    rewrite(good / "mix.0.et", break_it)
+    problems = validate_traces(good)
+    assert any(expected in p for p in problems), problems
+    assert main(["validate", str(good)]) == 1
+    out = capsys.readouterr().out
+    assert expected in out and "problem(s)" in out
+
+
+def test_unmatched_recv_and_missing_rank(good):
+    rewrite(good / "mix.3.et", lambda h, nodes: (h, [n for n in nodes if n.type != et.COMM_RECV_NODE]))
+    assert any("mix.1.et: node" in p and "no matching recv on rank 3" in p for p in validate_traces(good))
+    (good / "mix.3.et").unlink()
+    assert "comm_groups.json: group 4 lists rank(s) [3] that have no trace file" in validate_traces(good)
+    (good / "mix.1.et").unlink()
+    assert any("ranks [0, 2] are not 0..1" in p for p in validate_traces(good))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x05abc", "corrupt .et"),
+    (b"\x80", "corrupt .et"),
+    (b"", "empty .et"),
+])
+def test_corrupt_file_is_exit_2(tmp_path, capsys, content, message):
+    (tmp_path / "bad.0.et").write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        validate_traces(tmp_path)
+    assert main(["validate", str(tmp_path / "bad")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_nothing_to_validate(tmp_path):
+    with pytest.raises(UserError, match="no <prefix>.<rank>.et files"):
+        validate_traces(tmp_path)
+    (tmp_path / "comm_groups.json").write_text("[1, 2]")
+    (tmp_path / "a.0.et").write_bytes(b"")
+    with pytest.raises(UserError, match="integer-string keys"):
+        validate_traces(tmp_path / "a")
