@@ -1,0 +1,308 @@
+"""Text generation: prefill the prompt once, then decode one token at a time into a static KV cache.
+
+Greedy, temperature, top-k, top-p (seeded, so every tensor-parallel rank that sees the same logits picks
+the same token), beam search with HuggingFace's semantics, and stop tokens. Works on `meta` symbolically.
+The model stays plain PyTorch: caches are attached from outside and phases are labelled through a callback.
+"""
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from syntorch.errors import UserError
+from syntorch.models.layers import Attention, KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. temperature 0 or top_k 1 is greedy (argmax); top_k 0 and top_p 1 are off."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class GenerationResult:
+    """tokens: per sequence, the prompt followed by the generated ids. A sequence that produced a stop token
+    ends with that token (so sequences may differ in length); the others have max_new_tokens new ids.
+    On `meta` the generated ids are placeholders (zeros): no values exist to choose from."""
+    tokens: list[list[int]]
+    prompt_len: int
+    prefill_s: float
+    decode_s: list[float]  # one entry per decode step (the prefill produces the first new token)
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        return [seq[self.prompt_len:] for seq in self.tokens]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens of all sequences over the whole time, prefill included."""
+        total = self.prefill_s + sum(self.decode_s)
+        return sum(map(len, self.new_tokens)) / total if total > 0 else 0.0
+
+
+def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
+    """Attach an empty KVCache for `batch` rows of up to `max_seq` positions to every attention layer."""
+    for attn in model.modules():
+        if isinstance(attn, Attention):
+            weight = attn.qkv.weight
+            n_head = weight.shape[0] // (3 * attn.d_head)  # the local head count, so a TP-sharded qkv works
+            attn.kv_cache = KVCache(batch, n_head, max_seq, attn.d_head, weight.dtype, weight.device)
+
+
+def clear_caches(model: torch.nn.Module) -> None:
+    for attn in model.modules():
+        if isinstance(attn, Attention):
+            attn.kv_cache = None
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits [.., V] with all but the k largest set to -inf (ties at the k-th value are kept)."""
+    kth = torch.topk(logits, min(k, logits.shape[-1])).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Logits [.., V] keeping the smallest set of most likely tokens whose probability mass is >= p."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # a token is needed while the tokens before it hold less than p
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False  # the most likely token always stays
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The next token per row of float logits [B, V] on CPU: greedy, or sampled after temperature, top-k, top-p
+    (HuggingFace's order)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        logits = top_k_filter(logits, sampling.top_k)
+    if sampling.top_p < 1:
+        logits = top_p_filter(logits, sampling.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def _no_scope(_phase: str):
+    return contextlib.nullcontext()
+
+
+def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width: int) -> None:
+    if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
+        raise UserError(f"the prompt must be a [batch, tokens] LongTensor with at least one token, "
+                        f"got {prompt.dtype} of shape {list(prompt.shape)}")
+    if max_new_tokens < 1:
+        raise UserError(f"the number of new tokens must be positive, got {max_new_tokens}")
+    if beam_width < 1:
+        raise UserError(f"beam_width must be positive, got {beam_width}")
+    n_positions = model.config.n_positions
+    if prompt.shape[1] + max_new_tokens > n_positions:
+        raise UserError(f"{prompt.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the context of "
+                        f"{model.config.name} ({n_positions}); shorten the prompt or generate fewer tokens")
+
+
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
+             stop_tokens=(), beam_width: int = 1, phase_scope=None) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after each row of `prompt` ([B, T] on the model's device).
+
+    The prompt runs once ("prefill"); then each step ("decode[i]") feeds one token per row and writes its keys
+    and values into a KV cache preallocated for the whole run. `phase_scope(name)`, if given, returns a context
+    manager entered around each step (a tracer uses it to label ops). Generation ends early once every row has
+    produced one of `stop_tokens`. `beam_width` > 1 runs beam search as HuggingFace's
+    `generate(num_beams=N, do_sample=False)` does (stop tokens act as eos) and returns the best beam per row;
+    it is deterministic, so temperature, top-k and top-p do not apply.
+
+    On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
+    """
+    _check_request(model, prompt, max_new_tokens, beam_width)
+    run = _Run(model, phase_scope or _no_scope)
+    stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
+    with torch.inference_mode():
+        setup_caches(model, prompt.shape[0] * beam_width, prompt.shape[1] + max_new_tokens)
+        try:
+            if beam_width > 1:
+                if not sampling.greedy and sampling != Sampling(seed=sampling.seed):
+                    log.warning("beam search is deterministic: temperature, top_k and top_p are not used")
+                tokens = _beam_search(run, prompt, max_new_tokens, beam_width, stop_tokens)
+            else:
+                tokens = _sample(run, prompt, max_new_tokens, sampling, stop_tokens)
+        finally:
+            clear_caches(model)
+    return GenerationResult(tokens, prompt.shape[1], run.times[0], run.times[1:])
+
+
+class _Run:
+    """Runs model steps, timing each and entering the phase scope around it."""
+
+    def __init__(self, model, phase_scope):
+        self.model = model
+        self.phase_scope = phase_scope
+        self.symbolic = next(model.parameters()).device.type == "meta"
+        self.times: list[float] = []
+
+    def step(self, idx: torch.Tensor, start: int, select):
+        """Logits of the last position of idx [B, T] (positions start..), handed as float32 on CPU to
+        `select`, whose result is returned; on meta, `select` is not called and None is returned."""
+        phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
+        begin = time.perf_counter()
+        with self.phase_scope(phase):
+            logits = self.model(idx, start=start, last_only=True)[:, -1]  # [B, V]
+            chosen = None if self.symbolic else select(logits.float().cpu())
+        self.times.append(time.perf_counter() - begin)
+        return chosen
+
+
+def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[list[int]]:
+    generator = torch.Generator()  # on CPU, so a seed gives the same tokens on every device and rank
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+
+    def select(logits):
+        return choose_tokens(logits, sampling, generator)
+
+    B, T = prompt.shape
+    placeholder = torch.zeros(B, dtype=torch.long)  # meta's tokens
+    finished = torch.zeros(B, dtype=torch.bool)
+    idx, new = prompt, []
+    while True:
+        token = run.step(idx, T + len(new) - 1 if new else 0, select)
+        if token is None:  # meta: no values, so no stop token can fire
+            token = placeholder
+        else:
+            finished |= torch.isin(token, stop_tokens)
+        new.append(token)
+        if len(new) == max_new_tokens or finished.all():
+            break
+        idx = new[-1][:, None].to(prompt.device)  # [B, 1]
+    rows = torch.cat((_known(prompt), torch.stack(new, 1)), 1).tolist()
+    return rows if run.symbolic else [_cut_after_stop(row, T, stop_tokens.tolist()) for row in rows]
+
+
+def _known(prompt: torch.Tensor) -> torch.Tensor:
+    """The prompt on CPU; zeros on meta, where its values are unknown."""
+    return torch.zeros(prompt.shape, dtype=torch.long) if prompt.is_meta else prompt.cpu()
+
+
+def _cut_after_stop(row: list[int], prompt_len: int, stop_tokens: list[int]) -> list[int]:
+    for i in range(prompt_len, len(row)):
+        if row[i] in stop_tokens:
+            return row[:i + 1]
+    return row
+
+
+def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> list[list[int]]:
+    """The best beam per prompt row. Row b's beams are cache rows b*N .. b*N+N-1; after each step the cache
+    rows are reordered to follow the beams they continue."""
+    B, T = prompt.shape
+    beams = None if run.symbolic else _Beams(prompt.cpu(), beam_width, T + max_new_tokens, stop_tokens)
+    idx = prompt.repeat_interleave(beam_width, 0)  # [B*N, T]: every beam starts from its row's prompt
+    for i in range(max_new_tokens):
+        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None)
+        if (beams.done if beams else i == max_new_tokens - 1):
+            break
+        tokens, rows = chosen or (torch.zeros(B * beam_width, dtype=torch.long), torch.arange(B * beam_width))
+        reorder_caches(run.model, rows.to(prompt.device))
+        idx = tokens[:, None].to(prompt.device)  # [B*N, 1]
+    if beams is None:  # meta: placeholders of full length
+        return torch.cat((_known(prompt), torch.zeros(B, max_new_tokens, dtype=torch.long)), 1).tolist()
+    return beams.best()
+
+
+def reorder_caches(model: torch.nn.Module, rows: torch.Tensor) -> None:
+    """Cache row b becomes the old row rows[b] in every attention layer (beam search)."""
+    for attn in model.modules():
+        if isinstance(attn, Attention) and attn.kv_cache is not None:
+            attn.kv_cache.reorder(rows)
+
+
+class _Beams:
+    """HuggingFace's beam search (transformers 4.57 `_beam_search` with length_penalty 1.0, early_stopping
+    False), step for step, so that ties and scores resolve the same way. Per prompt row it keeps N running
+    hypotheses and the N best finished ones; a hypothesis finishes on a stop token or at max_len."""
+
+    def __init__(self, prompt: torch.Tensor, n: int, max_len: int, stop_tokens: torch.Tensor):
+        B, T = prompt.shape
+        self.n, self.max_len, self.prompt_len, self.cur_len = n, max_len, T, T
+        self.stop_tokens = stop_tokens
+        self.keep = max(2, 1 + len(stop_tokens)) * n  # enough candidates that n survive even if all stop
+        self.running = torch.zeros(B, n, max_len, dtype=torch.long)
+        self.running[:, :, :T] = prompt[:, None]
+        self.running_scores = torch.zeros(B, n)
+        self.running_scores[:, 1:] = -1e9  # all beams start equal: only the first may expand at step one
+        self.finished = self.running.clone()
+        self.finished_scores = torch.full((B, n), -1e9)
+        self.finished_len = torch.zeros(B, n, dtype=torch.long)
+        self.is_finished = torch.zeros(B, n, dtype=torch.bool)
+        self.improvable = torch.ones(B, 1, dtype=torch.bool)  # can a running beam still beat the finished?
+        self.done = False
+
+    def update(self, logits: torch.Tensor):
+        """logits [B*N, V] of every running beam -> (next token [B*N], cache row it continues [B*N])."""
+        B, n, V = self.running.shape[0], self.n, logits.shape[-1]
+        scores = (logits.log_softmax(-1).view(B, n, V) + self.running_scores[:, :, None]).view(B, n * V)
+        top_scores, top_index = torch.topk(scores, self.keep)  # [B, K], best first
+        source_beam, token = top_index // V, top_index % V
+        candidates = _gather(self.running, source_beam)
+        candidates[:, :, self.cur_len] = token
+        stops = torch.isin(token, self.stop_tokens) | (self.cur_len + 1 >= self.max_len)
+
+        # the N best candidates that did not stop run on
+        open_scores = top_scores + stops.float() * -1e9
+        next_index = torch.topk(open_scores, n).indices
+        self.running = _gather(candidates, next_index)
+        self.running_scores = _gather(open_scores, next_index)
+        rows = (_gather(source_beam, next_index) + torch.arange(B)[:, None] * n).view(-1)
+
+        self._add_finished(candidates, top_scores, stops)
+        self.cur_len += 1
+        generated = self.cur_len - self.prompt_len
+        worst_finished = torch.where(self.is_finished, self.finished_scores.min(1, keepdim=True).values, -1e9)
+        self.improvable &= (self.running_scores[:, :1] / generated > worst_finished).any(-1, keepdim=True)
+        self.done = bool(~self.improvable.any() | stops.all())
+        return self.running[:, :, self.cur_len - 1].reshape(-1), rows
+
+    def _add_finished(self, candidates, top_scores, stops):
+        """Among the top N candidates, those that stopped join the finished set if they beat its worst."""
+        n = self.n
+        new = stops.clone()
+        new[:, n:] = False  # the candidates past the first N are only spares for the running set
+        scores = top_scores / float(self.cur_len + 1 - self.prompt_len)  # length penalty 1.0
+        scores = scores + (~self.improvable).float() * -1e9 + (~new).float() * -1e9
+        merged_scores = torch.cat((self.finished_scores, scores), 1)
+        best = torch.topk(merged_scores, n).indices
+        self.finished = _gather(torch.cat((self.finished, candidates), 1), best)
+        self.finished_scores = _gather(merged_scores, best)
+        new_len = torch.full_like(new, self.cur_len + 1, dtype=torch.long)
+        self.finished_len = _gather(torch.cat((self.finished_len, new_len), 1), best)
+        self.is_finished = _gather(torch.cat((self.is_finished, new), 1), best)
+
+    def best(self) -> list[list[int]]:
+        return [seq[0, :length[0]].tolist() for seq, length in zip(self.finished, self.finished_len)]
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, M, ...] indexed along dim 1 by index [B, K] -> [B, K, ...]."""
+    return torch.take_along_dim(x, index.view(*index.shape, *[1] * (x.dim() - 2)), dim=1)
