@@ -31,6 +31,8 @@ GLOBAL = "Global"  # torch's name for the root of the module tree
 # torch's trivial_ops, by op packet (the overload is dropped so "aten.t" and "aten.t.default" both match)
 TRIVIAL_OPS = frozenset({"aten.detach", "aten.t", "aten.view", "aten._to_copy", "aten.as_strided",
                          "aten.transpose"})
+CONTAINER_TYPES = frozenset(f"torch.nn.modules.container.{name}" for name in
+                            ("ModuleDict", "ModuleList", "ParameterDict", "ParameterList"))
 COLLECTIVE_FIELDS = ("collective", "reduce_op", "bytes", "group", "order", "src", "dst", "tag")
 
 
@@ -74,6 +76,7 @@ class OpRecord:
 @dataclass
 class ModuleInfo:
     fqn: str  # "" for Global
+    depth: int = 0  # in the tree as shown (containers that never run, like ModuleDict, are left out)
     module_type: str = ""
     parameters: dict = field(default_factory=dict)  # name -> {"shape", "dtype"} of this rank's shard
     children: list = field(default_factory=list)
@@ -84,10 +87,6 @@ class ModuleInfo:
     @property
     def name(self) -> str:
         return self.fqn or GLOBAL
-
-    @property
-    def depth(self) -> int:
-        return self.fqn.count(".") + 1 if self.fqn else 0
 
     def add_collective(self, section: str, kind: str, nbytes: int):
         count_bytes = self.totals[section].setdefault(kind, [0, 0])
@@ -107,6 +106,7 @@ class CommReport:
         for fqn, module_type in (module_types or graph.graph.get("module_types") or {}).items():
             if fqn in self.modules:
                 self.modules[fqn].module_type = module_type
+        self._drop_containers()
 
     # --- reading the graph ----------------------------------------------------------------------
     def _read(self, graph):
@@ -131,7 +131,7 @@ class CommReport:
         """The module's entry, creating it and its missing parents (so parents come before children)."""
         if fqn not in self.modules:
             parent = self._module(fqn.rsplit(".", 1)[0] if "." in fqn else "")
-            self.modules[fqn] = ModuleInfo(fqn)
+            self.modules[fqn] = ModuleInfo(fqn, parent.depth + 1)
             parent.children.append(fqn)
         return self.modules[fqn]
 
@@ -149,6 +149,24 @@ class CommReport:
         count_bytes = self.phase_totals.setdefault(record.phase, {}).setdefault(kind, [0, 0])
         count_bytes[0] += 1
         count_bytes[1] += nbytes
+
+    def _drop_containers(self):
+        """ModuleDict/ModuleList never run (torch's tree leaves them out): their children move up a level."""
+        for fqn in [f for f, m in self.modules.items() if m.module_type in CONTAINER_TYPES and not m.records]:
+            container = self.modules.pop(fqn)
+            siblings = next(m.children for m in self.modules.values() if fqn in m.children)
+            at = siblings.index(fqn)
+            siblings[at:at + 1] = container.children
+        for module in self.walk():
+            for child in module.children:
+                self.modules[child].depth = module.depth + 1
+
+    def walk(self, fqn: str = ""):
+        """Modules depth-first, parents before children, children in traced order."""
+        module = self.modules[fqn]
+        yield module
+        for child in module.children:
+            yield from self.walk(child)
 
     @staticmethod
     def _ancestry(fqn: str) -> list[str]:

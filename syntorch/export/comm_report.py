@@ -28,19 +28,11 @@ def collective_details(c: dict) -> str:
     return ", ".join(parts + [f"order: {c['order']}"])
 
 
-def walk(report: CommReport, fqn: str = ""):
-    """Modules depth-first, parents before children, children in traced order."""
-    module = report.modules[fqn]
-    yield module
-    for child in module.children:
-        yield from walk(report, child)
-
-
 # --- text -----------------------------------------------------------------------------------------
 def tracing_table(report: CommReport, noise_level: int, color: bool = True) -> str:
     noise_level = check_noise_level(noise_level)
     lines = []
-    for module in walk(report):
+    for module in report.walk():
         lines += _module_lines(module, noise_level)
     lines += _phase_total_lines(report)
     text = "\n".join(lines) + "\n"
