@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from syntorch.errors import UserError
+from syntorch.trace.graph import COLLECTIVES
 
 NOISE_LEVELS = (0, 1, 2, 3)
 SECTIONS = ("forward", "backward", "optimizer")
@@ -97,13 +98,13 @@ class ModuleInfo:
 class CommReport:
     """What CommDebugMode knows about one rank's run, read from its TraceGraph."""
 
-    def __init__(self, graph, module_types: dict | None = None):
+    def __init__(self, graph):
         self.graph_attrs = dict(graph.graph)
         self.modules: dict[str, ModuleInfo] = {"": ModuleInfo("")}
         self.collectives: list[dict] = []
         self.phase_totals: dict[str, dict] = {}  # phase -> kind -> [count, bytes], in traced order
         self._read(graph)
-        for fqn, module_type in (module_types or graph.graph.get("module_types") or {}).items():
+        for fqn, module_type in (graph.graph.get("module_types") or {}).items():  # CommDebugMode records them
             if fqn in self.modules:
                 self.modules[fqn].module_type = module_type
         self._drop_containers()
@@ -140,6 +141,9 @@ class CommReport:
         self._module(fqn).parameters.setdefault(short, {"shape": list(data["shape"]), "dtype": data["dtype"]})
 
     def _add_collective(self, record: OpRecord, data: dict):
+        if data.get("collective") not in COLLECTIVES or not isinstance(data.get("group"), list):
+            raise UserError(f"not a syntorch trace: collective node {record.node} has no known 'collective' "
+                            f"kind ({', '.join(COLLECTIVES)}) or no 'group' list of ranks")
         record.collective = {key: data.get(key) for key in COLLECTIVE_FIELDS}
         self.collectives.append({"node": record.node, "module": data.get("module", ""), "phase": record.phase,
                                  **record.collective})
@@ -250,7 +254,9 @@ class CommDebugMode:
     def _build_report(self) -> CommReport:
         if self._tracer is None:
             raise RuntimeError("CommDebugMode: run something inside `with comm_mode:` first")
-        return CommReport(self._tracer.graph, module_types(self.model))
+        if self.model is not None:  # kept in the graph, so a saved trace reports the same tree
+            self._tracer.graph.graph["module_types"] = module_types(self.model)
+        return CommReport(self._tracer.graph)
 
     # --- torch's API ----------------------------------------------------------------------------
     def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:

@@ -233,7 +233,7 @@ def _pass_html(node: dict, section: str) -> str:
     parts = [f'<div class="pass"><span class="pass-title">{SECTION_TITLES[section]}</span>',
              _table(["collective", "count", "bytes"], [[k, c, format_bytes(nbytes[k])] for k, c in counts])]
     if ops:
-        rows = [[op["name"], op["phase"], collective_details(op) if "collective" in op else op["input_shape"],
+        rows = [[op["name"], op["phase"], collective_details(op) if "collective" in op else ", ".join(op["input_shape"]),
                  ", ".join(op["params"])] for op in ops]
         parts.append(_table(["op", "phase", "inputs / details", "params"], rows))
     return "".join(parts) + "</div>"
@@ -255,3 +255,15 @@ def write_html(report: CommReport, noise_level: int, path) -> None:
     page = render_html(json_tree(report, noise_level))
     with atomic_output_file(path) as tmp:
         tmp.write_text(page, encoding="utf-8")
+
+
+def write_comm_outputs(graph, out_dir, noise_level: int = 1, name: str = "comm_debug") -> CommReport:
+    """What `syntorch infer --comm_debug` writes beside its other outputs: <name>_log.txt (the table),
+    <name>.json (the dump) and <name>.html (the browser view). Returns the report, e.g. to print its table."""
+    from pathlib import Path
+    report = CommReport(graph)
+    out_dir = Path(out_dir)
+    write_table(report, noise_level, out_dir / f"{name}_log.txt")
+    write_json(report, noise_level, out_dir / f"{name}.json")
+    write_html(report, noise_level, out_dir / f"{name}.html")
+    return report
