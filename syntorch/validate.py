@@ -60,10 +60,19 @@ def find_traces(path) -> list[tuple[int, Path]]:
 def read_trace(path: Path) -> tuple[et.GlobalMetadata | None, list[et.Node]]:
     """Decodes one length-delimited .et file (header None when it starts with a node instead);
     UserError when it is not a Chakra trace at all."""
+    header, body = _split(_read(path), path)
+    return header, _parse_nodes(body, path)
+
+
+def _read(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _split(data: bytes, path) -> tuple[et.GlobalMetadata | None, list[bytes]]:
+    """The GlobalMetadata header (None if the file starts with a node) and the node messages."""
     messages, pos = [], 0
     while pos < len(data):
         size, pos = _varint(data, pos, path)
@@ -78,11 +87,15 @@ def read_trace(path: Path) -> tuple[et.GlobalMetadata | None, list[et.Node]]:
     if header is None or (UnknownFieldSet(header) and first is not None and first.type):
         if first is None:
             raise UserError(f"{path}: corrupt .et (the first message is neither GlobalMetadata nor a node)")
-        header, messages = None, [b"", *messages]  # no header: the first message is a node
-    nodes = [_parse(et.Node, m) for m in messages[1:]]
+        return None, messages
+    return header, messages[1:]
+
+
+def _parse_nodes(messages: list[bytes], path) -> list[et.Node]:
+    nodes = [_parse(et.Node, m) for m in messages]
     if any(n is None or UnknownFieldSet(n) for n in nodes):
         raise UserError(f"{path}: corrupt .et (a message does not decode as a Chakra node)")
-    return header, nodes
+    return nodes
 
 
 def _parse(message_type, data: bytes):
@@ -123,14 +136,20 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     for key, members in groups.items():
         if missing := [m for m in members if m not in ranks]:
             problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
-    traces = []
+    traces, checked = [], {}  # node bytes -> (nodes, problems): identical ranks are decoded and checked once
     for rank, f in files:
-        header, nodes = read_trace(f)
+        header, body = _split(_read(f), f)
+        key = b"".join(body)
+        if key not in checked:
+            nodes = _parse_nodes(body, f)
+            checked[key] = (nodes, check_nodes(nodes, groups, len(files), roofline))
+        nodes, local = checked[key]
         trace = RankTrace(f, rank, nodes)
         if header is None:
             problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
                             "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
-        problems += check_rank(trace, groups, len(files), roofline)
+        problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in local]
+        problems += check_membership(trace, groups)
         traces.append(trace)
     problems += check_collective_order(traces, groups, len(files))
     problems += check_send_recv(traces)
@@ -161,20 +180,30 @@ def _value(attr):
     return getattr(attr, attr.WhichOneof("value")) if attr.WhichOneof("value") else None
 
 
-def check_rank(trace: RankTrace, groups: dict, world: int, roofline: bool = False) -> list[str]:
-    """Rules within one file: unique ids, deps that exist, no cycle, node types and attributes."""
-    problems, ids = [], Counter(n.id for n in trace.nodes)
-    for node_id, count in ids.items():
-        if count > 1:
-            problems.append(f"{trace.path.name}: node {node_id}: id used by {count} nodes; ids must be unique "
-                            "(ASTRA-sim keeps only the last)")
+def check_nodes(nodes: list[et.Node], groups: dict, world: int, roofline: bool = False) -> list[tuple[int, str]]:
+    """Rules within one file that do not depend on its rank: unique ids, deps that exist, no cycle,
+    node types and attributes. Returns (node id, what to fix) pairs."""
+    ids = Counter(n.id for n in nodes)
+    problems = [(node_id, f"id used by {count} nodes; ids must be unique (ASTRA-sim keeps only the last)")
+                for node_id, count in ids.items() if count > 1]
+    for node in nodes:
+        problems += [(node.id, p) for p in _check_node(node, ids, groups, world, roofline)]
+    return problems + _check_cycles(nodes)
+
+
+def check_membership(trace: RankTrace, groups: dict) -> list[str]:
+    """A rank issues only collectives of groups it belongs to."""
+    problems = []
     for node in trace.nodes:
-        problems += [f"{trace.where(node)}: {p}" for p in _check_node(node, ids, groups, trace.rank, world, roofline)]
-    problems += _check_cycles(trace)
+        pg = _attrs(node).get("pg_name") if node.type == et.COMM_COLL_NODE else None
+        name = pg.string_val if pg is not None and pg.WhichOneof("value") == "string_val" else ""
+        if name in groups and trace.rank not in groups[name]:
+            problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
+                            f"{groups[name]} without being in it")
     return problems
 
 
-def _check_node(node, ids, groups, rank, world, roofline) -> list[str]:
+def _check_node(node, ids, groups, world, roofline) -> list[str]:
     problems = []
     for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps)):
         problems += [f"{kind} names node {d}, which is not in this file" for d in deps if d not in ids]
@@ -190,11 +219,11 @@ def _check_node(node, ids, groups, rank, world, roofline) -> list[str]:
     if node.type == et.COMP_NODE and roofline:
         problems += [f"COMP_NODE needs {a} for roofline" for a in ("num_ops", "tensor_size") if a not in attrs]
     if node.type in COMM_NODES:
-        problems += _check_comm(node, attrs, groups, rank, world)
+        problems += _check_comm(node, attrs, groups, world)
     return problems
 
 
-def _check_comm(node, attrs, groups, rank, world) -> list[str]:
+def _check_comm(node, attrs, groups, world) -> list[str]:
     problems = [f"{et.NodeType.Name(node.type)} needs attribute {a}" for a in REQUIRED[node.type] if a not in attrs]
     if "is_cpu_op" in attrs and _value(attrs["is_cpu_op"]):
         problems.append("communication node with is_cpu_op true; ASTRA-sim rejects it: set it false")
@@ -209,12 +238,8 @@ def _check_comm(node, attrs, groups, rank, world) -> list[str]:
             problems.append(f"comm_type {name} throws in ASTRA-sim; express it as ALL_REDUCE, ALL_GATHER, "
                             "REDUCE_SCATTER, ALL_TO_ALL or send/recv")
     pg = attrs.get("pg_name")
-    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0"):
-        if pg.string_val not in groups:
-            problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
-        elif node.type == et.COMM_COLL_NODE and rank not in groups[pg.string_val]:
-            problems.append(f"rank {rank} issues a collective of group {pg.string_val} "
-                            f"{groups[pg.string_val]} without being in it")
+    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0", *groups):
+        problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
     for peer in ("comm_src", "comm_dst"):
         value = _value(attrs[peer]) if peer in attrs and attrs[peer].WhichOneof("value") in INT_FIELDS else None
         if value is not None and not 0 <= value < world:
@@ -222,16 +247,27 @@ def _check_comm(node, attrs, groups, rank, world) -> list[str]:
     return problems
 
 
-def _check_cycles(trace: RankTrace) -> list[str]:
-    graph = nx.DiGraph()
-    graph.add_nodes_from(n.id for n in trace.nodes)
-    graph.add_edges_from((d, n.id) for n in trace.nodes for d in (*n.data_deps, *n.ctrl_deps))
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
+def _check_cycles(nodes: list[et.Node]) -> list[tuple[int, str]]:
+    """Kahn's algorithm over data and ctrl deps; the nodes it cannot reach hold a cycle, found by networkx."""
+    ids = {n.id for n in nodes}
+    deps = {n.id: {d for d in (*n.data_deps, *n.ctrl_deps) if d in ids} for n in nodes}
+    users = defaultdict(list)
+    for node_id, ds in deps.items():
+        for d in ds:
+            users[d].append(node_id)
+    waiting = {node_id: len(ds) for node_id, ds in deps.items()}
+    ready = [node_id for node_id, count in waiting.items() if count == 0]
+    while ready:
+        for user in users[ready.pop()]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                ready.append(user)
+    stuck = [node_id for node_id, count in waiting.items() if count > 0]
+    if not stuck:
         return []
+    cycle = nx.find_cycle(nx.DiGraph((d, n) for n in stuck for d in deps[n] if d in waiting and waiting[d] > 0))
     path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
-    return [f"{trace.path.name}: node {cycle[0][0]}: dependency cycle {path}; ASTRA-sim cannot start any of them"]
+    return [(cycle[0][0], f"dependency cycle {path}; ASTRA-sim cannot start any of them")]
 
 
 def _int_attr(attrs, name):

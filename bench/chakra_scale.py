@@ -1,0 +1,72 @@
+"""GPT-3 175B, TP 8, 2040 prompt tokens + 8 generated (2048 + 8 exceeds the context), on `meta`: Chakra traces for all 8 ranks.
+
+Prints wall time per step (trace, durations, write), peak RSS and the bytes of the 8 .et files: what
+`syntorch infer --model gpt3-175b --device meta --tp 8 --num_input_tokens 2048 --num_output_tokens 8
+--hw_config h100-sxm --chakra --out runs/g175` does through the library. Goal: < 10 s, < 2 GB.
+
+    python bench/chakra_scale.py [--out DIR] [--level op|module] [--tokens 2048] [--new 8]
+"""
+import argparse
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from syntorch.config import get_config
+from syntorch.export.chakra import write_chakra
+from syntorch.hardware import load_hw_config
+from syntorch.parallel.symbolic import trace_tp_symbolic
+from syntorch.trace.cost import fill_durations, latency_us
+from syntorch.validate import check_traces
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt3-175b")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2040)  # 2048 + 8 exceeds the 2048 context
+    p.add_argument("--new", type=int, default=8)
+    p.add_argument("--level", default="op")
+    p.add_argument("--out", help="output folder (default: a temporary one)")
+    args = p.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="chakra_scale.")) / "chakra"
+
+    t0 = time.perf_counter()
+    ranks = trace_tp_symbolic(get_config(args.model), torch.zeros(1, args.tokens, dtype=torch.long), args.new,
+                              args.tp, dtype=torch.bfloat16)
+    graph = ranks[0]  # traced here; the other ranks share it
+    t1 = time.perf_counter()
+    fill_durations(graph, load_hw_config("h100-sxm"))
+    t2 = time.perf_counter()
+    summary = write_chakra(ranks, out, level=args.level, force=True)
+    t3 = time.perf_counter()
+    problems, n_ranks, n_nodes = check_traces(out)
+    t4 = time.perf_counter()
+
+    ops = sum(1 for _ in graph.ops())
+    print(f"{args.model} tp={args.tp} tokens={args.tokens}+{args.new} level={args.level}: "
+          f"{ops} ops, {sum(1 for _ in graph.collectives())} collectives per rank")
+    print(f"trace        {t1 - t0:6.2f} s")
+    print(f"durations    {t2 - t1:6.2f} s")
+    print(f"write chakra {t3 - t2:6.2f} s  ({summary['ranks']} ranks, {summary['distinct_traces']} encoded, "
+          f"{summary['nodes']} nodes per distinct rank)")
+    print(f"total        {t3 - t0:6.2f} s  (goal < 10 s)")
+    print(f"peak RSS     {peak_rss_gb():6.2f} GB (goal < 2 GB)")
+    print(f".et bytes    {summary['et_bytes'] / 1e6:6.1f} MB for {summary['ranks']} files; "
+          f"tensor_trace_chakra.json {(out / 'tensor_trace_chakra.json').stat().st_size / 1e6:.1f} MB")
+    print(f"validate     {t4 - t3:6.2f} s  ({'ok' if not problems else f'{len(problems)} problems'}: "
+          f"{n_ranks} ranks, {n_nodes} nodes)")
+    est = latency_us(graph)
+    print(f"predicted    {est['serial_us'] / 1e3:.1f} ms serial, {est['critical_path_us'] / 1e3:.1f} ms critical path "
+          "per rank on h100-sxm")
+    print(f"written to   {out}")
+
+
+if __name__ == "__main__":
+    main()
