@@ -1,0 +1,24 @@
+"""`syntorch export`: a saved trace graph (tensor_trace_graph.json) to another format, as seed 000's
+run_visualization.py does."""
+from syntorch.export import EXPORTERS
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="convert a tensor_trace_graph.json to svg, png, graphml, perfetto, chakra, json")
+    p.add_argument("--input", required=True, help="a tensor_trace_graph.json written by syntorch")
+    p.add_argument("--output", required=True, help="output file (a folder for chakra)")
+    p.add_argument("--format", required=True, help=f"one of {', '.join(EXPORTERS)}")
+    p.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
+                   help="collapse to one node per op, module or layer (images default to the finest readable)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from syntorch.export import exporter
+    from syntorch.export.networkx_json import load
+
+    write = exporter(args.format)  # an unknown format fails before the input is read
+    graph = load(args.input)
+    write(graph, args.output, **({"level": args.trace_level} if args.trace_level else {}))
+    print(f"{args.input} -> {args.output} ({args.format})")
+    return 0

@@ -1,0 +1,50 @@
+"""NetworkX node-link JSON: the graph as users script against it (`tensor_trace_graph.json`)."""
+import json
+from pathlib import Path
+
+import networkx as nx
+
+from syntorch.errors import UserError
+from syntorch.outdir import atomic_output_file
+from syntorch.trace.graph import TraceGraph
+
+KINDS = {"tensor", "op", "collective"}
+
+
+def export(graph: TraceGraph, path, level: str | None = None) -> None:
+    """Write `graph` (at `level`, if given) as node-link JSON ({"nodes": [...], "edges": [...], "graph": {...}})."""
+    from syntorch.trace.levels import level_view
+    graph = level_view(graph, level) if level else graph
+    data = nx.node_link_data(graph, edges="edges")
+    with atomic_output_file(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+
+
+def load(path) -> TraceGraph:
+    """A TraceGraph from a file `export` wrote; a clear UserError for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"graph file {path} does not exist; give a tensor_trace_graph.json written by syntorch")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not JSON ({e}); give a tensor_trace_graph.json written by syntorch") from None
+    return from_node_link(data, path)
+
+
+def from_node_link(data, source="input") -> TraceGraph:
+    if not (isinstance(data, dict) and isinstance(data.get("nodes"), list)
+            and isinstance(data.get("edges", data.get("links")), list)):
+        raise UserError(f"{source} is not a syntorch trace graph (no node-link 'nodes' and 'edges')")
+    bad = next((n for n in data["nodes"] if not isinstance(n, dict) or n.get("kind") not in KINDS
+                or "id" not in n or "name" not in n), None)
+    if bad is not None:
+        raise UserError(f"{source} is not a syntorch trace graph: node {str(bad)[:80]} lacks id, name "
+                        f"or a kind in {sorted(KINDS)}")
+    edges = "edges" if "edges" in data else "links"
+    try:
+        graph = nx.node_link_graph({**data, "directed": True, "multigraph": False}, edges=edges)
+    except (KeyError, TypeError, nx.NetworkXError) as e:
+        raise UserError(f"{source} is not a valid node-link graph: {e}") from None
+    return TraceGraph(graph)

@@ -1,0 +1,138 @@
+import json
+import xml.etree.ElementTree as ET
+
+import networkx as nx
+import pytest
+import torch
+
+from conftest import tiny_config
+from syntorch.cli import main
+from syntorch.export import graphml, networkx_json, perfetto, write_trace_outputs
+from syntorch.export.image import READABLE_NODES, choose_level
+from syntorch.models import build_model
+from syntorch.trace import Tracer
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """A traced tiny GPT-2 forward with an all-reduce after it, as a TP rank would have."""
+    model = build_model(tiny_config("gpt2"))
+    with Tracer(model, rank=1, world_size=2, meta={"model": "tiny-gpt2", "tp": 2}) as tracer:
+        model(torch.randint(0, 128, (1, 6)))
+    g = tracer.graph
+    logits = max(n for n, d in g.tensors())
+    out = g.add_tensor(g.nodes[logits]["shape"], "float32", g.nodes[logits]["bytes"])
+    g.add_collective("all_reduce", [logits], [out], group=[0, 1], nbytes=g.nodes[logits]["bytes"],
+                     reduce_op="sum", module="lm_head", phase="forward")
+    return g
+
+
+def same(a, b):
+    assert dict(a.nodes(data=True)) == dict(b.nodes(data=True))
+    assert list(a.edges(data=True)) == list(b.edges(data=True))
+    assert a.graph == b.graph
+
+
+def test_networkx_json_round_trips(graph, tmp_path):
+    networkx_json.export(graph, tmp_path / "g.json")
+    loaded = networkx_json.load(tmp_path / "g.json")
+    same(loaded, graph)
+    assert loaded.total_flops() == graph.total_flops() and list(loaded.op_deps().items()) == list(graph.op_deps().items())
+    raw = json.loads((tmp_path / "g.json").read_text())
+    assert {"nodes", "edges", "graph"} <= raw.keys() and raw["graph"]["tp"] == 2
+
+
+def test_graphml_round_trips_every_attribute(graph, tmp_path):
+    graphml.export(graph, tmp_path / "g.graphml")
+    plain = nx.read_graphml(tmp_path / "g.graphml", node_type=int)  # what other tools see
+    tensor = next(n for n, d in graph.tensors())
+    assert len(plain) == len(graph) and isinstance(plain.nodes[tensor]["shape"], str)
+    loaded = graphml.load(tmp_path / "g.graphml")
+    same(loaded, graph)
+    (coll,) = [d for _, d in loaded.collectives()]
+    assert coll["group"] == [0, 1] and coll["src"] is None and coll["reduce_op"] == "sum"
+
+
+def test_svg_is_valid_xml_and_png_is_a_png(graph, tmp_path):
+    main(["export", "--input", str(_saved(graph, tmp_path)), "--output", str(tmp_path / "g.svg"), "--format", "svg"])
+    root = ET.parse(tmp_path / "g.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    text = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "tiny-gpt2" in text and "all_reduce [0, 1]" in text
+    main(["export", "--input", str(tmp_path / "g.json"), "--output", str(tmp_path / "g.png"), "--format", "png"])
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_perfetto_events(graph, tmp_path):
+    perfetto.export({0: graph, 1: graph}, tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [e["args"]["name"] for e in names] == ["rank 0", "rank 1"]
+    work = list(graph.work())
+    assert len(slices) == 2 * len(work)
+    for e in slices:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+        assert isinstance(e["ts"], (int, float)) and e["dur"] > 0 and e["pid"] in (0, 1)
+    rank0 = [e for e in slices if e["pid"] == 0]
+    assert all(a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=2e-3) for a, b in zip(rank0, rank0[1:]))
+    # without durations, slice lengths follow FLOPs
+    mms = [e for e in rank0 if e["cat"] == "op" and e["args"]["flops"] > perfetto.MIN_US * perfetto.ESTIMATE_FLOPS_PER_US]
+    big, small = max(mms, key=lambda e: e["args"]["flops"]), min(mms, key=lambda e: e["args"]["flops"])
+    assert big["dur"] / small["dur"] == pytest.approx(big["args"]["flops"] / small["args"]["flops"], rel=1e-2)
+    assert rank0[-1]["cat"] == "collective" and rank0[-1]["args"]["group"] == [0, 1]
+
+
+def test_perfetto_uses_known_durations(graph):
+    timed = graph.copy()
+    for _, d in timed.work():
+        d["duration_us"] = 3.0
+    slices = [e for e in perfetto.trace_events(timed)["traceEvents"] if e["ph"] == "X"]
+    assert {e["dur"] for e in slices} == {3.0} and not any(e["args"]["estimated"] for e in slices)
+    assert slices[-1]["ts"] == 3.0 * (len(slices) - 1)
+
+
+def test_trace_outputs_and_comm_graph(graph, tmp_path):
+    written = write_trace_outputs(graph, tmp_path)
+    assert written == {"tensor_trace_graph.json": "op", "tensor_trace_graph.png": "op", "tensor_comm_graph.png": "op"}
+    for name in written:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_big_graphs_are_drawn_coarser(graph):
+    assert choose_level(graph, None).graph["level"] == "op"
+    big = build_model(tiny_config("gpt2", n_layer=8))
+    with Tracer(big) as tracer:
+        big(torch.randint(0, 128, (1, 4)))
+    assert len(tracer.graph) > READABLE_NODES
+    view = choose_level(tracer.graph, None)
+    assert view.graph["level"] == "module" and len(view) <= READABLE_NODES
+    assert choose_level(tracer.graph, "layer").graph["level"] == "layer"
+
+
+def _saved(graph, tmp_path):
+    networkx_json.export(graph, tmp_path / "g.json")
+    return tmp_path / "g.json"
+
+
+@pytest.mark.parametrize("problem", ["missing", "not_json", "not_a_graph", "format", "unwritable"])
+def test_export_bad_input_is_one_line_exit_2_and_writes_nothing(graph, tmp_path, capsys, problem):
+    good = _saved(graph, tmp_path / "in")
+    args = {"input": str(good), "output": str(tmp_path / "out" / "g.svg"), "format": "svg"}
+    if problem == "missing":
+        args["input"] = str(tmp_path / "nope.json")
+    elif problem == "not_json":
+        (tmp_path / "bad.json").write_text("{nodes")
+        args["input"] = str(tmp_path / "bad.json")
+    elif problem == "not_a_graph":
+        (tmp_path / "bad.json").write_text(json.dumps({"nodes": [{"id": 0}], "edges": []}))
+        args["input"] = str(tmp_path / "bad.json")
+    elif problem == "format":
+        args["format"] = "dot"
+    else:
+        (tmp_path / "out").write_text("a file where a folder should be")
+    code = main(["export", *[f"--{k}={v}" for k, v in args.items()]])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("syntorch export: error:")
+    out = tmp_path / "out"
+    assert not out.is_dir() or not any(out.iterdir())
