@@ -235,3 +235,81 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     model.tie_weights()  # the head and the embedding hold the same vocabulary rows
     plan.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     return plan
+
+
+# -- inference under TP: what `syntorch infer --tp N` runs ------------------------------------------------
+
+def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | None = None) -> dict:
+    """Spawn spec.tp local ranks (or join torchrun's), generate, and have rank 0 write run.json (and, with
+    `visualize`, the trace outputs) into `out_dir`. Returns run.json's record. Checks the TP degree and the
+    devices before any process starts; a failing rank becomes one line naming the rank and its error."""
+    import json
+    from pathlib import Path
+
+    from syntorch import inference
+    from syntorch.parallel.launch import RankFailed, check_devices, spawn, under_torchrun
+
+    check_tp(inference.resolve_config(spec), spec.tp)
+    args = (spec, str(out_dir), visualize, trace_level)
+    if under_torchrun():
+        tp_inference_rank(*args)
+    else:
+        check_devices(spec.device, spec.tp)
+        try:
+            spawn(tp_inference_rank, spec.tp, args)
+        except RankFailed as e:
+            raise UserError(str(e)) from None
+    return json.loads((Path(out_dir) / "run.json").read_text())
+
+
+def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | None) -> None:
+    """One rank of a TP generation: load the model, keep this rank's shard, generate, rank 0 writes."""
+    from syntorch import inference
+    from syntorch.parallel.launch import init_distributed
+    from syntorch.parallel.mesh import Mesh, init_groups
+    from syntorch.trace.generation import trace_generation
+    from syntorch.trace.graph import RankTraces
+
+    rank, world = init_distributed(spec.device)
+    groups = init_groups(Mesh(tp=world))
+    config = inference.resolve_config(spec)
+    prompt = inference.make_prompt(spec, config)
+    model = inference.load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
+    apply_tp(model, groups, spec.sp)
+    if visualize:
+        graph, result = trace_generation(
+            model, prompt.to(spec.device), spec.num_output_tokens, inference.sampling_of(spec), rank=rank,
+            world_size=world, meta={"tp": world, "sequence_parallel": spec.sp},
+            stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
+    else:
+        result = inference.generate_tokens(spec, model, prompt)
+    _check_same_tokens(result.tokens, groups.tp)
+    if rank == 0:
+        inference.write_run_json(inference.run_record(spec, config, prompt, result), out_dir)
+        if visualize:
+            traces = RankTraces(world)
+            traces.put_shared(range(world), lambda: graph)  # TP ranks run the same ops (see symbolic.py)
+            write_tp_outputs(traces, out_dir, trace_level)
+
+
+def _check_same_tokens(tokens: list[list[int]], group) -> None:
+    """Every rank must have chosen the same tokens (they see the same gathered logits and seed)."""
+    mine = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(mine, other) for other in everyone):
+        raise RuntimeError("TP ranks generated different tokens; their logits diverged")
+
+
+def write_tp_outputs(traces, out_dir, level: str | None = None) -> None:
+    """tensor_trace_graph.json/.png and tensor_comm_graph.png of rank 0, and a Chakra trace per rank."""
+    from pathlib import Path
+
+    from syntorch.export import image, networkx_json
+    from syntorch.export.chakra import write_chakra
+
+    out_dir, graph = Path(out_dir), traces[0]
+    networkx_json.export(graph, out_dir / "tensor_trace_graph.json", level)
+    image.draw(graph, out_dir / "tensor_trace_graph.png", level)
+    image.draw(graph, out_dir / "tensor_comm_graph.png", level, comm=True)
+    write_chakra(traces, out_dir, level=level or "op")
