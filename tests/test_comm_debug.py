@@ -9,6 +9,7 @@ import torch
 
 from conftest import tiny_config
 from syntorch import CommDebugMode
+from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.models import build_model
 from syntorch.parallel import comm
@@ -199,3 +200,44 @@ def test_real_gloo_ranks(tmp_path):
         assert layer["collectives_forward"] == [["all_reduce", 1]]
         assert tree["collectives_forward"] == [["all_reduce", 2], ["send" if rank == 0 else "recv", 1],
                                                ["broadcast", 1]]
+
+
+@pytest.fixture(scope="module")
+def saved_trace(tp_mlp_run, tmp_path_factory):
+    from syntorch.export import networkx_json
+    path = tmp_path_factory.mktemp("run") / "tensor_trace_graph.json"
+    networkx_json.export(tp_mlp_run[0].graph, path)
+    return path
+
+
+def test_cli_reports_a_saved_trace_as_the_live_run(tp_mlp_run, saved_trace, tmp_path, capsys):
+    mode, _ = tp_mlp_run
+    out = {name: tmp_path / name for name in ("comm.html", "comm.json", "log.txt")}
+    assert main(["comm", "--input", str(saved_trace), "--noise_level", "2", "--html", str(out["comm.html"]),
+                 "--json", str(out["comm.json"]), "--log", str(out["log.txt"])]) == 0
+    live_table = re.sub(r"\x1B\[[0-?]*[ -/]*[@-~]", "", mode.generate_comm_debug_tracing_table(2))
+    assert capsys.readouterr().out.startswith(live_table)  # not a terminal: no colours
+    assert out["log.txt"].read_text() == live_table
+    mode.generate_json_dump(file_name=tmp_path / "live.json", noise_level=2)
+    assert json.loads(out["comm.json"].read_text()) == json.loads((tmp_path / "live.json").read_text())
+    assert '<li data-fqn="fc2">' in out["comm.html"].read_text()
+
+
+def _write_json(path, data):
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["noise 5", "noise x", "not a trace", "collective without kind"])
+def test_cli_bad_input_is_one_line(case, saved_trace, tmp_path, capsys):
+    inputs = {"not a trace": lambda: _write_json(tmp_path / "x.json", {"a": 1}),
+              "collective without kind": lambda: _write_json(tmp_path / "x.json", {
+                  "directed": True, "multigraph": False, "graph": {}, "edges": [],
+                  "nodes": [{"id": 0, "kind": "collective", "name": "allreduce"}]})}
+    noise = {"noise 5": "5", "noise x": "x"}.get(case, "1")
+    trace = inputs.get(case, lambda: str(saved_trace))()
+    assert main(["comm", "--input", trace, "--noise_level", noise, "--html", str(tmp_path / "c.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("syntorch comm: error: ")
+    assert ("noise level must be 0, 1, 2 or 3" in err) == case.startswith("noise")
+    assert not (tmp_path / "c.html").exists()
