@@ -1,0 +1,138 @@
+"""Data parallelism: DDP-style bucketed gradient all-reduce, and ZeRO-1/2 (reduce-scatter + all-gather).
+
+Parameters are packed into buckets of at most `bucket_mb` MiB in reverse registration order (the order
+backward produces their gradients, as DDP does). Gradients are synchronised only on the backward of a
+step's last micro-batch (DDP's no_sync for the others), and a bucket is launched the moment its last
+gradient is accumulated, so communication overlaps the rest of backward:
+
+- zero 0 (DDP): each bucket's gradients are flattened, divided by dp and all-reduced; `finish` copies the
+  averaged values back into `.grad`. The optimizer updates every parameter.
+- zero 2: the flattened bucket (padded to a multiple of dp) is reduce-scattered instead; this rank keeps
+  1/dp of it. The optimizer updates only its shard (a flat fp32-like master copy), and `gather_params`
+  all-gathers the updated shards back into the parameters.
+- zero 1: the same, but the reduce-scatters wait for the end of backward (gradients are kept whole until
+  then, as ZeRO stage 1 does), so they do not overlap it.
+
+A weight shared by the first and the last pipeline stage (a tied LM head) is first all-reduced over that
+pair (Megatron's embedding group) and synchronised last, in a bucket of its own.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from syntorch.parallel import comm
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    size: int  # elements, padded to a multiple of dp under ZeRO
+    ready: int = 0
+    flat: torch.Tensor | None = None  # zero 0: the all-reduced gradients
+    shard: nn.Parameter | None = None  # zero 1/2: this rank's part of the parameters, updated by the optimizer
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.params[0].element_size()
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, pad_to: int = 1) -> list[Bucket]:
+    """Reverse registration order, a new bucket whenever the next parameter would overflow this one."""
+    groups: list[list[nn.Parameter]] = [[]]
+    filled = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if groups[-1] and filled + nbytes > bucket_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(p)
+        filled += nbytes
+    return [Bucket(g, -(-sum(p.numel() for p in g) // pad_to) * pad_to) for g in groups if g]
+
+
+@dataclass
+class GradSync:
+    """Gradient synchronisation of one stage's parameters over its DP group (see the module docstring)."""
+    params: list[nn.Parameter]
+    dp_group: object
+    dp: int
+    zero: int = 0
+    bucket_mb: float = 25.0
+    tied: nn.Parameter | None = None  # shared with another stage, all-reduced over `tied_group` first
+    tied_group: object = None
+    buckets: list[Bucket] = field(default_factory=list)
+    active: bool = False  # True during the backward of the step's last micro-batch
+
+    def __post_init__(self):
+        pad = self.dp if self.zero else 1
+        shared = [p for p in self.params if p is not self.tied]
+        self.buckets = make_buckets(shared, int(self.bucket_mb * 2**20), pad) if self.dp > 1 else []
+        self.last = make_buckets([self.tied], 2**62, pad) if self.tied is not None and self.dp > 1 else []
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for b in [*self.buckets, *self.last] if self.zero else ():
+            b.shard = nn.Parameter(self._shard_of(_flat([p.detach() for p in b.params], b.size)))
+        for p in self.params:
+            if id(p) in self._bucket_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        n = flat.numel() // self.dp
+        rank = comm.rank_in(self.dp_group)
+        return flat[rank * n:(rank + 1) * n].clone()
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What this rank's optimizer updates: every parameter, or under ZeRO its shard of each bucket."""
+        if self.zero and self.dp > 1:
+            return [b.shard for b in [*self.buckets, *self.last]]
+        return list(self.params)
+
+    @torch.no_grad()
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if not self.active:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) and self.zero != 1:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = _flat([p.grad for p in bucket.params], bucket.size)
+        if self.zero:
+            bucket.shard.grad = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.dp)
+        else:
+            bucket.flat = comm.all_reduce(flat.div_(self.dp), "sum", self.dp_group)
+        bucket.ready = 0
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of the last backward: pending buckets, the tied weight, then (DDP) averaged grads into `.grad`."""
+        if self.zero == 1:
+            for bucket in self.buckets:
+                self._launch(bucket)
+        if self.tied is not None and self.tied_group is not None:
+            comm.all_reduce(self.tied.grad, "sum", self.tied_group)
+        for bucket in self.last:
+            self._launch(bucket)
+        for bucket in [*self.buckets, *self.last] if not self.zero else ():
+            for p, chunk in zip(bucket.params, _split(bucket.flat, bucket.params)):
+                p.grad.copy_(chunk)
+            bucket.flat = None
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """ZeRO, after the optimizer step: every rank's updated shard back into the whole parameters."""
+        for bucket in [*self.buckets, *self.last] if self.zero else ():
+            full = comm.all_gather(bucket.shard.detach(), 0, self.dp_group)
+            for p, chunk in zip(bucket.params, _split(full, bucket.params)):
+                p.copy_(chunk)
+
+
+def _flat(tensors: list[torch.Tensor], size: int) -> torch.Tensor:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return flat if flat.numel() == size else torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+
+def _split(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    chunks = flat[:sum(p.numel() for p in params)].split([p.numel() for p in params])
+    return [c.view_as(p) for c, p in zip(chunks, params)]

@@ -1,0 +1,206 @@
+"""One training plan over the (dp, pp, tp) mesh: which parallelisms, in which order, and one step of it.
+
+    plan = TrainPlan(dp=4, tp=8, pp=8, sp=True, zero=1, microbatches=8, seq=2048)
+    plan.check(config)
+    run = apply_plans(config, plan, groups, device="meta")
+    train_step(run, batches)
+
+`apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
+1. TP (+SP) on a model holding the stage's layers and the model's last layer: the TP plan hooks the
+   sequence-parallel gather on the last block and ties the vocab-parallel head to the embedding, so it must
+   see the model whole at its ends.
+2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
+   the last) and adds the loss on the last stage.
+3. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
+4. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
+"""
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from syntorch.config import ModelConfig
+from syntorch.errors import UserError
+from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.data import GradSync
+from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.tensor import apply_tp, check_tp
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2
+    bucket_mb: float = 25.0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    micro_batch_size: int = 1
+    seq: int = 1024
+    lr: float = 1e-4
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.dp, self.pp, self.tp)
+
+    def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
+        """Every mistake in one line, with the values in it."""
+        mesh = self.mesh  # checks the degrees are positive
+        if world_size is not None:
+            mesh.check_world_size(world_size)
+        if self.sp and self.tp == 1:
+            raise UserError("--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1")
+        if self.sp and self.seq % self.tp:
+            raise UserError(f"--sp needs --seq ({self.seq}) divisible by --tp ({self.tp})")
+        if self.seq > config.n_positions or self.seq < 1:
+            raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+        if self.zero not in (0, 1, 2):
+            raise UserError(f"--zero must be 0 (DDP), 1 or 2, got {self.zero}")
+        if self.bucket_mb <= 0:
+            raise UserError(f"--bucket_mb must be positive, got {self.bucket_mb}")
+        for name in ("microbatches", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if global_batch is not None and global_batch != self.dp * self.microbatches * self.micro_batch_size:
+            raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
+                            f" * micro_batch_size({self.micro_batch_size}) = "
+                            f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
+        if self.schedule not in pp_.SCHEDULES:
+            raise UserError(f"unknown --schedule {self.schedule!r}; choose one of: {', '.join(pp_.SCHEDULES)}")
+        pp_.stage_layers(config.n_layer, self.pp)
+        check_tp(config, self.tp)
+
+    def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
+        return pp_.Stage(index, self.pp, pp_.stage_layers(config.n_layer, self.pp)[index])
+
+
+@dataclass
+class PlanGroups:
+    """One rank's process groups: TP, DP, the 2-rank links to neighbouring stages, the tied-embedding pair."""
+    rank: int
+    tp: object
+    dp: object
+    links: pp_.StageLinks
+    embedding: object = None
+
+
+def plan_group_ranks(mesh: Mesh, tied: bool) -> list[list[int]]:
+    """Every process group of the plan in a fixed order (real ranks must all create them in this order):
+    TP groups, DP groups, neighbouring-stage pairs, then first/last-stage pairs for a tied embedding."""
+    groups = mesh.groups("tp") + mesh.groups("dp")
+    for d in range(mesh.dp):
+        for t in range(mesh.tp):
+            chain = [mesh.rank(d, s, t) for s in range(mesh.pp)]
+            groups += [[a, b] for a, b in zip(chain, chain[1:])]
+            if tied and mesh.pp > 1:
+                groups.append([chain[0], chain[-1]])
+    return groups
+
+
+def init_plan_groups(mesh: Mesh, tied: bool, only_mine: bool = False) -> PlanGroups:
+    """Create the plan's process groups and return this rank's. `only_mine` (symbolic runs, no peers to
+    agree with) creates just the ones this rank belongs to, so 8192 ranks cost what one rank needs."""
+    rank = dist.get_rank()
+    _, stage, _ = mesh.coords(rank)
+    mine = {}
+    for ranks in plan_group_ranks(mesh, tied):
+        if rank in ranks or not only_mine:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[tuple(ranks)] = group
+    chain = mesh.group_ranks("pp", rank)
+    links = pp_.StageLinks()
+    if stage > 0:
+        links.prev_rank = chain[stage - 1]
+        links.prev = mine[(links.prev_rank, rank)]
+    if stage < mesh.pp - 1:
+        links.next_rank = chain[stage + 1]
+        links.next = mine[(rank, links.next_rank)]
+    embedding = mine.get((chain[0], chain[-1])) if tied and mesh.pp > 1 and stage in (0, mesh.pp - 1) else None
+    return PlanGroups(rank, mine[tuple(mesh.group_ranks("tp", rank))], mine[tuple(mesh.group_ranks("dp", rank))],
+                      links, embedding)
+
+
+@dataclass
+class StageRun:
+    """Everything one rank needs to run its part of a training step."""
+    model: nn.Module
+    plan: TrainPlan
+    stage: pp_.Stage
+    groups: PlanGroups
+    grad_sync: GradSync
+    optimizer: torch.optim.Optimizer
+
+
+def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device="meta",
+                dtype=torch.float32) -> StageRun:
+    """Build this rank's stage of `config` and apply TP, PP, DP/ZeRO and the optimizer in that order
+    (the module docstring says why)."""
+    stage = plan.stage(config, plan.mesh.coords(groups.rank)[1])
+    model = pp_.build_stage_model(config, stage, device, dtype)
+    if plan.tp > 1:
+        apply_tp(model, groups.tp, plan.sp)
+    pp_.split_stage(model, stage)
+    model.train()
+    params = list(model.parameters())
+    tied = model.lm_head.weight if (config.tied_head and plan.pp > 1 and stage.last) else \
+        model.tok_emb.weight if (config.tied_head and plan.pp > 1 and stage.first) else None
+    grad_sync = GradSync(params, groups.dp, plan.dp, plan.zero, plan.bucket_mb, tied, groups.embedding)
+    optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=False)
+    _init_optimizer_state(optimizer)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer)
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    # AdamW creates its moments lazily on the first step; create them now so a traced step is a steady-state
+    # one (the moments exist, as in every step but the first), and a real first step gives the same numbers.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], phase=None, on_step=None):
+    """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch) in the stage's schedule.
+
+    `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch)` is called
+    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage."""
+    phase = phase or (lambda name: nullcontext())
+    plan, stage, links = run.plan, run.stage, run.groups.links
+    order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches))
+    shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
+    dtype, device = next(run.model.parameters()).dtype, next(run.model.parameters()).device
+    inputs, outputs, total = {}, {}, 0.0
+    for kind, m in order:
+        if on_step:
+            on_step(kind, m)
+        if kind == "F":
+            with phase("forward"):
+                tokens, targets = batches[m]
+                x = tokens if stage.first else pp_.recv_forward(shape, dtype, device, links, m)
+                y = pp_.stage_forward(run.model, x, targets if stage.last else None)
+                if stage.last:
+                    y = y / len(batches)  # gradients accumulate to the mean over micro-batches
+                    total = total + y.detach()
+                pp_.send_forward(y, links, m)
+            inputs[m], outputs[m] = x, y
+            continue
+        with phase("backward"):
+            run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but the last
+            x, y = inputs.pop(m), outputs.pop(m)
+            grad = None if stage.last else pp_.recv_backward(y, links, m)
+            torch.autograd.backward(y, grad)
+            if not stage.first:
+                pp_.send_backward(x.grad, links, m)
+    with phase("backward"):
+        run.grad_sync.finish()
+    if on_step:
+        on_step("optimizer", None)
+    with phase("optimizer"):
+        run.optimizer.step()
+        run.grad_sync.gather_params()
+    return total
