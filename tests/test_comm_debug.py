@@ -241,3 +241,40 @@ def test_cli_bad_input_is_one_line(case, saved_trace, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("syntorch comm: error: ")
     assert ("noise level must be 0, 1, 2 or 3" in err) == case.startswith("noise")
     assert not (tmp_path / "c.html").exists()
+
+
+def test_generation_phases_fall_in_the_forward_pass():
+    """TP-2 generation (prefill + 2 decode steps) on the fake backend: per-phase totals are Megatron's."""
+    from syntorch.export.comm_report import tracing_table
+    from syntorch.generate import generate
+    config = tiny_config("gpt2", n_layer=2)
+    prompt_len = 5
+    with comm.symbolic_world(1, 2):
+        model = build_model(config)
+        apply_tp(model)
+        mode = CommDebugMode(model)
+        with mode:
+            generate(model, torch.zeros(B, prompt_len, dtype=torch.long), 3, phase_scope=mode.phase)
+    totals = mode.report.phase_totals
+    per_step = 2 * config.n_layer + 1  # attention and MLP of each layer, and the vocab-parallel embedding
+    assert list(totals) == ["prefill", "decode[0]", "decode[1]"]
+    for phase, tokens in (("prefill", prompt_len), ("decode[1]", 1)):
+        assert totals[phase]["all_reduce"] == [per_step, per_step * B * tokens * config.d_model * 4]
+        assert totals[phase]["all_gather"][0] == 1  # the logits, before sampling
+    assert mode.get_comm_module_counts()["Global"] == {
+        "forward": {"all_reduce": 3 * per_step, "all_gather": 3}, "backward": {}, "optimizer": {}}
+    assert "BACKWARD PASS" not in tracing_table(mode.report, 1)
+    assert all(c["group"] == [0, 1] for c in mode.get_collectives()) and mode.report.graph_attrs["rank"] == 1
+
+
+def test_optimizer_phase_has_its_own_section():
+    with comm.symbolic_world(0, 2):
+        linear = torch.nn.Linear(4, 3)
+        mode = CommDebugMode()
+        with mode:
+            linear(torch.randn(2, 4)).sum().backward()
+            with mode.phase("optimizer"):  # DDP-style gradient averaging before the step
+                comm.all_reduce(linear.weight.grad, "avg")
+    assert mode.get_comm_module_counts() == {"Global": {"forward": {}, "backward": {}, "optimizer": {"all_reduce": 1}}}
+    table = mode.generate_comm_debug_tracing_table(1)
+    assert "OPTIMIZER STEP" in table and "reduce_op: avg" in table and "bytes: 48" in table
