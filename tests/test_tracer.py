@@ -102,6 +102,23 @@ def test_tensor_nodes_views_and_params():
             graph.edges[t, op]["arg"] for t in graph.predecessors(op))
 
 
+def test_generation_flops_equal_flop_counter_mode():
+    from syntorch.generate import generate
+    model = build_model(tiny_config("gptj-6b"))
+    prompt = torch.randint(0, 128, (2, 5))
+    graph, result = trace_generation(model, prompt, 3, Sampling(temperature=0))
+    aten = torch.ops.aten
+    with FlopCounterMode(display=False, custom_mapping={
+            aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd}) as counter:
+        untraced = generate(model, prompt, 3, Sampling(temperature=0))
+    assert untraced.tokens == result.tokens
+    assert graph.total_flops() == counter.get_total_flops()
+    # under inference_mode aten.linear arrives whole; it is recorded as the t + addmm it decomposes into
+    for phase, tokens in (("prefill", 2 * 5), ("decode[0]", 2), ("decode[1]", 2)):
+        fc1 = sum(d["flops"] for _, d in graph.ops() if d["module"] == "layers.1.mlp.fc1" and d["phase"] == phase)
+        assert fc1 == 2 * 64 * 256 * tokens
+
+
 def test_generation_phases_and_kv_cache_data_flow():
     model = build_model(tiny_config("gpt2"))
     graph, result = trace_generation(model, torch.randint(0, 128, (1, 5)), 3, Sampling(temperature=0))
@@ -150,3 +167,15 @@ def test_collectives_on_the_fake_backend(fake_world):
     recv = next(n for n, d in tracer.graph.collectives() if d["collective"] == "recv")
     assert tracer.graph.op_deps()[mul] == [recv]
     assert nx.is_directed_acyclic_graph(tracer.graph)
+
+
+@pytest.mark.parametrize("base", ["gpt2", "gptj-6b"])
+def test_replicated_layers_equal_a_full_trace(base):
+    model = build_model(tiny_config(base, n_layer=3), device="meta")
+    prompt = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    full, _ = trace_generation(model, prompt, 3, replicate=False)
+    replicated, _ = trace_generation(model, prompt, 3, replicate=True)
+    assert len(replicated) == len(full) > 0
+    assert dict(replicated.nodes(data=True)) == dict(full.nodes(data=True))
+    assert sorted(replicated.edges(data="arg")) == sorted(full.edges(data="arg"))
+    assert replicated.graph == full.graph

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph
+from syntorch.trace.replicate import LayerCall
 
 SDPA = "aten.scaled_dot_product_attention"
 
@@ -47,7 +48,7 @@ class Tracer:
         self.tensors = WeakIdKeyDictionary()  # tensor -> (node, storage key, storage writes when node was made)
         self.writes: dict[int, tuple[int, int]] = {}  # storage key -> (number of writes, last writing op)
         self.names = WeakIdKeyDictionary()  # parameter/buffer -> its name
-        self.layer_calls: list[tuple[str, int, int]] = []  # (block path, first node id, end node id)
+        self.layer_calls: list[LayerCall] = []  # each forward call of a transformer layer, for replicate.py
         self._exits = contextlib.ExitStack()
 
     # --- entering and leaving ------------------------------------------------------------------
@@ -77,19 +78,23 @@ class Tracer:
             self._exits.enter_context(module.register_forward_hook(self._leave_module(is_layer), always_call=True))
 
     def _enter_module(self, path: str, is_layer: bool):
-        def hook(_module, _args):
+        def hook(_module, args):
             self.modules.append(path)
-            if is_layer:
-                self.layer_calls.append((path, len(self.graph), -1))
+            if is_layer and self._recording() and args and isinstance(args[0], torch.Tensor):
+                x = self.tensor_node(args[0])
+                self.layer_calls.append(LayerCall(path, len(self.graph), -1, x, -1))
         return hook
 
     def _leave_module(self, is_layer: bool):
-        def hook(_module, _args, _out):
+        def hook(_module, _args, out):
             self.modules.pop()
-            if is_layer:
-                path, start, _ = self.layer_calls[-1]
-                self.layer_calls[-1] = (path, start, len(self.graph))
+            call = self.layer_calls[-1] if self.layer_calls else None
+            if is_layer and call is not None and call.end == -1 and isinstance(out, torch.Tensor):
+                call.end, call.output = len(self.graph), self.tensor_node(out)
         return hook
+
+    def _recording(self) -> bool:
+        return not self.paused and self.phases[-1] is not None
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -219,9 +224,17 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.tracer.paused:
+            return func(*args, **kwargs)
+        if func._overloadpacket not in flop_registry:
+            # as FlopCounterMode does: a composite op (aten.linear under inference_mode) is recorded as the
+            # ops it decomposes into (t, addmm), which have FLOP formulas -- the same ops training runs
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
-        if not self.tracer.paused:
-            self.tracer.record_aten(func, args, kwargs, out)
+        self.tracer.record_aten(func, args, kwargs, out)
         return out
 
 

@@ -1,0 +1,102 @@
+"""Symbolic scale: trace one transformer layer and replicate it, instead of running all of them.
+
+On `meta` a 96-layer model spends nearly all its time in Python meta kernels of identical layers. Every
+layer's trace is the same but for names, so we run the model with its first layer only (the other modules
+shared) and rebuild the full graph: each recorded call of that layer is copied once per layer, in order,
+with `layers.0` renamed, the residual stream chained from one copy to the next, and state a layer keeps
+across passes (parameters, KV-cache versions) linked to the same copy of earlier passes. Node ids come
+out in the order a full trace creates them, and `order` of collectives is renumbered, so the result
+equals a full trace (tests/test_tracer.py checks it).
+"""
+import copy
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from syntorch.trace.graph import TraceGraph
+
+
+@dataclass
+class LayerCall:
+    """One forward call of a transformer layer: the node ids it created ([start, end)), its input and output."""
+    path: str
+    start: int
+    end: int
+    input: int
+    output: int
+
+
+def first_layer_only(model: nn.Module) -> nn.Module:
+    """A shallow copy of `model` whose `layers` hold only the first one (all modules shared, none copied)."""
+    shallow = copy.copy(model)
+    first = next(iter(model.layers.items()))
+    shallow._modules = {**model._modules, "layers": nn.ModuleDict(dict([first]))}
+    return shallow
+
+
+def replicate_layers(graph: TraceGraph, calls: list[LayerCall], layer_names: list[str]) -> TraceGraph:
+    """The graph of a run in which every call in `calls` (all of layer `layer_names[0]`) ran once per
+    layer in `layer_names`, in that order."""
+    out = TraceGraph(**graph.graph)
+    outside: dict[int, int] = {}  # old id -> new id, for nodes not made by a layer call
+    owner = {n: i for i, c in enumerate(calls) for n in range(c.start, c.end)}
+    copies: list[list[dict[int, int]]] = []  # per call, per layer: old id -> new id
+    node, n = 0, len(graph)
+    while node < n:
+        if len(copies) < len(calls) and node == calls[len(copies)].start:
+            call = calls[len(copies)]
+            copies.append(_copy_call(graph, out, call, layer_names, outside, owner, copies))
+            outside[call.output] = copies[-1][-1][call.output]  # later readers of the output see the last layer's
+            node = call.end
+            continue
+        outside[node] = _add_node(out, graph, node, lambda u: outside[u])
+        node += 1
+    _renumber_collectives(out)
+    return out
+
+
+def _copy_call(graph, out, call, layer_names, outside, owner, copies) -> list[dict[int, int]]:
+    maps = []
+    for k, name in enumerate(layer_names):
+        here = {call.input: maps[-1][call.output]} if k else {}
+
+        def find(u, here=here, k=k):
+            if u in here:
+                return here[u]
+            if u in owner:  # made by an earlier call of this layer: the same layer's copy of it
+                return copies[owner[u]][k][u]
+            return outside[u]
+
+        for old in range(call.start, call.end):
+            here[old] = _add_node(out, graph, old, find, rename=(call.path, name))
+        maps.append(here)
+    return maps
+
+
+def _add_node(out: TraceGraph, graph: TraceGraph, old: int, find, rename=None) -> int:
+    attrs = dict(graph.nodes[old])
+    new = len(out)
+    if rename:
+        key = "name" if attrs["kind"] == "tensor" else "module"
+        attrs[key] = _renamed(attrs[key], *rename)
+    if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
+        attrs["name"] = f"t{new}"
+    out.add_node(new, **attrs)
+    for u in graph.predecessors(old):
+        out.add_edge(find(u), new, **graph.edges[u, old])
+    return new
+
+
+def _renamed(path: str, old: str, new: str) -> str:
+    if path == old or path.startswith(old + "."):
+        return new + path[len(old):]
+    return path
+
+
+def _renumber_collectives(graph: TraceGraph):
+    seen: dict[tuple, int] = {}
+    for _, d in graph.collectives():
+        key = tuple(d["group"])
+        d["order"] = seen.get(key, 0)
+        seen[key] = d["order"] + 1
+    graph.__dict__.pop("_orders", None)
