@@ -1,0 +1,112 @@
+"""One rank's host + device traces -> `<prefix>.<rank>.et` for ASTRA-sim, with the official tools:
+repair the host trace, link it with the device trace (chakra_trace_link's TraceLinker), convert the
+linked JSON (chakra_converter PyTorch's PyTorchConverter), then fix what they leave wrong (repair.py).
+"""
+import contextlib
+import importlib.util
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from chakra.src.third_party.utils.protolib import encodeMessage
+
+from syntorch.capture import traces
+from syntorch.capture.repair import fix_nodes
+from syntorch.errors import UserError
+from syntorch.outdir import atomic_output_file
+
+
+def _param_bench() -> Path:
+    # chakra_trace_link imports et_replay, which PyPI ships only inside holistictraceanalysis's wheel,
+    # as a top-level `param_bench/et_replay` folder beside `hta`
+    spec = importlib.util.find_spec("hta")
+    return Path(spec.origin).parents[1] / "param_bench"
+
+
+def official_tools():
+    """(TraceLinker, PyTorchConverter) from mlc-chakra."""
+    path = str(_param_bench())
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    from chakra.src.converter.pytorch_converter import PyTorchConverter
+    from chakra.src.trace_link.trace_linker import TraceLinker
+    return TraceLinker, PyTorchConverter
+
+
+@contextlib.contextmanager
+def _tool_step(what: str, source: str):
+    """Run an official tool quietly (HTA logs a pandas error on every CPU trace and carries on, see
+    README) and turn its failure into one line naming the input."""
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:300]
+        raise UserError(f"{what} failed on {source}: {type(e).__name__}: {first}") from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def link_and_convert(rank: int, host_path: Path, device_path: Path, workdir: Path) -> tuple[Path, Path]:
+    """Runs the two official tools; returns (linked JSON, converted .et) inside `workdir`."""
+    TraceLinker, PyTorchConverter = official_tools()
+    merged, raw = workdir / "merged.json", workdir / "official.et"
+    with _tool_step("chakra_trace_link", f"{host_path} + {device_path}"):
+        # absolute paths: with a relative device path the linker doubles its folder
+        TraceLinker().link(rank, str(host_path.resolve()), str(device_path.resolve()), str(merged.resolve()))
+    with _tool_step("chakra_converter PyTorch", str(host_path)):
+        PyTorchConverter().convert(str(merged), str(raw), False)
+    return merged, raw
+
+
+def group_of_collectives(groups: dict[str, list[int]]) -> tuple[str, list[str]]:
+    """pg_name for gloo collectives. A CPU trace does not say which group a gloo op used; with one group
+    it is that one, otherwise the default group ("0", all ranks to ASTRA-sim), and a note says so."""
+    if len(groups) == 1:
+        return next(iter(groups)), []
+    notes = [f"trace has {len(groups)} process groups; gloo collectives assigned to the default group 0"] if groups else []
+    return "0", notes
+
+
+def convert_rank(host_path, device_path, rank: int, output, merged_output=None) -> dict:
+    """Writes the ASTRA-sim-ready `output` (.et) for one rank, whole or not at all; with `merged_output`
+    also the linked host + device JSON. Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
+    from syntorch.validate import read_trace
+
+    host_path, device_path, output = Path(host_path), Path(device_path), Path(output)
+    host, repairs = traces.read_host_trace(host_path)
+    device = traces.read_device_trace(device_path)
+    traces.check_same_rank(host, device, rank, host_path, device_path)
+    groups = traces.comm_groups(device)
+    pg_name, notes = group_of_collectives(groups)
+    with tempfile.TemporaryDirectory(prefix=".syntorch-convert-") as tmp:
+        tmp = Path(tmp)
+        if repairs:
+            host_path = tmp / "host_repaired.json"
+            host_path.write_text(json.dumps(host))
+        merged, raw = link_and_convert(rank, host_path, device_path, tmp)
+        header, nodes = read_trace(raw)
+        linked = {n["id"]: n for n in json.loads(merged.read_text())["nodes"]}
+        nodes, summary = fix_nodes(nodes, linked, pg_name)
+        with atomic_output_file(output) as out, open(out, "wb") as f:
+            encodeMessage(f, header)
+            for node in nodes:
+                encodeMessage(f, node)
+        if merged_output:
+            with atomic_output_file(merged_output) as out:
+                shutil.copyfile(merged, out)
+    return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs,
+            "notes": summary["notes"] + notes, "groups": groups}
+
+
+def write_comm_groups(groups: dict[str, list[int]], path) -> None:
+    """comm_groups.json for ASTRA-sim's --comm-group-configuration: every group but the default one
+    ("0" means all ranks to ASTRA-sim and is not listed)."""
+    listed = {k: v for k, v in sorted(groups.items()) if k != "0" and k.isdigit()}
+    with atomic_output_file(path) as out:
+        Path(out).write_text(json.dumps(listed) + "\n")

@@ -1,0 +1,81 @@
+"""torch.profiler over a training loop: the host execution trace (ExecutionTraceObserver) and the device
+trace (Kineto) of the same profiler steps, plus the stacks text, per rank.
+
+The observer is passed to the profiler (`execution_trace_observer=`), so it starts and stops with the
+active window and both traces hold the same `ProfilerStep#N`. The schedule runs one cycle: a second
+cycle would write a second trace over the first (the seed's duplicated-JSON host traces).
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ExecutionTraceObserver, ProfilerActivity
+
+from syntorch.errors import UserError
+
+
+@dataclass(frozen=True)
+class TraceFiles:
+    """Where one rank's capture goes: `<name>_host.<rank>.json`, `<name>_device.<rank>.json`,
+    `<name>_stacks.<rank>.txt`, `<name>_merged.<rank>.json` (linked) and `<name>.<rank>.et`."""
+    folder: Path
+    name: str
+    rank: int
+
+    @property
+    def host(self) -> Path:
+        return self.folder / f"{self.name}_host.{self.rank}.json"
+
+    @property
+    def device(self) -> Path:
+        return self.folder / f"{self.name}_device.{self.rank}.json"
+
+    @property
+    def stacks(self) -> Path:
+        return self.folder / f"{self.name}_stacks.{self.rank}.txt"
+
+    @property
+    def merged(self) -> Path:
+        return self.folder / f"{self.name}_merged.{self.rank}.json"
+
+    @property
+    def et(self) -> Path:
+        return self.folder / f"{self.name}.{self.rank}.et"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Profiler steps (one optimizer step each): skipped, warmed up (profiled, discarded), recorded."""
+    wait: int = 1
+    warmup: int = 1
+    active: int = 1
+
+    def __post_init__(self):
+        if self.wait < 0 or self.warmup < 0 or self.active < 1:
+            raise UserError(f"trace schedule needs wait >= 0, warmup >= 0, active >= 1; "
+                            f"got {self.wait}/{self.warmup}/{self.active}")
+
+    @property
+    def steps(self) -> int:
+        return self.wait + self.warmup + self.active
+
+
+def make_profiler(files: TraceFiles, schedule: Schedule, device: str) -> torch.profiler.profile:
+    """A profiler to enter around the loop and step once per optimizer step; it writes `files` when the
+    active window closes."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    observer = ExecutionTraceObserver().register_callback(str(files.host))
+
+    def write_device_trace(prof):
+        prof.export_chrome_trace(str(files.device))
+        prof.export_stacks(str(files.stacks), "self_cuda_time_total" if cuda else "self_cpu_time_total")
+
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=schedule.wait, warmup=schedule.warmup, active=schedule.active, repeat=1),
+        on_trace_ready=write_device_trace, execution_trace_observer=observer,
+        record_shapes=True, with_stack=True,
+        experimental_config=_ExperimentalConfig(verbose=True))  # verbose: Python frames in the stacks export

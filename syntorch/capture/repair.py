@@ -1,0 +1,163 @@
+"""What mlc-chakra's converter leaves wrong for ASTRA-sim in a CPU (gloo) capture, fixed on its nodes.
+
+The official converter (mlc-chakra 1.0.0) makes communication nodes only from GPU kernels named
+ncclKernel/ncclDevKernel. A gloo collective is a CPU op (`gloo:all_reduce`), so it comes out as a plain
+COMP_NODE chained serially behind the main thread's ops: the simulator would neither model the network
+nor let backward overlap with the gradient all-reduce. Here, on the converted nodes:
+
+1. METADATA nodes (`## process_group:init ##`) are dropped (ASTRA-sim aborts on them); whoever depended
+   on one depends on what it depended on.
+2. gloo collectives become COMM_COLL_NODEs: comm_type, comm_size (bytes of the op's input tensors),
+   pg_name, is_cpu_op false. Every other field the official tools wrote is kept.
+3. Dependencies: a collective depends on the op that launched it and on the group's previous
+   collective (one queue per process group, as gloo and NCCL run them). It leaves the main thread's
+   serial chain; the first later op that touches its tensors' storage (DDP's copy of the bucket back
+   into the gradients) depends on it. So backward compute after a bucket's launch overlaps its
+   all-reduce, as it did in the run.
+4. Dependencies on nodes the converter dropped (it removes "dangling" nodes that others still name in
+   ctrl_deps) are removed: ASTRA-sim stops on a dependency it cannot find.
+"""
+import bisect
+from collections import defaultdict
+
+import networkx as nx
+from chakra.schema.protobuf import et_def_pb2 as et
+
+# gloo op -> (Chakra collective, note when rewritten). comm_size is the op's input bytes: the whole
+# buffer for all-reduce/all-to-all/broadcast, each rank's part for all-gather (ASTRA-sim's sizes).
+GLOO_COLLECTIVES = {
+    "gloo:all_reduce": (et.ALL_REDUCE, None),
+    "gloo:all_gather": (et.ALL_GATHER, None),
+    "gloo:all_to_all": (et.ALL_TO_ALL, None),
+    "gloo:broadcast": (et.BROADCAST, None),
+    "gloo:reduce": (et.ALL_REDUCE, "gloo:reduce written as an all-reduce of the same bytes (ASTRA-sim has no reduce)"),
+    "gloo:barrier": (et.ALL_REDUCE, "gloo:barrier written as a 4-byte all-reduce (ASTRA-sim has no barrier)"),
+}
+BARRIER_BYTES = 4
+
+
+def tensor_refs(io: dict):
+    """(storage id, bytes) of each tensor in a host-trace inputs/outputs record."""
+    for value, typ in zip(io.get("values", []), io.get("types", [])):
+        if not isinstance(typ, str) or "Tensor" not in typ:
+            continue
+        for t in value if typ.startswith("GenericList") else [value]:
+            # a tensor is [tensor id, storage id, offset, numel, element bytes, device]
+            if isinstance(t, list) and len(t) >= 5:
+                yield t[1], t[3] * t[4]
+
+
+def fix_nodes(nodes: list, host_nodes: dict, pg_name: str = "0") -> tuple[list, dict]:
+    """The converter's nodes made ASTRA-sim-ready, and a summary (collectives, bytes, notes).
+    `host_nodes` are the linked JSON nodes by id (the converter keeps their ids)."""
+    by_id = {n.id: n for n in nodes}
+    _bypass(by_id, {i for i, n in by_id.items() if n.type == et.METADATA_NODE}, drop=True)
+    collectives, notes = _make_collectives(by_id, host_nodes, pg_name)
+    _restore_dependencies(by_id, collectives, host_nodes)
+    for node in by_id.values():
+        for deps in (node.data_deps, node.ctrl_deps):
+            kept = [d for d in deps if d in by_id]
+            del deps[:]
+            deps.extend(kept)
+    _check_acyclic(by_id)
+    sizes = [_attr(by_id[c], "comm_size").int64_val for c in collectives]
+    return [by_id[i] for i in sorted(by_id)], {"collectives": len(collectives), "comm_bytes": sum(sizes),
+                                               "notes": sorted(notes)}
+
+
+def _attr(node, name):
+    return next((a for a in node.attr if a.name == name), None)
+
+
+def _bypass(by_id: dict, skipped: set, drop: bool) -> None:
+    """Nodes that depended on a skipped node depend on its dependencies instead (transitively)."""
+    def expand(dep, kind, seen=()):
+        if dep not in skipped or dep in seen:
+            return [dep]
+        return [d for up in getattr(by_id[dep], kind) for d in expand(up, kind, (*seen, dep))]
+
+    originals = {i: (list(by_id[i].data_deps), list(by_id[i].ctrl_deps)) for i in skipped}
+    for node in by_id.values():
+        for kind in ("data_deps", "ctrl_deps"):
+            deps = getattr(node, kind)
+            new = list(dict.fromkeys(d for dep in deps for d in expand(dep, kind) if d != node.id))
+            del deps[:]
+            deps.extend(new)
+    for i in skipped:
+        if drop:
+            del by_id[i]
+        else:  # the skipped node itself keeps what it depended on
+            by_id[i].data_deps[:], by_id[i].ctrl_deps[:] = originals[i]
+
+
+def _make_collectives(by_id: dict, host_nodes: dict, pg_name: str) -> tuple[list[int], set[str]]:
+    """gloo COMP_NODEs -> COMM_COLL_NODEs; returns their ids in issue order and the notes."""
+    ids, notes = [], set()
+    for node_id in sorted(by_id):
+        node = by_id[node_id]
+        if node.type != et.COMP_NODE or not node.name.startswith("gloo:"):
+            continue
+        if node.name not in GLOO_COLLECTIVES:
+            notes.add(f"{node.name} left as a compute node (no ASTRA-sim collective for it)")
+            continue
+        comm_type, note = GLOO_COLLECTIVES[node.name]
+        size = BARRIER_BYTES if node.name == "gloo:barrier" else sum(
+            b for _, b in tensor_refs(host_nodes.get(node_id, {}).get("inputs", {})))
+        if size <= 0:
+            notes.add(f"{node.name} node {node_id} moves no bytes in the host trace; left as a compute node")
+            continue
+        notes.update([note] if note else [])
+        kept = [a for a in node.attr if a.name not in ("is_cpu_op", "comm_type", "comm_size", "pg_name")]
+        del node.attr[:]
+        node.attr.extend(kept + [et.AttributeProto(name="is_cpu_op", bool_val=False),
+                                 et.AttributeProto(name="comm_type", int64_val=comm_type),
+                                 et.AttributeProto(name="comm_size", int64_val=size),
+                                 et.AttributeProto(name="pg_name", string_val=pg_name)])
+        node.type = et.COMM_COLL_NODE
+        ids.append(node_id)
+    return ids, notes
+
+
+def _restore_dependencies(by_id: dict, collectives: list[int], host_nodes: dict) -> None:
+    _bypass(by_id, set(collectives), drop=False)
+    touching = _storage_index(by_id, host_nodes, skip=set(collectives))
+    previous = None
+    for c in collectives:
+        node = by_id[c]
+        launcher = [p for p in node.ctrl_deps if p in by_id] or list(node.data_deps)
+        node.data_deps[:] = list(dict.fromkeys(launcher + ([previous] if previous is not None else [])))
+        previous = c
+        consumer = _first_toucher(touching, host_nodes.get(c, {}).get("inputs", {}), after=c)
+        if consumer is not None and c not in by_id[consumer].data_deps:
+            by_id[consumer].data_deps.append(c)
+
+
+def _storage_index(by_id: dict, host_nodes: dict, skip: set) -> dict[int, list[int]]:
+    """storage id -> sorted ids of the nodes that read or write it."""
+    index = defaultdict(list)
+    for node_id in sorted(by_id):
+        host = host_nodes.get(node_id)
+        if host is None or node_id in skip:
+            continue
+        for storage in {s for io in ("inputs", "outputs") for s, _ in tensor_refs(host.get(io, {}))}:
+            index[storage].append(node_id)
+    return index
+
+
+def _first_toucher(touching: dict, inputs: dict, after: int):
+    found = []
+    for storage, _ in tensor_refs(inputs):
+        ids = touching.get(storage, [])
+        i = bisect.bisect_right(ids, after)
+        if i < len(ids):
+            found.append(ids[i])
+    return min(found, default=None)
+
+
+def _check_acyclic(by_id: dict) -> None:
+    graph = nx.DiGraph()
+    graph.add_nodes_from(by_id)
+    graph.add_edges_from((d, n.id) for n in by_id.values() for d in (*n.data_deps, *n.ctrl_deps))
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(graph))
+        raise RuntimeError(f"repaired trace has a dependency cycle ({cycle}); this is a syntorch bug, please report it")

@@ -1,0 +1,153 @@
+"""SQuAD (v1.1/v2.0 JSON) as pretraining text: causal LM on question + context for GPT-2, masked LM on
+`[CLS] question [SEP] context [SEP]` for BERT. Tokenizers are local HuggingFace folders; nothing is
+downloaded."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from syntorch.errors import UserError
+
+IGNORE = -100  # label of positions the loss skips (padding, unmasked MLM tokens), as in torch's cross_entropy
+MLM_PROBABILITY = 0.15  # Devlin et al. 2019: 15% of tokens are predicted; of those 80% [MASK], 10% random, 10% kept
+
+
+def load_squad(path) -> list[tuple[str, str]]:
+    """(question, context) pairs from a SQuAD JSON file. v2.0's unanswerable questions are kept: for
+    pretraining only the text matters."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file not found: {path}; give --data a SQuAD v1.1/v2.0 JSON file")
+    try:
+        squad = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"data file {path} is not valid JSON: {e}") from None
+    if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
+        raise UserError(f"data file {path} is not SQuAD JSON: expected {{\"data\": [{{\"paragraphs\": ...}}]}}")
+    pairs = []
+    for i, article in enumerate(squad["data"]):
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            raise UserError(f"data file {path}: data[{i}] has no 'paragraphs' list")
+        for j, par in enumerate(paragraphs):
+            where = f"data[{i}].paragraphs[{j}]"
+            if not isinstance(par, dict) or not isinstance(par.get("context"), str) or not isinstance(par.get("qas"), list):
+                raise UserError(f"data file {path}: {where} needs a 'context' string and a 'qas' list")
+            for k, qa in enumerate(par["qas"]):
+                if not isinstance(qa, dict) or not isinstance(qa.get("question"), str):
+                    raise UserError(f"data file {path}: {where}.qas[{k}] has no 'question' string")
+                pairs.append((qa["question"], par["context"]))
+    if not pairs:
+        raise UserError(f"data file {path} holds no questions")
+    return pairs
+
+
+def load_tokenizer(path):
+    """A HuggingFace tokenizer from a local folder (tokenizer.json or vocab files)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"tokenizer folder not found: {path}; give --tokenizer a local HuggingFace tokenizer folder")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("training reads tokenizers with transformers; install it: pip install transformers") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def special_ids(tokenizer, family: str) -> dict:
+    """Token ids the objective needs; BERT needs [CLS], [SEP], [MASK] and a pad token."""
+    ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("cls", "sep", "mask", "pad", "eos")}
+    if family == "bert":
+        missing = [k for k in ("cls", "sep", "mask", "pad") if ids[k] is None]
+        if missing:
+            raise UserError(f"tokenizer has no {'/'.join(missing)} token; masked LM needs [CLS], [SEP], [MASK] and [PAD]")
+    elif ids["pad"] is None:  # GPT-2 has no pad token; padding is never a label, so eos (or 0) serves
+        ids["pad"] = ids["eos"] if ids["eos"] is not None else 0
+    return ids
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    unique = list(dict.fromkeys(texts))  # SQuAD repeats each context for every question
+    ids = tokenizer(unique, add_special_tokens=False)["input_ids"]
+    table = dict(zip(unique, ids))
+    return [table[t] for t in texts]
+
+
+def encode_causal(pairs, tokenizer, max_len: int, eos: int | None) -> list[torch.Tensor]:
+    """question + context (+ eos), cut to max_len tokens."""
+    tail = [eos] if eos is not None else []
+    ids = _tokenize(tokenizer, [f"{q} {c}" for q, c in pairs])
+    return [torch.tensor((x + tail)[:max_len]) for x in ids if x]
+
+
+def encode_masked(pairs, tokenizer, max_len: int, ids: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, segment ids) of [CLS] question [SEP] context [SEP]; the context is cut to fit."""
+    questions = _tokenize(tokenizer, [q for q, _ in pairs])
+    contexts = _tokenize(tokenizer, [c for _, c in pairs])
+    out = []
+    for q, c in zip(questions, contexts):
+        q = q[:max(1, max_len // 2 - 2)]
+        c = c[:max(0, max_len - len(q) - 3)]
+        tokens = [ids["cls"], *q, ids["sep"], *c, ids["sep"]]
+        out.append((torch.tensor(tokens), torch.tensor([0] * (len(q) + 2) + [1] * (len(c) + 1))))
+    return out
+
+
+def mask_tokens(tokens: torch.Tensor, maskable: torch.Tensor, mask_id: int, vocab_size: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masking: (inputs, labels). 15% of the maskable positions become labels; of those 80% are
+    replaced by [MASK], 10% by a random token, 10% kept. Labels elsewhere are IGNORE."""
+    def draw(p, where):
+        return (torch.rand(tokens.shape, generator=generator) < p) & where
+
+    chosen = draw(MLM_PROBABILITY, maskable)
+    labels = torch.where(chosen, tokens, IGNORE)
+    masked = draw(0.8, chosen)
+    randomized = draw(0.5, chosen & ~masked)  # half of the remaining 20%
+    inputs = torch.where(masked, mask_id, tokens)
+    random_tokens = torch.randint(vocab_size, tokens.shape, generator=generator)
+    return torch.where(randomized, random_tokens, inputs), labels
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T]: the target of each position (causal: shifted by the loss), or IGNORE
+    token_types: torch.Tensor | None = None  # [B, T] BERT segments
+    attention_mask: torch.Tensor | None = None  # [B, T] 1 for real tokens
+
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) if t is not None else None for t in
+                       (self.tokens, self.labels, self.token_types, self.attention_mask)))
+
+
+def _pad(seqs: list[torch.Tensor], value: int) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
+
+
+class CausalCollate:
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, seqs: list[torch.Tensor]) -> Batch:
+        return Batch(_pad(seqs, self.pad_id), _pad(seqs, IGNORE))
+
+
+class MaskedCollate:
+    """Pads and masks each batch anew (dynamic masking), from its own seeded generator."""
+
+    def __init__(self, ids: dict, vocab_size: int, seed: int):
+        self.ids, self.vocab_size = ids, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, items) -> Batch:
+        tokens = _pad([t for t, _ in items], self.ids["pad"])
+        types = _pad([s for _, s in items], 0)
+        real = _pad([torch.ones_like(t) for t, _ in items], 0)
+        maskable = real.bool() & (tokens != self.ids["cls"]) & (tokens != self.ids["sep"])
+        inputs, labels = mask_tokens(tokens, maskable, self.ids["mask"], self.vocab_size, self.generator)
+        return Batch(inputs, labels, types, real)

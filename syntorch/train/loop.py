@@ -1,0 +1,377 @@
+"""DDP pretraining of GPT-2 (causal LM) or BERT (masked LM) on SQuAD text, with an optional profiler
+capture turned into Chakra traces at the end. One function per rank: `train_rank(opts)`; it runs the
+same under `torchrun` and under `syntorch train --nproc N` (which spawns the ranks)."""
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from syntorch.capture.profile import Schedule, TraceFiles
+from syntorch.errors import UserError
+from syntorch.train import data as D
+
+FAMILIES = {"gpt2": "gpt", "bert": "bert"}  # command-line family -> ModelConfig.arch
+DEFAULT_MODEL = {"gpt2": "gpt2", "bert": "bert-base-uncased"}
+
+
+@dataclass
+class TrainOptions:
+    family: str  # "gpt2" | "bert"
+    data: str
+    model_name: str
+    tokenizer: str | None = None
+    model_config: str | None = None
+    device: str = "cpu"
+    batch_size: int = 4  # per rank
+    learning_rate: float = 5e-5
+    num_epochs: int = 3
+    max_seq_length: int | None = None  # None: min(512, the model's positions)
+    gradient_accumulation_steps: int = 1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    save_steps: int = 0  # 0: save only at the end
+    eval_steps: int = 0  # 0: evaluate at the end of each epoch
+    max_steps: int = 0  # 0: run all epochs
+    eval_fraction: float = 0.1  # held out from --data for evaluation and the best checkpoint
+    save_dir: str | None = None
+    seed: int = 42
+    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size
+    tracing: bool = False
+    trace_output_dir: str = "outputs"
+    trace_name: str | None = None  # default: <family>_<world>rank
+    schedule: Schedule = field(default_factory=Schedule)
+
+
+def load_model(opts: TrainOptions, device):
+    """(config, model): a local HuggingFace folder as from_pretrained reads it, or a registry name
+    (random init), optionally overridden by --model_config."""
+    from syntorch.checkpoints import load_checkpoint
+    from syntorch.config import get_config, load_model_config
+    from syntorch.models import build_model
+
+    if Path(opts.model_name).is_dir():
+        config, model = load_checkpoint(opts.model_name, device=device)
+    else:
+        config = load_model_config(opts.model_config, opts.model_name) if opts.model_config else get_config(opts.model_name)
+        model = build_model(config, device=device)
+    if config.arch != FAMILIES[opts.family]:
+        raise UserError(f"model '{opts.model_name}' is a {config.arch} model, not {opts.family}; "
+                        f"use `syntorch train {'gpt2' if config.arch == 'gpt' else 'bert'}` or another --model-name")
+    return config, model.train()
+
+
+def tokenizer_dir(opts: TrainOptions) -> str:
+    if opts.tokenizer:
+        if not Path(opts.tokenizer).is_dir():
+            raise UserError(f"tokenizer folder not found: {opts.tokenizer}; give --tokenizer a local HuggingFace tokenizer folder")
+        return opts.tokenizer
+    if Path(opts.model_name).is_dir() and any((Path(opts.model_name) / f).is_file()
+                                              for f in ("tokenizer.json", "vocab.txt", "vocab.json")):
+        return opts.model_name
+    raise UserError("give --tokenizer DIR (a local HuggingFace tokenizer folder); syntorch downloads nothing")
+
+
+def sequence_length(opts: TrainOptions, config) -> int:
+    length = opts.max_seq_length or min(512, config.n_positions)
+    if not 4 <= length <= config.n_positions:
+        raise UserError(f"--max-seq-length {length} must be in 4..{config.n_positions} (the model's positions)")
+    return length
+
+
+def build_datasets(opts: TrainOptions, config, tokenizer, rank: int):
+    """(train items, eval items, collate) for the family's objective."""
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"tokenizer has {len(tokenizer)} tokens but model '{config.name}' only {config.vocab_size}; "
+                        "give a matching --tokenizer or a larger vocab_size in --model_config")
+    pairs = D.load_squad(opts.data)
+    length, ids = sequence_length(opts, config), D.special_ids(tokenizer, opts.family)
+    if opts.family == "gpt2":
+        items, collate = D.encode_causal(pairs, tokenizer, length, ids["eos"]), D.CausalCollate(ids["pad"])
+    else:
+        items, collate = D.encode_masked(pairs, tokenizer, length, ids), D.MaskedCollate(ids, len(tokenizer), opts.seed + rank)
+    n_eval = int(len(items) * opts.eval_fraction) if len(items) > 1 else 0
+    return items[:len(items) - n_eval], items[len(items) - n_eval:], collate
+
+
+def loss_of(model, batch: D.Batch, family: str) -> torch.Tensor:
+    if family == "gpt2":
+        logits = model(batch.tokens)  # [B, T, V]; position t predicts token t+1
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=D.IGNORE)
+    logits = model(batch.tokens, batch.token_types, batch.attention_mask)
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=D.IGNORE)
+
+
+def make_optimizer(model, opts: TrainOptions, total_steps: int):
+    """AdamW without decay on biases and LayerNorms; linear warmup then linear decay to 0."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=opts.learning_rate)
+
+    def factor(step):
+        if step < opts.warmup_steps:
+            return (step + 1) / opts.warmup_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - opts.warmup_steps))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def join_ranks(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world, this rank's device): the torchrun environment's process group, or a lone process."""
+    from syntorch.parallel.launch import check_devices, init_distributed, under_torchrun
+
+    distributed = under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+    check_devices(device, int(os.environ["WORLD_SIZE"]) if distributed else 1)
+    rank, world = init_distributed(device) if distributed else (0, 1)
+    if torch.device(device).type == "cuda":
+        return rank, world, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return rank, world, torch.device(device)
+
+
+class Trainer:
+    """The loop over optimizer steps: gradient accumulation, clipping, evaluation, checkpoints, progress."""
+
+    def __init__(self, opts: TrainOptions, rank: int, world: int, device, model, tokenizer):
+        self.opts, self.rank, self.world, self.device = opts, rank, world, device
+        self.model, self.tokenizer = model, tokenizer  # unwrapped: what checkpoints save
+        config = model.config
+        train_items, eval_items, collate = build_datasets(opts, config, tokenizer, rank)
+        self.sampler = DistributedSampler(train_items, num_replicas=world, rank=rank, shuffle=True, seed=opts.seed)
+        self.loader = DataLoader(train_items, batch_size=opts.batch_size, sampler=self.sampler, collate_fn=collate)
+        self.eval_loader = DataLoader(eval_items[rank::world], batch_size=opts.batch_size, collate_fn=collate)
+        self.has_eval = len(eval_items) > 0
+        self.total = self._count_steps(len(train_items))
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=opts.bucket_cap_mb) if world > 1 else model
+        self.optimizer, self.scheduler = make_optimizer(self.ddp, opts, self.total)
+        self.history, self.best = [], math.inf
+
+    def _count_steps(self, n_items: int) -> int:
+        opts = self.opts
+        total = len(self.loader) // opts.gradient_accumulation_steps * opts.num_epochs
+        total = min(total, opts.max_steps) if opts.max_steps else total
+        if total < 1:
+            raise UserError(f"{n_items} training sequences make no optimizer step with batch size {opts.batch_size} x "
+                            f"{self.world} ranks x {opts.gradient_accumulation_steps} accumulation steps; give more data")
+        if opts.tracing and total < opts.schedule.steps:
+            raise UserError(f"--enable-tracing needs {opts.schedule.steps} optimizer steps (wait + warmup + active) "
+                            f"but this run has {total}; give more data or epochs, or fewer trace steps")
+        return total
+
+    def micro_batches(self):
+        """(epoch, batch, last micro-batch of its optimizer step) until the step budget is spent."""
+        accum, steps = self.opts.gradient_accumulation_steps, 0
+        for epoch in range(self.opts.num_epochs):
+            self.sampler.set_epoch(epoch)
+            usable = len(self.loader) // accum * accum  # a trailing partial accumulation is skipped
+            for i, batch in enumerate(self.loader):
+                if i >= usable or steps == self.total:
+                    break
+                last = (i + 1) % accum == 0
+                steps += last
+                yield epoch, batch, last
+
+    def fit(self, profiler=None) -> None:
+        """Trains `total` optimizer steps; `profiler.step()` after each. Evaluation and checkpoints wait
+        until the profiler's window is over, so the trace holds training steps only."""
+        opts, step, losses, epoch_seen = self.opts, 0, [], 0
+        with progress_bar(self.rank == 0, self.total, opts.family) as advance:
+            for epoch, batch, last in self.micro_batches():
+                if epoch != epoch_seen and not opts.eval_steps and not self._recording(profiler, step):
+                    self.evaluate_and_keep(step)
+                epoch_seen = epoch
+                losses.append(self.backward(batch, sync=last))
+                if not last:
+                    continue
+                self.optimizer_step()
+                step += 1
+                if profiler is not None:
+                    profiler.step()
+                advance(sum(losses) / len(losses))
+                if step % opts.logging_steps == 0 or step == self.total:
+                    self.history.append({"step": step, "epoch": epoch, "loss": sum(losses) / len(losses),
+                                         "lr": self.scheduler.get_last_lr()[0]})
+                    losses = []
+                if not self._recording(profiler, step):
+                    self.periodic(step)
+        self.evaluate_and_keep(step)
+        self.save("last_model")
+
+    def _recording(self, profiler, step: int) -> bool:
+        return profiler is not None and step < self.opts.schedule.steps
+
+    def periodic(self, step: int) -> None:
+        if self.opts.eval_steps and step % self.opts.eval_steps == 0 and step < self.total:
+            self.evaluate_and_keep(step)
+        if self.opts.save_steps and step % self.opts.save_steps == 0 and step < self.total:
+            self.save("last_model")
+
+    def backward(self, batch: D.Batch, sync: bool) -> float:
+        # DDP all-reduces gradients only on the last micro-batch of an optimizer step
+        skip_sync = self.world > 1 and not sync
+        with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
+            loss = loss_of(self.ddp, batch.to(self.device), self.opts.family)
+            (loss / self.opts.gradient_accumulation_steps).backward()
+        return loss.item()
+
+    def optimizer_step(self) -> None:
+        if self.opts.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.opts.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def evaluate_and_keep(self, step: int) -> None:
+        """Held-out loss (train loss when nothing is held out); the best so far is saved as best_model."""
+        if self.has_eval:
+            loss = evaluate(self.ddp, self.eval_loader, self.device, self.opts.family, self.world)
+        else:
+            loss = next((h["loss"] for h in reversed(self.history) if "loss" in h), math.inf)
+        self.history.append({"step": step, "eval_loss": loss})
+        if loss < self.best:
+            self.best = loss
+            self.save("best_model")
+
+    def save(self, kind: str) -> None:
+        from syntorch.checkpoints import save_checkpoint
+
+        if self.rank != 0 or not self.opts.save_dir:
+            return
+        path = Path(self.opts.save_dir) / kind
+        save_checkpoint(self.model, path)
+        self.tokenizer.save_pretrained(str(path))  # so `--model-name path` finds its tokenizer
+
+    def summary(self) -> dict:
+        train = [h["loss"] for h in self.history if "loss" in h]
+        evals = [h["eval_loss"] for h in self.history if "eval_loss" in h]
+        return {"steps": self.total, "world": self.world, "first_loss": train[0], "last_loss": train[-1],
+                "best_eval_loss": self.best, "last_eval_loss": evals[-1], "history": self.history,
+                "save_dir": self.opts.save_dir}
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, family: str, world: int) -> float:
+    """Mean loss over every rank's share of the held-out items."""
+    model.eval()
+    total = torch.zeros(2, device=device)  # sum of batch losses, batches
+    for batch in loader:
+        total += torch.stack([loss_of(model, batch.to(device), family), torch.ones((), device=device)])
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item() if total[1] > 0 else math.inf
+
+
+@contextlib.contextmanager
+def progress_bar(show: bool, total: int, family: str):
+    """A rich progress bar with the running loss on rank 0; a no-op elsewhere."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn(f"[bold]{family}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn())
+    with Progress(*columns, disable=not show) as progress:
+        task = progress.add_task("train", total=total, loss=math.nan)
+        yield lambda loss: progress.update(task, advance=1, loss=loss)
+
+
+def capture(trainer: Trainer, opts: TrainOptions) -> dict:
+    """Trains under the profiler, then links and converts this rank's traces. Every rank's files appear
+    in --trace-output-dir together, after all ranks converted theirs."""
+    from syntorch.capture.convert import convert_rank, write_comm_groups
+    from syntorch.capture.profile import make_profiler
+    from syntorch.outdir import atomic_output_dir
+
+    name = opts.trace_name or f"{opts.family}_{trainer.world}rank"
+    with atomic_output_dir(opts.trace_output_dir) as tmp:
+        files = TraceFiles(tmp, name, trainer.rank)
+        with make_profiler(files, opts.schedule, opts.device) as profiler:
+            trainer.fit(profiler)
+        result = convert_rank(files.host, files.device, trainer.rank, files.et, files.merged)
+        if trainer.rank == 0:
+            write_comm_groups(result["groups"], tmp / "comm_groups.json")
+        if trainer.world > 1:
+            dist.barrier()
+    prefix = Path(opts.trace_output_dir) / name
+    return {**{k: result[k] for k in ("nodes", "collectives", "comm_bytes", "repairs", "notes")}, "prefix": str(prefix)}
+
+
+def train_rank(opts: TrainOptions) -> dict:
+    """Train on this rank (and capture, with opts.tracing). Rank 0 writes train_log.json into --save-dir
+    and prints the summary; every rank returns it."""
+    rank, world, device = join_ranks(opts.device)
+    torch.manual_seed(opts.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    config, model = load_model(opts, device)
+    tokenizer = D.load_tokenizer(tokenizer_dir(opts))
+    trainer = Trainer(opts, rank, world, device, model, tokenizer)
+    if opts.tracing:
+        trace = capture(trainer, opts)
+    else:
+        trainer.fit()
+        trace = None
+    summary = {**trainer.summary(), "trace": trace}
+    if rank == 0:
+        report(summary, opts)
+    return summary
+
+
+def report(summary: dict, opts: TrainOptions) -> None:
+    from rich.console import Console
+
+    from syntorch.outdir import atomic_output_file
+
+    if opts.save_dir:
+        with atomic_output_file(Path(opts.save_dir) / "train_log.json") as out:
+            Path(out).write_text(json.dumps(summary["history"], indent=1) + "\n")
+    console = Console()
+    console.print(f"{opts.family}: {summary['steps']} steps on {summary['world']} rank(s), loss "
+                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, best eval loss {summary['best_eval_loss']:.4f}")
+    if opts.save_dir:
+        console.print(f"checkpoints: {Path(opts.save_dir) / 'best_model'}, {Path(opts.save_dir) / 'last_model'}")
+    if summary["trace"]:
+        t = summary["trace"]
+        console.print(f"Chakra traces: {t['prefix']}.<rank>.et ({t['nodes']} nodes, {t['collectives']} collectives "
+                      f"of {t['comm_bytes']} B on rank 0)")
+        for note in t["notes"] + t["repairs"]:
+            console.print(f"  note: {note}")
+
+
+def preflight(opts: TrainOptions) -> None:
+    """Checks the inputs before ranks are spawned, so a user's mistake is one line, not a rank failure."""
+    from syntorch.config import get_config, load_model_config
+
+    D.load_squad(opts.data)
+    tokenizer_dir(opts)  # loading it needs transformers, which each rank imports anyway
+    if not Path(opts.model_name).is_dir():
+        load_model_config(opts.model_config, opts.model_name) if opts.model_config else get_config(opts.model_name)
+
+
+def launch(opts: TrainOptions, nproc: int | None) -> None:
+    """Train on `nproc` spawned ranks, or on the ranks torchrun started."""
+    from syntorch.parallel.launch import RankFailed, spawn, under_torchrun
+
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc not in (None, world):
+            raise UserError(f"--nproc {nproc} but torchrun started {world} ranks; drop --nproc under torchrun")
+        train_rank(opts)
+        return
+    preflight(opts)
+    if (nproc or 1) == 1:
+        train_rank(opts)
+        return
+    try:
+        spawn(train_rank, nproc, (opts,))
+    except RankFailed as e:
+        cause = str(e)
+        if ": UserError: " in cause:  # a user's mistake found inside a rank: one line, exit 2
+            raise UserError(cause.replace("UserError: ", "")) from None
+        raise
