@@ -7,7 +7,7 @@
 
 Inside the context a syntorch Tracer records the run; everything after is read from its TraceGraph, so the same
 report comes from a live run (real gloo/NCCL ranks or the symbolic fake backend) and from a saved trace
-(`CommReport.from_graph(load(path))`, which `syntorch comm` does).
+(`CommReport(networkx_json.load(path))`, which `syntorch comm` does).
 
 Meanings follow torch: counts per module include the module's descendants, "Global" holds everything, and the
 sections are FORWARD PASS / BACKWARD PASS (phases prefill and decode[i] are forward; an OPTIMIZER STEP section
@@ -188,10 +188,6 @@ class CommReport:
         return {m.name: {s: {k: cb[0] for k, cb in m.totals[s].items()} for s in SECTIONS}
                 for m in self.modules.values() if any(m.totals.values())}
 
-    def parameter_info(self) -> dict[str, dict[str, dict]]:
-        """fqn -> parameter name -> {"shape", "dtype"} of this rank's shard."""
-        return {m.name: dict(m.parameters) for m in self.modules.values() if m.parameters}
-
 
 class CommDebugMode:
     """torch's CommDebugMode on a syntorch Tracer. Pass `model` to name modules from the start; without it the
@@ -221,7 +217,7 @@ class CommDebugMode:
     def __exit__(self, *exc):
         self._remove_root_hook()
         self._tracer.__exit__(*exc)
-        self._report = self._build_report()
+        self._report = self._build_report() if exc[0] is None else None  # never hide the run's own error
         return False
 
     def _adopt_root(self, module, _args):
@@ -289,9 +285,9 @@ class CommDebugMode:
         """fqn -> parameter name -> tensor, for the modules that ran (torch's meaning; shapes are this rank's)."""
         if self.model is None:
             return {}
-        return {name: {p: self.model.get_submodule(fqn).get_parameter(p) for p in params}
-                for name, params, fqn in ((m.name, m.parameters, m.fqn) for m in self.report.modules.values())
-                if params}
+        info = {m.name: dict(self.model.get_submodule(m.fqn).named_parameters(recurse=False))
+                for m in self.report.modules.values()}
+        return {name: params for name, params in info.items() if params}
 
     def get_collectives(self) -> list[dict]:
         """Every collective in traced order: module, phase, kind, reduce op, bytes, group, order, src, dst, tag."""

@@ -11,6 +11,7 @@ from conftest import tiny_config
 from syntorch import CommDebugMode
 from syntorch.cli import main
 from syntorch.errors import UserError
+from syntorch.export.comm_report import write_comm_outputs
 from syntorch.models import build_model
 from syntorch.parallel import comm
 from syntorch.parallel.launch import spawn
@@ -70,14 +71,14 @@ def tp_mlp_run():
     return mode, config
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_mlp_counts_agree_with_torch_dtensor(world):
+@pytest.mark.parametrize("world, device", [(2, "cpu"), (4, "meta")])
+def test_mlp_counts_agree_with_torch_dtensor(world, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     config = tiny_config("gpt2", n_layer=1)
-    x = torch.randn(B, T, config.d_model, requires_grad=True)
+    x = torch.randn(B, T, config.d_model, requires_grad=True, device=device)
     with comm.symbolic_world(0, world):
-        model = build_model(config)
+        model = build_model(config, device=device)
         reference = copy.deepcopy(model.layers["0"].mlp)
         parallelize_module(reference, init_device_mesh("cpu", (world,)),
                            {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -96,6 +97,7 @@ def test_mlp_counts_agree_with_torch_dtensor(world):
     assert mode.get_comm_counts() == {"all_reduce": 2}
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook")  # torch's module tracker, on token-id inputs
 def test_whole_tp_model_agrees_with_torch_observer():
     """The same syntorch TP run (embedding, attention, MLP, LM head) seen by torch's CommDebugMode and ours:
     the same modules in the same order, with the same counts per module and section."""
@@ -126,8 +128,9 @@ def test_noise_levels_add_what_the_tutorial_says(tp_mlp_run):
     assert "aten.gelu" not in ops[1] and "aten.t" not in ops[1]
     assert "aten.gelu" in ops[2] and "aten.gelu_backward" in ops[2] and "aten.t" not in ops[2]  # 2: no trivial
     assert "aten.t" in ops[3] and ops[2] < ops[3]  # 3: everything
-    level1 = mode.generate_comm_debug_tracing_table(1)
-    assert "*Parameter List" in level1 and "torch.nn.modules.linear.Linear" not in mode.generate_comm_debug_tracing_table(0)
+    level0, level1 = mode.generate_comm_debug_tracing_table(0), mode.generate_comm_debug_tracing_table(1)
+    assert "*module type: syntorch.parallel.tensor.ColumnParallelLinear" in level1 and "*Parameter List" in level1
+    assert "*module type" not in level0 and "*Parameter List" not in level0
     for bad in (4, -1, "1", None, True):
         with pytest.raises(UserError, match="noise level must be 0, 1, 2 or 3"):
             mode.generate_comm_debug_tracing_table(bad)
@@ -162,6 +165,10 @@ def test_files_follow_torch(tp_mlp_run, tmp_path):
     assert {"fqn", "module_type", "parameters", "children", "operations_backward",
             "operations_checkpointing"} <= set(fc1)
     assert tree["phase_totals"]["backward"]["all_reduce"]["count"] == 1 and len(tree["collectives"]) == 2
+    write_comm_outputs(mode.graph, tmp_path / "run", noise_level=1)  # what infer --comm_debug writes
+    assert (tmp_path / "run" / "comm_debug_log.txt").read_text() == text
+    assert json.loads((tmp_path / "run" / "comm_debug.json").read_text())["noise_level"] == 1
+    assert (tmp_path / "run" / "comm_debug.html").read_text().startswith("<!DOCTYPE html>")
 
 
 def _ranks_worker(out_dir):

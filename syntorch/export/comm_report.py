@@ -3,6 +3,7 @@ torch's fields (plus syntorch's), and one self-contained HTML page with a collap
 import html
 import json
 import re
+from pathlib import Path
 
 from syntorch.comm_debug import GLOBAL, SECTIONS, CommReport, ModuleInfo, OpRecord, check_noise_level
 from syntorch.outdir import atomic_output_file
@@ -28,6 +29,11 @@ def collective_details(c: dict) -> str:
     return ", ".join(parts + [f"order: {c['order']}"])
 
 
+def shard_text(param: dict) -> str:
+    """What torch shows as a parameter's placement; syntorch knows this rank's shard shape."""
+    return f"local shape {param['shape']} {param['dtype']}"
+
+
 # --- text -----------------------------------------------------------------------------------------
 def tracing_table(report: CommReport, noise_level: int, color: bool = True) -> str:
     noise_level = check_noise_level(noise_level)
@@ -46,7 +52,7 @@ def _module_lines(module: ModuleInfo, noise_level: int) -> list[str]:
         lines.append(f"{indent}*module type: {module.module_type}")
     if noise_level >= 1 and module.parameters:
         lines.append(f"{indent}*Parameter List")
-        lines += [f"{indent} *{name}: local shape {p['shape']} {p['dtype']}" for name, p in module.parameters.items()]
+        lines += [f"{indent} *{name}: {shard_text(p)}" for name, p in module.parameters.items()]
     for section in SECTIONS:
         lines += _section_lines(module, section, noise_level)
     return lines
@@ -107,8 +113,7 @@ def json_tree(report: CommReport, noise_level: int) -> dict:
 
 def _module_json(report: CommReport, module: ModuleInfo, noise_level: int) -> dict:
     out = {"fqn": module.name, "module_type": module.module_type if noise_level >= 1 else "",
-           "parameters": [[name, f"local shape {p['shape']} {p['dtype']}"] for name, p in module.parameters.items()]
-           if noise_level >= 1 else [],
+           "parameters": [[name, shard_text(p)] for name, p in module.parameters.items()] if noise_level >= 1 else [],
            "children": [_module_json(report, report.modules[c], noise_level) for c in module.children]}
     for section in SECTIONS:
         totals = module.totals[section]
@@ -206,9 +211,8 @@ def render_html(tree: dict) -> str:
 
 
 def _tree_item(node: dict, is_root: bool = False) -> str:
-    badge = "; ".join(f"{SECTION_TITLES[s].split()[0].lower()}: " + ", ".join(
-        f"{kind} \u00d7{count}" for kind, count in node[f"collectives_{s}"])
-        for s in SECTIONS if node[f"collectives_{s}"])
+    badge = "; ".join(f"{s}: " + ", ".join(f"{kind} \u00d7{count}" for kind, count in node[f"collectives_{s}"])
+                      for s in SECTIONS if node[f"collectives_{s}"])
     body = [_module_info(node)] + [_pass_html(node, s) for s in SECTIONS]
     children = "".join(_tree_item(child) for child in node["children"])
     body.append(f"<ul>{children}</ul>" if children else "")
@@ -233,10 +237,13 @@ def _pass_html(node: dict, section: str) -> str:
     parts = [f'<div class="pass"><span class="pass-title">{SECTION_TITLES[section]}</span>',
              _table(["collective", "count", "bytes"], [[k, c, format_bytes(nbytes[k])] for k, c in counts])]
     if ops:
-        rows = [[op["name"], op["phase"], collective_details(op) if "collective" in op else ", ".join(op["input_shape"]),
-                 ", ".join(op["params"])] for op in ops]
+        rows = [[op["name"], op["phase"], _op_inputs(op), ", ".join(op["params"])] for op in ops]
         parts.append(_table(["op", "phase", "inputs / details", "params"], rows))
     return "".join(parts) + "</div>"
+
+
+def _op_inputs(op: dict) -> str:
+    return collective_details(op) if "collective" in op else ", ".join(op["input_shape"])
 
 
 def _table(header, rows) -> str:
@@ -260,7 +267,6 @@ def write_html(report: CommReport, noise_level: int, path) -> None:
 def write_comm_outputs(graph, out_dir, noise_level: int = 1, name: str = "comm_debug") -> CommReport:
     """What `syntorch infer --comm_debug` writes beside its other outputs: <name>_log.txt (the table),
     <name>.json (the dump) and <name>.html (the browser view). Returns the report, e.g. to print its table."""
-    from pathlib import Path
     report = CommReport(graph)
     out_dir = Path(out_dir)
     write_table(report, noise_level, out_dir / f"{name}_log.txt")
