@@ -1,0 +1,104 @@
+"""`syntorch infer` end to end, and every bad input: one line, exit 2, nothing written."""
+import json
+
+import pytest
+
+from syntorch.cli import main
+
+
+def run_cli(tmp_path, *argv):
+    out = tmp_path / "out"
+    code = main(["infer", "--out", str(out), *argv])
+    return code, out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt4"], "unknown model 'gpt4'"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top_p", "0"], "top_p"),
+    (["--top_p", "1.5"], "top_p"),
+    (["--top_k", "-3"], "top_k"),
+    (["--num_output_tokens", "0"], "--num_output_tokens must be positive"),
+    (["--num_input_tokens", "-2"], "--num_input_tokens must be positive"),
+    (["--num_input_tokens", "2000"], "exceed the context"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--device", "tpu"], "--device"),
+    (["--checkpoint", "/nonexistent/ckpt"], "config.json"),
+    (["--model_config", "/nonexistent.json"], "not found"),
+    (["--input_ids", "1,2,99999999"], "outside the vocabulary"),
+    (["--prompt", "hello"], "--tokenizer"),
+    (["--sp"], "--tp > 1"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys, argv, message):
+    code, out = run_cli(tmp_path, "--model", "gpt2", *argv) if "--model" not in argv else run_cli(tmp_path, *argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+    assert not any(tmp_path.glob(".out.*")), "a temporary output folder was left behind"
+
+
+def test_corrupt_model_config(tmp_path, capsys):
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps({"base": "gpt2", "n_head": "twelve"}))
+    code, out = run_cli(tmp_path, "--model_config", str(bad))
+    assert code == 2 and "n_head" in capsys.readouterr().err and not out.exists()
+
+
+def tiny_hf_gpt2(tmp_path):
+    """A tiny random GPT-2 checkpoint and a word-level tokenizer for it, both saved as HF folders."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    words = "the cat sat on a mat and dog ran to it".split()
+    vocab = {w: i for i, w in enumerate(["[UNK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / "tok")
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    return hf, tmp_path / "ckpt", tmp_path / "tok"
+
+
+def test_checkpoint_prompt_greedy_matches_hf(tmp_path, capsys):
+    import torch
+    hf, ckpt, tok = tiny_hf_gpt2(tmp_path)
+    code, out = run_cli(tmp_path, "--checkpoint", str(ckpt), "--tokenizer", str(tok), "--prompt", "the cat sat",
+                        "--num_output_tokens", "6", "--temperature", "0")
+    assert code == 0, capsys.readouterr().err
+    record = json.loads((out / "run.json").read_text())
+    prompt = record["input_ids"][0]
+    assert prompt == [1, 2, 3]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()
+    assert record["output_ids"][0] == expected
+    assert isinstance(record["output_text"][0], str) and record["output_text"][0].startswith("the cat sat")
+    for key in ("model", "device", "dtype", "tp", "prefill_ms", "decode_ms_per_token", "tokens_per_s"):
+        assert key in record
+    assert record["prefill_ms"] > 0 and record["tokens_per_s"] > 0
+
+
+def test_model_config_run_is_reproducible_with_seed(tmp_path):
+    cfg = tmp_path / "m.json"
+    cfg.write_text(json.dumps({"base": "gpt3-125m", "n_layer": 1, "d_model": 64, "n_head": 4, "vocab_size": 100}))
+    args = ["--model_config", str(cfg), "--num_input_tokens", "5", "--num_output_tokens", "4", "--batch_size", "2"]
+    runs = []
+    for name in ("a", "b"):
+        assert main(["infer", "--out", str(tmp_path / name), *args, "--seed", "7"]) == 0
+        runs.append(json.loads((tmp_path / name / "run.json").read_text()))
+    assert runs[0]["output_ids"] == runs[1]["output_ids"]
+    assert len(runs[0]["output_ids"]) == 2 and all(len(s) == 9 for s in runs[0]["output_ids"])
+    assert runs[0]["model_config"]["n_layer"] == 1
+
+
+def test_seed_example_script_runs_verbatim(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpt3" / "inference.py"
+    cfg = tmp_path / "m.json"
+    cfg.write_text(json.dumps({"base": "gpt3-125m", "n_layer": 1, "d_model": 64, "n_head": 4}))
+    proc = subprocess.run([sys.executable, str(script), "--num_input_tokens", "10", "--num_output_tokens", "20",
+                           "--tp", "1", "--device", "cpu", "--model_config", str(cfg)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert len(record["input_ids"][0]) == 10 and len(record["output_ids"][0]) == 30
