@@ -3,6 +3,7 @@ import json
 import sys
 
 import pytest
+import torch
 from chakra.schema.protobuf import et_def_pb2 as et
 from chakra.src.jsonizer import jsonizer
 from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
@@ -187,3 +188,82 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(UserError, match="level op or module"):
         write_chakra({0: tp_rank(0, world=1)}, tmp_path, level="layer")
     assert not list(tmp_path.iterdir())
+
+
+# --- end to end: the tracer's graphs of a tiny TP model ------------------------------------------------
+
+def symbolic_tp_traces(tp: int = 2):
+    from conftest import tiny_config
+    from syntorch.parallel.symbolic import trace_tp_symbolic
+
+    return trace_tp_symbolic(tiny_config("gpt2"), torch.zeros(1, 5, dtype=torch.long), 2, tp)
+
+
+@pytest.mark.parametrize("level", ["op", "module"])
+def test_traced_tp_model(tmp_path, level):
+    ranks = symbolic_tp_traces()
+    graph = ranks[0]
+    summary = write_chakra(ranks, tmp_path, level=level)
+    assert summary["distinct_traces"] == 1 and validate_traces(tmp_path) == []
+    _, nodes = read_et(tmp_path / "tiny-gpt2.1.et")
+    colls = [n for n in nodes if n.type == et.COMM_COLL_NODE]
+    assert len(colls) == sum(1 for _ in graph.collectives())  # every collective kept, at every level
+    assert sum(attrs(n)["num_ops"].int64_val for n in nodes if n.type == et.COMP_NODE) == graph.total_flops()
+    if level == "op":
+        not_folded = [d for _, d in graph.ops() if not (d["is_view"] or d["bytes_read"] + d["bytes_written"] == 0)]
+        assert len(nodes) - len(colls) == len(not_folded)
+
+
+def traced_forward(rank: int, world: int, device: str):
+    """One TP rank's traced forward of the tiny model; real collectives on cpu (gloo), symbolic on meta.
+    (A forward, not a generation: on meta generate() skips token sampling, which has no values to read.)"""
+    from conftest import tiny_config
+    from syntorch.models import build_model
+    from syntorch.parallel.mesh import Mesh, init_groups
+    from syntorch.parallel.tensor import apply_tp
+    from syntorch.trace.tracer import Tracer
+
+    torch.manual_seed(0)
+    model = build_model(tiny_config("gpt2"), device=device, dtype=torch.float32)
+    apply_tp(model, init_groups(Mesh(tp=world)), False)
+    tracing = Tracer(model, rank=rank, world_size=world, meta={"model": "tiny-gpt2", "tp": world})
+    with torch.inference_mode(), tracing as tracer:  # as generate() runs the model
+        model(torch.zeros(1, 5, dtype=torch.long, device=device))
+    return tracer.graph
+
+
+def real_tp_rank(out_dir: str) -> None:
+    from syntorch.export.networkx_json import export
+    from syntorch.parallel.launch import init_distributed
+
+    rank, world = init_distributed("cpu")
+    export(traced_forward(rank, world, "cpu"), f"{out_dir}/rank{rank}.json")
+
+
+def comparable(path):
+    """A trace without what differs between a real and a symbolic run: durations and tensor ids."""
+    _, nodes = read_et(path)
+    for node in nodes:
+        node.duration_micros = 0
+        node.inputs.values = node.outputs.values = ""
+    return nodes
+
+
+def test_real_and_symbolic_traces_agree(tmp_path):
+    from syntorch.export.networkx_json import load
+    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.launch import spawn
+
+    spawn(real_tp_rank, 2, (str(tmp_path),))
+    real = {r: load(tmp_path / f"rank{r}.json") for r in range(2)}
+    with symbolic_world(0, 2):  # TP ranks are symmetric: rank 0 stands for both, as trace_tp_symbolic does
+        shared = traced_forward(0, 2, "meta")
+    symbolic = RankTraces(2)
+    symbolic.put_shared(range(2), lambda: shared)
+    write_chakra(real, tmp_path / "real")
+    write_chakra(symbolic, tmp_path / "symbolic")
+    assert validate_traces(tmp_path / "real") == [] and validate_traces(tmp_path / "symbolic") == []
+    for rank in range(2):
+        a, b = comparable(tmp_path / f"real/tiny-gpt2.{rank}.et"), comparable(tmp_path / f"symbolic/tiny-gpt2.{rank}.et")
+        assert sum(n.type == et.COMM_COLL_NODE for n in a) == 6  # embedding, 2 per layer, the head's all-gather
+        assert a == b
