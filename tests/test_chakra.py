@@ -1,4 +1,5 @@
 """Chakra .et traces: what the official mlc-chakra tools read back from our files."""
+import functools
 import json
 import sys
 
@@ -192,6 +193,7 @@ def test_bad_input_is_one_line(tmp_path):
 
 # --- end to end: the tracer's graphs of a tiny TP model ------------------------------------------------
 
+@functools.cache  # traced once for the tests below, which only read it
 def symbolic_tp_traces(tp: int = 2):
     from conftest import tiny_config
     from syntorch.parallel.symbolic import trace_tp_symbolic
@@ -267,3 +269,26 @@ def test_real_and_symbolic_traces_agree(tmp_path):
         a, b = comparable(tmp_path / f"real/tiny-gpt2.{rank}.et"), comparable(tmp_path / f"symbolic/tiny-gpt2.{rank}.et")
         assert sum(n.type == et.COMM_COLL_NODE for n in a) == 6  # embedding, 2 per layer, the head's all-gather
         assert a == b
+
+
+def test_export_command_from_a_saved_graph(tmp_path, capsys):
+    from syntorch.cli import main
+    from syntorch.export.networkx_json import export as save_json
+
+    graph = symbolic_tp_traces()[0]
+    save_json(graph, tmp_path / "tensor_trace_graph.json")
+    argv = ["export", "--input", str(tmp_path / "tensor_trace_graph.json"), "--format", "chakra", "--output"]
+    assert main([*argv, str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.et")) == ["tiny-gpt2.0.et", "tiny-gpt2.1.et"]
+    assert validate_traces(tmp_path / "out") == []
+    assert main([*argv, str(tmp_path / "out")]) == 2  # traces there already
+    assert "pass --force" in capsys.readouterr().err
+
+
+def test_shared_ranks_get_durations_once():
+    from syntorch.trace.cost import fill_rank_durations
+
+    ranks = RankTraces(4)
+    ranks.put_shared(range(4), lambda: tp_rank(0, world=4))
+    fill_rank_durations(ranks, load_hw_config("h100-sxm"))
+    assert all(d["duration_us"] > 0 for _, d in ranks[3].nodes(data=True) if d["kind"] == "collective")

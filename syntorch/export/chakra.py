@@ -24,6 +24,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 from google.protobuf.json_format import MessageToDict
 
 from syntorch.errors import UserError
+from syntorch.trace.cost import shared_key
 
 
 
@@ -209,11 +210,6 @@ def _serialize(specs: list[NodeSpec]) -> bytes:
     return buf.getvalue()
 
 
-def _graph_key(graph) -> int:
-    # RankTraces gives identical ranks views of one graph: same node dict, so one encoding serves them all.
-    return id(graph._node)
-
-
 def _level_graph(graph, level: str):
     if level == "op":
         return graph
@@ -251,12 +247,12 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
     stale = _check_out_dir(out_dir, model, len(ranks), force)
     graphs = {r: graphs_by_rank[r] for r in ranks}
     # one level view per distinct graph: the ranks sharing it share its encoding too
-    distinct = {_graph_key(g): _level_graph(g, level) for g in graphs.values()}
+    distinct = {shared_key(g): _level_graph(g, level) for g in graphs.values()}
     groups, notes = scan_groups(distinct.values())
     encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
     with atomic_output_dir(out_dir) as tmp:
         for rank in ranks:
-            graph, key = graphs[rank], _graph_key(graphs[rank])
+            graph, key = graphs[rank], shared_key(graphs[rank])
             if key not in encoded:
                 specs = chakra_nodes(distinct[key], groups)
                 encoded[key] = (_serialize(specs), len(specs), any(s.duration_micros for s in specs))

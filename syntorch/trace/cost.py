@@ -89,3 +89,15 @@ def latency_us(graph: nx.DiGraph, hw: HardwareConfig | None = None) -> dict:
         start = max((finish[p] for t in graph.predecessors(node) for p in graph.predecessors(t)), default=0.0)
         finish[node] = start + duration[node]
     return {"serial_us": sum(duration.values()), "critical_path_us": max(finish.values(), default=0.0)}
+
+
+def shared_key(graph: nx.DiGraph) -> int:
+    """Equal for ranks that share one graph's nodes (RankTraces.put_shared gives them views of it)."""
+    return id(graph.nodes[next(iter(graph))]) if len(graph) else id(graph)
+
+
+def fill_rank_durations(graphs_by_rank, hw: HardwareConfig) -> None:
+    """fill_durations on every rank's graph, once per distinct graph (shared ones share durations)."""
+    distinct = {shared_key(g): g for g in graphs_by_rank.values()}
+    for graph in distinct.values():
+        fill_durations(graph, hw)
