@@ -1,0 +1,179 @@
+"""SQuAD pretraining: data, MLM masking, loss going down, HuggingFace checkpoints, bad input.
+
+Everything is made here: a word-level tokenizer trained on the test's own text (saved as a HuggingFace
+tokenizer folder), a tiny SQuAD v2.0 file and tiny models. test_capture.py reuses these helpers."""
+import json
+import random
+
+import pytest
+import torch
+import transformers as hf
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.cli import main
+from syntorch.errors import UserError
+from syntorch.models import build_model
+from syntorch.train import data as D
+from conftest import tiny_config
+
+WORDS = "the cat sat on a mat dog ran to park bird flew over tree red blue green house".split()
+SPECIALS = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                eos_token="[EOS]")
+
+
+def sentence(rng, n):
+    # a repeating pattern with noise, so a tiny model can learn it in a few steps
+    start = rng.randrange(len(WORDS))
+    return " ".join(WORDS[(start + i) % len(WORDS)] if rng.random() < 0.9 else rng.choice(WORDS) for i in range(n))
+
+
+def make_squad(path, articles=6, paragraphs=2, questions=4, seed=0):
+    rng = random.Random(seed)
+    data = [{"title": f"t{a}", "paragraphs": [
+        {"context": sentence(rng, 24), "qas": [
+            {"id": f"{a}-{p}-{q}", "question": sentence(rng, 5) + " ?", "answers": [], "is_impossible": True}
+            for q in range(questions)]} for p in range(paragraphs)]} for a in range(articles)]
+    path.write_text(json.dumps({"version": "v2.0", "data": data}))
+    return path
+
+
+def make_tokenizer(folder):
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS) + " ?"], trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values())))
+    hf.PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIALS).save_pretrained(str(folder))
+    return folder
+
+
+def make_model(folder, base):
+    torch.manual_seed(0)
+    save_checkpoint(build_model(tiny_config(base)), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {"root": root, "data": make_squad(root / "squad.json"), "tokenizer": make_tokenizer(root / "tok"),
+            "gpt2": make_model(root / "gpt2", "gpt2"), "bert": make_model(root / "bert", "bert-base-uncased")}
+
+
+def train_args(ws, family, save_dir, *extra):
+    return ["train", family, "--data", str(ws["data"]), "--model-name", str(ws[family]), "--tokenizer",
+            str(ws["tokenizer"]), "--device", "cpu", "--max-seq-length", "40", "--save-dir", str(save_dir), *extra]
+
+
+# ---- data --------------------------------------------------------------------------------------------
+
+def test_squad_v1_and_v2_give_question_context_pairs(tmp_path):
+    v1 = {"version": "1.1", "data": [{"title": "x", "paragraphs": [
+        {"context": "c one", "qas": [{"id": "1", "question": "q one", "answers": [{"text": "one", "answer_start": 2}]},
+                                     {"id": "2", "question": "q two", "answers": []}]}]}]}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    assert D.load_squad(tmp_path / "v1.json") == [("q one", "c one"), ("q two", "c one")]
+    assert len(D.load_squad(make_squad(tmp_path / "v2.json"))) == 6 * 2 * 4
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not found"), ("{not json", "not valid JSON"), ('{"data": 3}', "not SQuAD"),
+    ('{"data": [{"paragraphs": [{"context": 1, "qas": []}]}]}', "data[0].paragraphs[0]"),
+    ('{"data": [{"paragraphs": [{"context": "c", "qas": [{"id": "1"}]}]}]}', "qas[0]"),
+    ('{"data": []}', "no questions")])
+def test_bad_squad_is_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "squad.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        D.load_squad(path)
+
+
+def test_bert_input_is_cls_question_sep_context_sep(workspace):
+    tok = D.load_tokenizer(workspace["tokenizer"])
+    ids = D.special_ids(tok, "bert")
+    (tokens, types), = D.encode_masked([("red cat", "the dog ran to park")], tok, 8, ids)
+    words = tok.convert_ids_to_tokens(tokens.tolist())
+    assert words == ["[CLS]", "red", "cat", "[SEP]", "the", "dog", "ran", "[SEP]"]  # context cut to fit 8
+    assert types.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_gpt2_input_is_question_then_context_then_eos(workspace):
+    tok = D.load_tokenizer(workspace["tokenizer"])
+    (tokens,) = D.encode_causal([("red cat", "the dog")], tok, 16, tok.eos_token_id)
+    assert tok.convert_ids_to_tokens(tokens.tolist()) == ["red", "cat", "the", "dog", "[EOS]"]
+
+
+def test_mlm_masks_15_percent_as_80_10_10_and_never_special_tokens():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(10, 1000, (400, 500), generator=g)
+    maskable = torch.ones_like(tokens, dtype=torch.bool)
+    maskable[:, 0] = False  # [CLS]-like positions
+    inputs, labels = D.mask_tokens(tokens, maskable, mask_id=3, vocab_size=1000, generator=g)
+    chosen = labels != D.IGNORE
+    assert not chosen[:, 0].any()
+    assert torch.equal(labels[chosen], tokens[chosen]) and torch.equal(inputs[~chosen], tokens[~chosen])
+    n = chosen.sum().item()
+    assert abs(n / maskable.sum().item() - 0.15) < 0.005
+    masked = (inputs[chosen] == 3).sum().item() / n
+    kept = (inputs[chosen] == tokens[chosen]).sum().item() / n  # includes random draws of the same token (0.1%)
+    assert abs(masked - 0.8) < 0.01 and abs(kept - 0.1) < 0.01 and abs(1 - masked - kept - 0.1) < 0.01
+
+
+# ---- training, checkpoints ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    """One-rank runs of both families (DDP over 2 ranks is in test_capture.py)."""
+    out = {}
+    for family in ("gpt2", "bert"):
+        save = workspace["root"] / f"ckpt_{family}"
+        code = main(train_args(workspace, family, save, "--batch-size", "4", "--num-epochs", "3",
+                               "--learning-rate", "3e-3", "--logging-steps", "2", "--eval-fraction", "0.2"))
+        assert code == 0
+        out[family] = save
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_loss_goes_down_on_tiny_data(trained, family):
+    log = json.loads((trained[family] / "train_log.json").read_text())
+    train = [h["loss"] for h in log if "loss" in h]
+    evals = [h["eval_loss"] for h in log if "eval_loss" in h]
+    assert len(train) >= 4 and len(evals) == 3  # an eval per epoch
+    assert train[-1] < 0.8 * train[0], train
+    assert evals[-1] < evals[0], evals
+
+
+@pytest.mark.parametrize("family, hf_class", [("gpt2", hf.GPT2LMHeadModel), ("bert", hf.BertForMaskedLM)])
+def test_best_and_last_checkpoints_load_with_transformers(trained, workspace, family, hf_class):
+    for kind in ("best_model", "last_model"):
+        folder = trained[family] / kind
+        theirs = hf_class.from_pretrained(str(folder)).eval()
+        _, ours = load_checkpoint(folder)
+        tokens = torch.randint(0, 30, (2, 12))
+        with torch.no_grad():
+            assert torch.allclose(theirs(tokens).logits, ours(tokens), atol=1e-4)
+        assert hf.AutoTokenizer.from_pretrained(str(folder)).mask_token == "[MASK]"  # saved beside the weights
+    trained_weights = load_checkpoint(trained[family] / "last_model")[1].state_dict()
+    initial = load_checkpoint(workspace[family])[1].state_dict()
+    assert not torch.equal(trained_weights["tok_emb.weight"], initial["tok_emb.weight"])
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ws, tmp: ["--data", str(tmp / "missing.json")], "data file not found"),
+    (lambda ws, tmp: ["--data", str(tmp / "bad.json")], "not valid JSON"),
+    (lambda ws, tmp: ["--tokenizer", str(tmp / "nothing")], "tokenizer folder not found"),
+    (lambda ws, tmp: ["--model-name", str(ws["bert"])], "is a bert model, not gpt2"),
+    (lambda ws, tmp: ["--max-seq-length", "1000"], "--max-seq-length 1000"),
+    (lambda ws, tmp: ["--enable-tracing", "--max-steps", "1", "--trace-output-dir", str(tmp / "out")],
+     "needs 3 optimizer steps"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(workspace, tmp_path, capsys, change, message):
+    (tmp_path / "bad.json").write_text('{"data": [')
+    save = tmp_path / "ckpt"
+    code = main(train_args(workspace, "gpt2", save, *change(workspace, tmp_path)))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not save.exists() and not (tmp_path / "out").exists()
