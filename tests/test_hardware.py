@@ -61,7 +61,7 @@ def test_calibrate_saves_the_cpu_preset(tmp_path, monkeypatch):
     measured = calibrate_cpu(seconds=0.05, matmul_size=128, copy_mb=8)
     assert save_cpu_config(measured) == cpu_config_path() == tmp_path / "cpu.json"
     cpu = load_hw_config("cpu")
-    assert cpu.peak_tflops["float32"] > 1e-4 and cpu.memory_bw_gb_s > 0.1  # 100 MFLOP/s, 100 MB/s: any machine
+    assert cpu.peak_tflops["float32"] > 1e-6 and cpu.memory_bw_gb_s > 1e-3  # 1 MFLOP/s, 1 MB/s: even a loaded machine
 
 
 def test_calibrate_command(tmp_path, capsys):
