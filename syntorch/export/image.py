@@ -21,6 +21,7 @@ from syntorch.trace.levels import level_view  # noqa: E402
 COLORS = {"tensor": "#4caf50", "op": "#1e88e5", "collective": "#e53935"}
 READABLE_NODES = 400  # above this an op-level drawing is a grey smear: go a level coarser
 MAX_INCHES = 300  # matplotlib's Agg canvas must stay under 2**16 pixels a side
+MAX_PIXELS = 16000  # a side, and drawing time grows with the canvas: tall graphs get a lower dpi
 LABEL_NODES = 250  # label every op when there are at most this many nodes, else only ops with FLOPs
 
 
@@ -46,12 +47,13 @@ def layered_positions(graph: nx.DiGraph) -> dict:
     return {n: (x, -y) for n, (x, y) in pos.items()}  # row 0 at the top
 
 
-def _label(d: dict) -> str:
+def _label(d: dict, level: str) -> str:
     if d["kind"] == "collective":
         return f"{d['collective']} {d['group']}"
     if d["kind"] == "tensor":
         return d["name"] if d["is_param"] else "x".join(map(str, d["shape"]))
-    return d["name"].removeprefix("aten.")
+    # at coarse levels a module appears once per phase; on meta the steps' nodes interleave (no real token links them)
+    return d["name"].removeprefix("aten.") + ("" if level == "op" else f" {d['phase']}")
 
 
 def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None) -> TraceGraph:
@@ -71,8 +73,8 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
                  f"{g['level']} level, {len(view)} nodes ({n_coll} collectives)\n"
                  "green: tensors, blue: ops, red: collectives", fontsize=12)
     ax.axis("off")
-    fig.tight_layout()
-    dpi = min(100, int(60000 / max(size)))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.8 / size[1])  # tight_layout costs a draw
+    dpi = min(100, int(MAX_PIXELS / max(size)))
     with atomic_output_file(path) as tmp, plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
         fig.savefig(tmp, format=fmt or str(path).rsplit(".", 1)[-1], dpi=dpi)
     plt.close(fig)
@@ -82,10 +84,12 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
 def _draw_edges(view, pos, ax, comm: bool):
     comm_edges = [(u, v) for u, v in view.edges if "collective" in (view.nodes[u]["kind"], view.nodes[v]["kind"])]
     data_edges = [e for e in view.edges if e not in set(comm_edges)]
+    # arrow heads are one patch each (slow: minutes for thousands); rows already say which way data flows
+    heads = dict(arrowsize=8, node_size=80) if len(view) <= LABEL_NODES else dict(arrows=False)
     nx.draw_networkx_edges(view, pos, edgelist=data_edges, ax=ax, edge_color="black", width=0.6,
-                           alpha=0.25 if comm else 0.7, arrowsize=6, node_size=60)
+                           alpha=0.25 if comm else 0.7, **heads)
     nx.draw_networkx_edges(view, pos, edgelist=comm_edges, ax=ax, edge_color="red", width=2.0 if comm else 1.2,
-                           arrowsize=10, node_size=120)
+                           **heads)
 
 
 def _draw_nodes(view, pos, ax, comm: bool):
@@ -97,7 +101,7 @@ def _draw_nodes(view, pos, ax, comm: bool):
         nx.draw_networkx_nodes(view, pos, nodelist=nodes, node_color=color, node_size=size, alpha=fade, ax=ax,
                                node_shape="o" if kind == "tensor" else "s")
     for kind, font, color in (("tensor", 6, "#2e7d32"), ("op", 8, "#0d47a1"), ("collective", 9, "#b71c1c")):
-        labels = {n: "   " + _label(d) for n, d in view.nodes(data=True) if d["kind"] == kind
+        labels = {n: "   " + _label(d, view.graph["level"]) for n, d in view.nodes(data=True) if d["kind"] == kind
                   and (not big or kind == "collective" or (kind == "op" and d["flops"]))}
         nx.draw_networkx_labels(view, pos, labels, font_size=font, font_color=color, ax=ax,
                                 horizontalalignment="left")
