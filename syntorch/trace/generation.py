@@ -1,4 +1,6 @@
-"""Tracing a whole generation (prefill + decode steps) in one call, as `syntorch infer` does."""
+"""Tracing a whole run (generation: prefill + decode steps) in one call, as `syntorch infer` does."""
+from collections.abc import Callable
+
 import torch
 
 from syntorch import generate as gen
@@ -7,28 +9,32 @@ from syntorch.trace.replicate import first_layer_only, replicate_layers
 from syntorch.trace.tracer import Tracer
 
 
-def graph_meta(config, **extra) -> dict:
-    """Graph attributes describing the run (model name, parallel degrees, ...)."""
-    return {"model": config.name, **extra}
+def trace_run(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_size: int = 1,
+              meta: dict | None = None, replicate: bool | None = None) -> tuple[TraceGraph, object]:
+    """`run(model, phase_scope)` under a Tracer that records only inside `phase_scope(name)` (generate's
+    steps). Returns the graph and what `run` returned.
+
+    `replicate` (default: on `meta`, where no values can differ between layers) runs only the first
+    transformer layer and copies its trace for the others (replicate.py): the same graph as a full trace."""
+    meta = {"model": model.config.name, **(meta or {})}
+    layers = getattr(model, "layers", None)
+    if replicate is None:
+        replicate = next(model.parameters()).is_meta and layers is not None and len(layers) > 1
+    traced = first_layer_only(model) if replicate else model
+    with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None) as tracer:
+        result = run(traced, tracer.phase)
+    if not replicate:
+        return tracer.graph, result
+    return replicate_layers(tracer.graph, tracer.layer_calls, [f"layers.{k}" for k in layers]), result
 
 
 def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int,
                      sampling: "gen.Sampling | None" = None, *, rank: int = 0, world_size: int = 1,
                      meta: dict | None = None, replicate: bool | None = None,
                      **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
-    """Run `syntorch.generate.generate` under a Tracer; ops are labelled prefill / decode[i].
-
-    Only the model steps are recorded (cache set-up and bookkeeping between steps are not). `replicate`
-    (default: on `meta`, where no values can differ between layers) runs only the first transformer layer
-    and copies its trace for the others (replicate.py); the graph is the same as a full trace."""
-    meta = {**graph_meta(model.config), **(meta or {})}
-    layers = getattr(model, "layers", None)
-    if replicate is None:
-        replicate = prompt.is_meta and layers is not None and len(layers) > 1
-    traced = first_layer_only(model) if replicate else model
-    with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None) as tracer:
-        result = gen.generate(traced, prompt, max_new_tokens, sampling or gen.Sampling(),
-                              phase_scope=tracer.phase, **generate_kwargs)
-    if not replicate:
-        return tracer.graph, result
-    return replicate_layers(tracer.graph, tracer.layer_calls, [f"layers.{k}" for k in layers]), result
+    """`syntorch.generate.generate` traced; ops are labelled prefill / decode[i]. Cache set-up and the
+    bookkeeping between steps are not recorded."""
+    def run(m, phase_scope):
+        return gen.generate(m, prompt, max_new_tokens, sampling or gen.Sampling(), phase_scope=phase_scope,
+                            **generate_kwargs)
+    return trace_run(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
