@@ -217,7 +217,12 @@ def _check_node(node, ids, groups, world, roofline) -> list[str]:
             want = "a bool_list" if name == "involved_dim" else "a string_val" if name == "pg_name" else "an integer"
             problems.append(f"attribute {name} is {kind}, must be {want}")
     if node.type == et.COMP_NODE and roofline:
-        problems += [f"COMP_NODE needs {a} for roofline" for a in ("num_ops", "tensor_size") if a not in attrs]
+        for name, why in (("num_ops", "its time would be 0/0"), ("tensor_size", "the node would be skipped")):
+            value = _int_attr(attrs, name)
+            if name not in attrs:
+                problems.append(f"COMP_NODE needs {name} for roofline")
+            elif value is not None and value <= 0:
+                problems.append(f"{name} is {value}; under ASTRA-sim's roofline {why}: write a positive value")
     if node.type in COMM_NODES:
         problems += _check_comm(node, attrs, groups, world)
     return problems

@@ -167,6 +167,14 @@ def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
     assert expected in out and "problem(s)" in out
 
 
+def test_roofline_needs_ops_and_bytes(good):
+    assert validate_traces(good, roofline=True) == []
+    rewrite(good / "mix.1.et", lambda h, nodes: (h, [set_attr(nodes[0], "num_ops", int64_val=0) or n for n in nodes]))
+    assert validate_traces(good) == []  # replay mode reads duration_micros only
+    assert validate_traces(good, roofline=True) == ["mix.1.et: node 0: num_ops is 0; under ASTRA-sim's roofline "
+                                                    "its time would be 0/0: write a positive value"]
+
+
 def test_unmatched_recv_and_missing_rank(good):
     rewrite(good / "mix.3.et", lambda h, nodes: (h, [n for n in nodes if n.type != et.COMM_RECV_NODE]))
     assert any("mix.1.et: node" in p and "no matching recv on rank 3" in p for p in validate_traces(good))

@@ -171,7 +171,9 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
         nid, ctrl = len(out), []
         if data["kind"] == "op":
             kind = et.COMP_NODE
-            attrs = [("num_ops", "int64_val", data["flops"]),
+            # ASTRA-sim's roofline runs num_ops / min(bw * num_ops / tensor_size, peak): 0 FLOPs would be 0/0,
+            # 1 FLOP gives a memory-bound op its tensor_size / bw
+            attrs = [("num_ops", "int64_val", max(data["flops"], 1)),
                      ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])]
         else:
             group = tuple(sorted(data["group"]))
