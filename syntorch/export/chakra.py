@@ -15,8 +15,8 @@ import io
 import json
 import math
 from collections.abc import Mapping
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
@@ -25,7 +25,6 @@ from google.protobuf.json_format import MessageToDict
 
 from syntorch.errors import UserError
 from syntorch.trace.cost import shared_key
-
 
 
 def _part(nbytes: int, n: int) -> int:
@@ -45,12 +44,12 @@ COLLECTIVE_TYPES = {
     "broadcast": (et.ALL_GATHER, _part, "broadcast written as all_gather of bytes/n per rank (same result, same ring traffic)"),
     "barrier": (et.ALL_REDUCE, lambda b, n: 4, "barrier written as a 4-byte all_reduce, as NCCL runs it"),
     "reduce": (et.ALL_REDUCE, lambda b, n: b, "reduce written as all_reduce of the same bytes"),
-    "gather": (et.ALL_GATHER, _part, "gather written as all_gather of the same bytes"),
+    "gather": (et.ALL_GATHER, _part, "gather written as all_gather (every rank gets what the root would)"),
     "scatter": (et.ALL_GATHER, _part, "scatter written as all_gather of each rank's part"),
 }
 P2P = {"send": et.COMM_SEND_NODE, "recv": et.COMM_RECV_NODE}
 TRACE_FILES = ("comm_groups.json", "tensor_trace_chakra.json")
-SCHEMA_VERSION = "0.0.4"  # Chakra ET schema, as mlc-chakra 1.0.0's converter writes it
+SCHEMA_VERSION = "0.0.4"  # the Chakra part of the ET schema tag mlc-chakra 1.0.0 reads ("1.0.2-chakra.0.0.4")
 
 
 def scan_groups(graphs) -> tuple[dict[tuple[int, ...], int], list[str]]:
@@ -115,6 +114,8 @@ def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
     kind = data["collective"]
     if kind in P2P:
         peer = ("comm_dst", data["dst"]) if kind == "send" else ("comm_src", data["src"])
+        if peer[1] is None:
+            raise UserError(f"a {kind} in the graph has no {'dst' if kind == 'send' else 'src'} rank; Chakra needs its peer")
         return P2P[kind], [(peer[0], "int64_val", peer[1]), ("comm_tag", "int64_val", data["tag"]),
                            ("comm_size", "int64_val", max(data["bytes"], 1)), ("pg_name", "string_val", pg_name)]
     if kind not in COLLECTIVE_TYPES:
