@@ -13,8 +13,10 @@ gradient is accumulated, so communication overlaps the rest of backward:
 - zero 1: the same, but the reduce-scatters wait for the end of backward (gradients are kept whole until
   then, as ZeRO stage 1 does), so they do not overlap it.
 
-A weight shared by the first and the last pipeline stage (a tied LM head) is first all-reduced over that
-pair (Megatron's embedding group) and synchronised last, in a bucket of its own.
+Gradients that several ranks each hold a part of are summed over those ranks at the end of backward, before
+their own (last) buckets: a weight shared by the first and the last pipeline stage (a tied LM head, over
+Megatron's embedding group) and, under sequence parallel, the LayerNorms and biases each TP rank applied to
+its part of the sequence (over the TP group), as Megatron's finalize_model_grads does.
 """
 from dataclasses import dataclass, field
 
@@ -59,22 +61,28 @@ class GradSync:
     dp: int
     zero: int = 0
     bucket_mb: float = 25.0
-    tied: nn.Parameter | None = None  # shared with another stage, all-reduced over `tied_group` first
-    tied_group: object = None
+    # (parameters, group): gradients of which each rank of `group` holds a part (a tied embedding across
+    # stages, LayerNorms under sequence parallel); summed over the group at the end of backward, then
+    # DP-synchronised in buckets of their own
+    partial: list[tuple[list[nn.Parameter], object]] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
     active: bool = False  # True during the backward of the step's last micro-batch
 
     def __post_init__(self):
-        pad = self.dp if self.zero else 1
-        shared = [p for p in self.params if p is not self.tied]
-        self.buckets = make_buckets(shared, int(self.bucket_mb * 2**20), pad) if self.dp > 1 else []
-        self.last = make_buckets([self.tied], 2**62, pad) if self.tied is not None and self.dp > 1 else []
+        pad, cap = (self.dp if self.zero else 1), int(self.bucket_mb * 2**20)
+        late = {id(p) for params, group in self.partial if group is not None for p in params}
+        self.buckets = make_buckets([p for p in self.params if id(p) not in late], cap, pad) if self.dp > 1 else []
+        self.late = make_buckets([p for p in self.params if id(p) in late], cap, pad) if self.dp > 1 else []
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for b in [*self.buckets, *self.last] if self.zero else ():
+        for b in self.all_buckets if self.zero else ():
             b.shard = nn.Parameter(self._shard_of(_flat([p.detach() for p in b.params], b.size)))
         for p in self.params:
             if id(p) in self._bucket_of:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @property
+    def all_buckets(self) -> list[Bucket]:
+        return [*self.buckets, *self.late]
 
     def _shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         n = flat.numel() // self.dp
@@ -84,7 +92,7 @@ class GradSync:
     def optimizer_params(self) -> list[nn.Parameter]:
         """What this rank's optimizer updates: every parameter, or under ZeRO its shard of each bucket."""
         if self.zero and self.dp > 1:
-            return [b.shard for b in [*self.buckets, *self.last]]
+            return [b.shard for b in self.all_buckets]
         return list(self.params)
 
     @torch.no_grad()
@@ -106,26 +114,28 @@ class GradSync:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """End of the last backward: pending buckets, the tied weight, then (DDP) averaged grads into `.grad`."""
+        """End of the last backward: pending buckets, partial gradients summed, their buckets, then (DDP) the
+        averaged gradients back into `.grad`."""
         if self.zero == 1:
             for bucket in self.buckets:
                 self._launch(bucket)
-        if self.tied is not None and self.tied_group is not None:
-            comm.all_reduce(self.tied.grad, "sum", self.tied_group)
-        for bucket in self.last:
+        for params, group in self.partial:
+            if group is not None:
+                grads = [p.grad for p in params]
+                flat = comm.all_reduce(_flat(grads, sum(g.numel() for g in grads)), "sum", group)
+                torch._foreach_copy_(grads, _split(flat, params))
+        for bucket in self.late:
             self._launch(bucket)
-        for bucket in [*self.buckets, *self.last] if not self.zero else ():
-            for p, chunk in zip(bucket.params, _split(bucket.flat, bucket.params)):
-                p.grad.copy_(chunk)
+        for bucket in self.all_buckets if not self.zero else ():
+            torch._foreach_copy_([p.grad for p in bucket.params], _split(bucket.flat, bucket.params))
             bucket.flat = None
 
     @torch.no_grad()
     def gather_params(self) -> None:
         """ZeRO, after the optimizer step: every rank's updated shard back into the whole parameters."""
-        for bucket in [*self.buckets, *self.last] if self.zero else ():
+        for bucket in self.all_buckets if self.zero else ():
             full = comm.all_gather(bucket.shard.detach(), 0, self.dp_group)
-            for p, chunk in zip(bucket.params, _split(full, bucket.params)):
-                p.copy_(chunk)
+            torch._foreach_copy_(bucket.params, _split(full, bucket.params))
 
 
 def _flat(tensors: list[torch.Tensor], size: int) -> torch.Tensor:

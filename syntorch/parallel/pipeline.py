@@ -126,7 +126,7 @@ def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | Non
         split = tp is not None and tp.sequence_parallel  # the plan checked that T divides by tp
         T = x.shape[1] * (tp.size if split else 1)
         if tp is not None:
-            tp.seq_split = split
+            tp.seq_split, tp.seq_len = split, T
     rope = rotary_tables(torch.arange(T, device=x.device), c.rotary_dim) if c.pos == "rotary" else None
     for block in model.layers.values():
         x = block(x) if c.arch == "bert" else block(x, 0, rope)

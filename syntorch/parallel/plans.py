@@ -142,17 +142,30 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device
     (the module docstring says why)."""
     stage = plan.stage(config, plan.mesh.coords(groups.rank)[1])
     model = pp_.build_stage_model(config, stage, device, dtype)
-    if plan.tp > 1:
-        apply_tp(model, groups.tp, plan.sp)
+    tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
     pp_.split_stage(model, stage)
     model.train()
-    params = list(model.parameters())
-    tied = model.lm_head.weight if (config.tied_head and plan.pp > 1 and stage.last) else \
-        model.tok_emb.weight if (config.tied_head and plan.pp > 1 and stage.first) else None
-    grad_sync = GradSync(params, groups.dp, plan.dp, plan.zero, plan.bucket_mb, tied, groups.embedding)
-    optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=False)
+    grad_sync = GradSync(list(model.parameters()), groups.dp, plan.dp, plan.zero, plan.bucket_mb,
+                         _partial_grads(model, tp_plan, groups))
+
+    # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
+    optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
     _init_optimizer_state(optimizer)
     return StageRun(model, plan, stage, groups, grad_sync, optimizer)
+
+
+def _partial_grads(model: nn.Module, tp_plan, groups: PlanGroups) -> list[tuple[list, object]]:
+    """Gradients other ranks hold parts of: the embedding tied across the first and last stage, and the
+    parameters TP's sequence parallel applies to each rank's positions only (`partial_grads`, if reported)."""
+    params = dict(model.named_parameters())
+    partial = []
+    if groups.embedding is not None:
+        partial.append(([params["lm_head.weight" if "lm_head.weight" in params else "tok_emb.weight"]],
+                        groups.embedding))
+    sp_names = [n for n in getattr(tp_plan, "partial_grads", []) if n in params]
+    if sp_names:
+        partial.append(([params[n] for n in sp_names], groups.tp))
+    return partial
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -3,7 +3,9 @@
 Ranks that differ only in their DP and TP index run the same ops on same-shaped shards with the same
 collectives, over groups that are a translation of each other along the dp and tp axes of the mesh. So
 each stage is traced once, as its representative rank (dp 0, tp 0), and every other rank's trace is the
-representative's with global ranks mapped by `translate` (tests trace every rank and compare).
+representative's with global ranks mapped by `translate` (tests trace every rank and compare). The one other
+difference is which output of a split a TP rank reads under sequence parallel (its own part): same shapes,
+same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that simulators do not read.
 
 The schedule is part of the trace: a stage runs its steps (forward or backward of a micro-batch) one after
 another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
