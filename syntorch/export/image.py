@@ -1,13 +1,11 @@
 """PNG/SVG drawings of a TraceGraph: tensors green, ops blue, collectives red (seed 000).
 
-Layered top to bottom: `networkx.topological_generations` gives each node its row, then every node moves
-down to just above its first reader (parameters and their transposes sit beside the matmul that reads them,
-not all in the first row), and
-`multipartite_layout` places the rows. Graphs too big to read at op level are drawn at module or layer
-level; the title says which level and how many nodes. matplotlib with the Agg backend, no graphviz.
+Layered top to bottom, one column per phase: `networkx.topological_generations` gives each node its row,
+then every node moves down to just above its first reader (parameters and their transposes sit beside the
+matmul that reads them, not all in the first row); each row is ordered by where its inputs sit. Graphs too
+big to read at op level are drawn at module or layer level; the title says which level and how many
+nodes. matplotlib with the Agg backend, no graphviz.
 """
-from collections import Counter
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -37,14 +35,53 @@ def choose_level(graph: TraceGraph, level: str | None) -> TraceGraph:
 
 
 def layered_positions(graph: nx.DiGraph) -> dict:
+    """One column per phase (prefill, decode[0], ...) left to right, rows top to bottom inside each: the
+    steps of a generation are linked only through the KV cache, so one layering would smear them together."""
+    columns: dict[str, list] = {}
+    for node, phase in _phases(graph).items():
+        columns.setdefault(phase, []).append(node)
+    pos, left = {}, 0.0
+    for nodes in columns.values():
+        placed = _place_rows(graph.subgraph(nodes), left)
+        pos.update(placed)
+        left = max(x for x, _ in placed.values()) + 2
+    return pos
+
+
+def _phases(graph: nx.DiGraph) -> dict:
+    """Each node's phase; a tensor takes its producer's, or its first reader's if nothing produced it."""
+    phase = {}
+    for node in nx.topological_sort(graph):
+        d = graph.nodes[node]
+        if d["kind"] != "tensor":
+            phase[node] = d["phase"]
+    for node, d in graph.nodes(data=True):
+        if d["kind"] == "tensor":
+            near = list(graph.predecessors(node)) or list(graph.successors(node))
+            phase[node] = phase[min(near)] if near else ""
+    return dict(sorted(phase.items()))  # columns in traced order
+
+
+def _place_rows(graph: nx.DiGraph, left: float) -> dict:
     row = {n: i for i, generation in enumerate(nx.topological_generations(graph)) for n in generation}
     for node in reversed(list(nx.topological_sort(graph))):  # as late as possible: beside its first reader
         readers = list(graph.successors(node))
         if readers:
             row[node] = min(row[r] for r in readers) - 1
-    nx.set_node_attributes(graph, row, "row")
-    pos = nx.multipartite_layout(graph, subset_key="row", align="horizontal", scale=1.0)
-    return {n: (x, -y) for n, (x, y) in pos.items()}  # row 0 at the top
+    rows: dict[int, list] = {}
+    for node in sorted(graph):
+        rows.setdefault(row[node], []).append(node)
+    width = max(len(r) for r in rows.values())
+    pos = {}
+    for y in sorted(rows):
+        # order a row by where its inputs sit (fewer crossings); nodes without placed inputs keep traced order
+        def x_of_inputs(n):
+            xs = [pos[p][0] for p in graph.predecessors(n) if p in pos]
+            return sum(xs) / len(xs) if xs else left + width / 2
+        nodes = sorted(rows[y], key=x_of_inputs)
+        start = left + (width - len(nodes)) / 2
+        pos.update({n: (start + i, -y) for i, n in enumerate(nodes)})
+    return pos
 
 
 def _label(d: dict, level: str) -> str:
@@ -61,9 +98,9 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     Returns the graph at the level drawn."""
     view = choose_level(graph, level)
     pos = layered_positions(nx.DiGraph(view))
-    per_row = Counter(y for _, y in pos.values())
-    width, depth = max(per_row.values(), default=1), len(per_row)
-    size = (min(max(10.0, width * 1.6), MAX_INCHES), min(max(6.0, depth * 0.3), MAX_INCHES))
+    width = max((x for x, _ in pos.values()), default=0) + 1
+    depth = -min((y for _, y in pos.values()), default=0) + 1
+    size = (min(max(10.0, width * 1.1), MAX_INCHES), min(max(6.0, depth * 0.3), MAX_INCHES))
     fig, ax = plt.subplots(figsize=size)
     _draw_edges(view, pos, ax, comm)
     _draw_nodes(view, pos, ax, comm)
