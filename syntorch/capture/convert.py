@@ -9,12 +9,13 @@ import logging
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from syntorch.capture import traces
-from syntorch.capture.repair import fix_nodes
+from syntorch.capture.repair import drop_forward_inter_thread_deps, fix_nodes
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_file
 
@@ -42,7 +43,9 @@ def _tool_step(what: str, source: str):
     README) and turn its failure into one line naming the input."""
     logging.disable(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # HTA's pandas deprecation warnings, one per call
+            yield
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:
@@ -52,16 +55,21 @@ def _tool_step(what: str, source: str):
         logging.disable(logging.NOTSET)
 
 
-def link_and_convert(rank: int, host_path: Path, device_path: Path, workdir: Path) -> tuple[Path, Path]:
-    """Runs the two official tools; returns (linked JSON, converted .et) inside `workdir`."""
+def link_and_convert(rank: int, host_path: Path, device_path: Path, workdir: Path) -> tuple[Path, dict, Path, int]:
+    """Runs the two official tools; returns (linked JSON file, its content, converted .et, inter-thread
+    dependencies dropped between the two to keep the converter from a cycle)."""
     TraceLinker, PyTorchConverter = official_tools()
     merged, raw = workdir / "merged.json", workdir / "official.et"
     with _tool_step("chakra_trace_link", f"{host_path} + {device_path}"):
         # absolute paths: with a relative device path the linker doubles its folder
         TraceLinker().link(rank, str(host_path.resolve()), str(device_path.resolve()), str(merged.resolve()))
+    linked = json.loads(merged.read_text())
+    dropped = drop_forward_inter_thread_deps(linked["nodes"])
+    if dropped:
+        merged.write_text(json.dumps(linked))
     with _tool_step("chakra_converter PyTorch", str(host_path)):
         PyTorchConverter().convert(str(merged), str(raw), False)
-    return merged, raw
+    return merged, linked, raw, dropped
 
 
 def group_of_collectives(groups: dict[str, list[int]]) -> tuple[str, list[str]]:
@@ -89,10 +97,9 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
         if repairs:
             host_path = tmp / "host_repaired.json"
             host_path.write_text(json.dumps(host))
-        merged, raw = link_and_convert(rank, host_path, device_path, tmp)
+        merged, linked, raw, dropped = link_and_convert(rank, host_path, device_path, tmp)
         header, nodes = read_trace(raw)
-        linked = {n["id"]: n for n in json.loads(merged.read_text())["nodes"]}
-        nodes, summary = fix_nodes(nodes, linked, pg_name)
+        nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, pg_name)
         with atomic_output_file(output) as out, open(out, "wb") as f:
             encodeMessage(f, header)
             for node in nodes:
@@ -100,6 +107,8 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
         if merged_output:
             with atomic_output_file(merged_output) as out:
                 shutil.copyfile(merged, out)
+    if dropped:
+        repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter found a cycle)")
     return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs,
             "notes": summary["notes"] + notes, "groups": groups}
 

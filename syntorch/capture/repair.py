@@ -16,8 +16,15 @@ nor let backward overlap with the gradient all-reduce. Here, on the converted no
    all-reduce, as it did in the run.
 4. Dependencies on nodes the converter dropped (it removes "dangling" nodes that others still name in
    ctrl_deps) are removed: ASTRA-sim stops on a dependency it cannot find.
+
+Before conversion, `drop_forward_inter_thread_deps` fixes the linked JSON: the linker makes an op depend
+on the last op another thread finished before it started ("inter_thread_dep"). A gloo op sits in the
+host trace where it was launched but runs later on gloo's thread, so it can get a dependency on a
+main-thread op that comes after it in the converter's serial chain: a cycle, and the converter stops
+("Cyclic dependency detected"). Those dependencies are timing, not data, and are dropped.
 """
 import bisect
+import math
 from collections import defaultdict
 
 import networkx as nx
@@ -34,6 +41,7 @@ GLOO_COLLECTIVES = {
     "gloo:barrier": (et.ALL_REDUCE, "gloo:barrier written as a 4-byte all-reduce (ASTRA-sim has no barrier)"),
 }
 BARRIER_BYTES = 4
+THREAD_ROOTS = ("[pytorch|profiler|execution_graph|thread]", "[pytorch|profiler|execution_trace|thread]")
 
 
 def tensor_refs(io: dict):
@@ -45,6 +53,32 @@ def tensor_refs(io: dict):
             # a tensor is [tensor id, storage id, offset, numel, element bytes, device]
             if isinstance(t, list) and len(t) >= 5:
                 yield t[1], t[3] * t[4]
+
+
+def drop_forward_inter_thread_deps(host_nodes: list[dict]) -> int:
+    """Removes every inter_thread_dep naming a node the converter's chain visits later (the chain is a
+    pre-order walk of the ctrl_deps tree from each thread root, children by id, as mlc-chakra walks it).
+    Returns how many were removed."""
+    by_id = {n["id"]: n for n in host_nodes}
+    children = defaultdict(list)
+    for n in host_nodes:
+        if n["ctrl_deps"] in by_id and n["ctrl_deps"] != n["id"]:
+            children[n["ctrl_deps"]].append(n["id"])
+    order = {}
+    for root in (n["id"] for n in host_nodes if n["name"] in THREAD_ROOTS):
+        stack = [root]
+        while stack:
+            node_id = stack.pop()
+            if node_id not in order:
+                order[node_id] = len(order)
+                stack.extend(sorted(children[node_id], reverse=True))
+    dropped = 0
+    for n in host_nodes:
+        dep = n.get("inter_thread_dep")
+        if dep is not None and order.get(dep, math.inf) >= order.get(n["id"], -1):
+            n["inter_thread_dep"] = None
+            dropped += 1
+    return dropped
 
 
 def fix_nodes(nodes: list, host_nodes: dict, pg_name: str = "0") -> tuple[list, dict]:
