@@ -116,7 +116,8 @@ def activation_shape(config: ModelConfig, micro_batch_size: int, seq: int, tp: i
 
 def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
     """One micro-batch through a stage: token ids [B, T] on the first stage, else the residual stream
-    received from the previous stage. Returns the loss on the last stage, else the stream to send on."""
+    received from the previous stage. Returns the loss on the last stage (the logits without targets),
+    else the stream to send on."""
     c = model.config
     tp = tp_group_of(model)
     if getattr(model, "tok_emb", None) is not None:
@@ -133,7 +134,7 @@ def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | Non
     if getattr(model, "lm_head", None) is None:
         return x
     logits = model.lm_head(_head_input(model, x))  # [B, T, V]
-    return model.loss(logits.flatten(0, 1).float(), targets.flatten())
+    return logits if targets is None else model.loss(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _embed(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -174,7 +175,7 @@ def send_forward(x: torch.Tensor, links: StageLinks, microbatch: int) -> None:
 
 def recv_forward(shape, dtype, device, links: StageLinks, microbatch: int) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype, device=device)
-    return comm.recv(x, links.prev_rank, links.prev, tag(microbatch, False)).requires_grad_()
+    return comm.recv(x, links.prev_rank, links.prev, tag(microbatch, False)).requires_grad_(torch.is_grad_enabled())
 
 
 def send_backward(grad: torch.Tensor, links: StageLinks, microbatch: int) -> None:

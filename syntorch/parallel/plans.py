@@ -42,6 +42,7 @@ class TrainPlan:
     micro_batch_size: int = 1
     seq: int = 1024
     lr: float = 1e-4
+    mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
 
     @property
     def mesh(self) -> Mesh:
@@ -69,6 +70,8 @@ class TrainPlan:
             raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
                             f" * micro_batch_size({self.micro_batch_size}) = "
                             f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
+        if self.mode not in ("train", "infer"):
+            raise UserError(f"--mode must be train or infer, got {self.mode!r}")
         if self.schedule not in pp_.SCHEDULES:
             raise UserError(f"unknown --schedule {self.schedule!r}; choose one of: {', '.join(pp_.SCHEDULES)}")
         pp_.stage_layers(config.n_layer, self.pp)
@@ -181,26 +184,28 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch) in the stage's schedule.
 
     `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch)` is called
-    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage."""
+    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage.
+    In "infer" mode only the forwards run, in micro-batch order, without gradients."""
     phase = phase or (lambda name: nullcontext())
     plan, stage, links = run.plan, run.stage, run.groups.links
+    if plan.mode == "infer":
+        with torch.no_grad():
+            for m, (tokens, _) in enumerate(batches):
+                if on_step:
+                    on_step("F", m)
+                _forward(run, tokens, m, phase)
+        return None
     order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches))
-    shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
-    dtype, device = next(run.model.parameters()).dtype, next(run.model.parameters()).device
     inputs, outputs, total = {}, {}, 0.0
     for kind, m in order:
         if on_step:
             on_step(kind, m)
         if kind == "F":
-            with phase("forward"):
-                tokens, targets = batches[m]
-                x = tokens if stage.first else pp_.recv_forward(shape, dtype, device, links, m)
-                y = pp_.stage_forward(run.model, x, targets if stage.last else None)
-                if stage.last:
-                    y = y / len(batches)  # gradients accumulate to the mean over micro-batches
-                    total = total + y.detach()
-                pp_.send_forward(y, links, m)
-            inputs[m], outputs[m] = x, y
+            tokens, targets = batches[m]
+            inputs[m], outputs[m] = _forward(run, tokens, m, phase, targets)
+            if stage.last:
+                outputs[m] = outputs[m] / len(batches)  # gradients accumulate to the mean over micro-batches
+                total = total + outputs[m].detach()
             continue
         with phase("backward"):
             run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but the last
@@ -217,3 +222,18 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
         run.optimizer.step()
         run.grad_sync.gather_params()
     return total
+
+
+def _forward(run: StageRun, tokens, m: int, phase, targets=None):
+    """Micro-batch m through this stage: receive (or take the tokens), run, send on. Returns (input, output)."""
+    plan, stage, links = run.plan, run.stage, run.groups.links
+    with phase("forward"):
+        if stage.first:
+            x = tokens
+        else:
+            param = next(run.model.parameters())
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
+            x = pp_.recv_forward(shape, param.dtype, param.device, links, m)
+        y = pp_.stage_forward(run.model, x, targets if stage.last else None)
+        pp_.send_forward(y, links, m)
+    return x, y

@@ -1,0 +1,80 @@
+"""`syntorch trace`: a symbolic training step (or pipelined prefill) of a TP x PP x DP plan at cluster scale,
+written as one Chakra `.et` per rank, `comm_groups.json`, `tensor_trace_chakra.json` and `summary.json`."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("trace", help="symbolic training-step traces per rank (Chakra) for a TP x PP x DP plan")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
+    m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
+    m.add_argument("--mode", default="train", choices=["train", "infer"],
+                   help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
+    m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    par = p.add_argument_group("parallelism (rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank)")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")
+    par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
+    par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
+    par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
+    par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    par.add_argument("--world_size", type=int, help="check that dp * tp * pp equals it")
+    b = p.add_argument_group("batch")
+    b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")
+    b.add_argument("--micro_batch_size", type=int, default=1)
+    b.add_argument("--global_batch", type=int, help="check that dp * microbatches * micro_batch_size equals it")
+    b.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
+    out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
+    out.add_argument("--out", default="runs/trace", help="output folder")
+    out.add_argument("--force", action="store_true", help="replace an output folder that already holds files")
+    out.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def plan_from_args(args, config):
+    from syntorch.parallel.plans import TrainPlan
+
+    return TrainPlan(dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp, zero=args.zero, bucket_mb=args.bucket_mb,
+                     schedule=args.schedule, microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
+                     seq=args.seq or config.n_positions, mode=args.mode)
+
+
+def run(args) -> int:
+    import torch
+
+    from syntorch.config import get_config, load_model_config
+    from syntorch.hardware import load_hw_config
+    from syntorch.workload import trace_workload, write_workload
+
+    config = load_model_config(args.model_config, args.model) if args.model_config else get_config(args.model)
+    plan = plan_from_args(args, config)
+    plan.check(config, args.world_size, args.global_batch)
+    hw = load_hw_config(args.hw_config) if args.hw_config else None
+    workload = trace_workload(config, plan, getattr(torch, DTYPES[args.dtype]), hw)
+    summary = write_workload(workload, args.out, args.trace_level, args.force, progress=not args.no_progress)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
+                        f"{summary['distinct_rank_traces']} distinct rank traces")
+    for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms"):
+        table.add_column(column, justify="right")
+    for s in summary["stages"]:
+        table.add_row(str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1]}", str(len(s["ranks"])),
+                      f"{sum(s['flops'].values()) / 1e12:.1f}", f"{s['compute_bytes'] / 1e9:.1f}",
+                      f"{s['comm_bytes'] / 1e9:.2f}", str(s["chakra_nodes"]),
+                      f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}")
+    console = Console()
+    console.print(table)
+    console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "
+                  f"(check with: syntorch validate {summary['dir']})")
