@@ -66,15 +66,32 @@ def run(args) -> int:
     prompt = inference.make_prompt(spec, config)
     if spec.tp > 1:
         raise UserError("--tp > 1 arrives with issue 5 (tensor parallelism); use --tp 1 for now")
-    if args.visualize_trace or args.chakra or args.hw_config:
-        raise UserError("--visualize_trace, --chakra and --hw_config arrive with issues 4 and 6; drop them for now")
+    if args.chakra or args.hw_config:
+        raise UserError("--chakra and --hw_config arrive with issue 6; drop them for now")
     with atomic_output_dir(args.out) as tmp:
         model = inference.load_model(spec, config)
-        result = inference.generate_tokens(spec, model, prompt)
+        if args.visualize_trace:
+            traced = trace_outputs(spec, model, prompt, tmp, args.trace_level)
+            result = traced.pop("result")
+        else:
+            result = inference.generate_tokens(spec, model, prompt)
         record = inference.run_record(spec, config, prompt, result)
+        if args.visualize_trace:
+            record["trace"] = traced
         inference.write_run_json(record, tmp)
     print_result(record, args.out)
     return 0
+
+
+def trace_outputs(spec, model, prompt, out_dir, level) -> dict:
+    """Generate under the tracer; write tensor_trace_graph.json/.png (and tensor_comm_graph.png with collectives)."""
+    from syntorch import inference
+    from syntorch.export import write_trace_outputs
+    from syntorch.trace import trace_run
+
+    graph, result = trace_run(model, lambda m, scope: inference.generate_tokens(spec, m, prompt, phase_scope=scope))
+    files = write_trace_outputs(graph, out_dir, level)
+    return {"result": result, "files": files, "nodes": len(graph), "flops": graph.total_flops()}
 
 
 def print_result(record: dict, out_dir) -> None:
