@@ -103,6 +103,13 @@ def symbolic_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
+def own_chunk(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's equal part of x along dim. One narrow, so every rank's trace has the same op structure
+    (chunk()[rank] would make all parts and pick one by rank)."""
+    size = x.shape[dim] // world_size(group)
+    return x.narrow(dim, rank_in(group) * size, size)
+
+
 # Megatron's conjugate pairs (Shoeybi et al. 2019, f and g; Korthikanti et al. 2022 for sequence parallel).
 # Each forward collective has the backward that makes the gradient right on every rank.
 
@@ -142,7 +149,7 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(world_size(ctx.group), ctx.dim)[rank_in(ctx.group)], None, None
+        return own_chunk(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -177,7 +184,7 @@ class _SplitToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return x.chunk(world_size(group), dim)[rank_in(group)]
+        return own_chunk(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):

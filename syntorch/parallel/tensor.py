@@ -34,8 +34,8 @@ TP_PLAN = {
     "mlp.fc2": "rowwise",
     "lm_head": "vocab_head",
 }
-# sequence parallel also splits what is added to the embedding, gathers the sequence where attention and the
-# MLP start (they need all positions; the gather stands where Megatron's f does), and after the last block
+# sequence parallel also splits what is added to the embedding and gathers the sequence where attention and
+# the MLP start (they need all positions; the gather stands where Megatron's f does); the head gathers its own
 SP_PLAN = {"pos_emb": "sequence_split", "type_emb": "sequence_split", "attn": "sequence_gather_input",
            "mlp": "sequence_gather_input"}
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 * tp
@@ -49,6 +49,7 @@ class TPGroup:
     size: int
     sequence_parallel: bool = False
     seq_split: bool = False  # set by the embedding at the start of each forward
+    seq_len: int = 0  # the length of that forward
 
 
 @dataclass
@@ -60,6 +61,8 @@ class TPPlan:
     padded_vocab: int
     styles: dict[str, str] = field(default_factory=dict)  # module name -> style
     local_shapes: dict[str, tuple] = field(default_factory=dict)  # parameter name -> shape on this rank
+    # replicated parameters that under SP see only this rank's positions: training sums their grads over TP
+    partial_grads: list[str] = field(default_factory=list)
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
@@ -87,8 +90,6 @@ def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
         for suffix, style in rules.items():
             if module is not None and (name == suffix or name.endswith("." + suffix)):
                 plan[name] = style
-    if sequence_parallel:
-        plan[f"layers.{list(model.layers)[-1]}"] = "sequence_gather"
     return plan
 
 
@@ -103,7 +104,7 @@ def _vocab_rows(full, rank: int, size: int, vocab_pad: int) -> torch.Tensor:
     shape, local = _shape(full), vocab_pad // size
     start = rank * local
     n = max(0, min(shape[0], start + local) - start)
-    rows = full[start:start + n] if n else torch.zeros((0, *shape[1:]))
+    rows = full[start:start + n] if n else full[0:0]  # a rank may hold padding only
     pad = torch.zeros((local - n, *shape[1:]), dtype=rows.dtype, device=rows.device)
     return torch.cat((rows, pad)) if local > n else rows
 
@@ -171,7 +172,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, idx):  # idx: [B, T] global token ids
         tp = self.tp
-        tp.seq_split = tp.sequence_parallel and idx.shape[1] % tp.size == 0
+        tp.seq_len = idx.shape[1]
+        tp.seq_split = tp.sequence_parallel and tp.seq_len % tp.size == 0
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -184,8 +186,15 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.weight, self.bias, self.vocab_size, self.tp = weight, bias, vocab_size, tp
 
-    def forward(self, x):  # x: [B, T, d] -> logits [B, T, vocab_size], the same on every rank
-        logits = F.linear(comm.copy_to_tp(x, self.tp.group), self.weight, self.bias)  # [B, T, V_pad/tp]
+    def forward(self, x):  # x: [B, T, d] (sequence-split under SP) -> logits [B, T, vocab_size] on every rank
+        tp = self.tp
+        if tp.seq_split:
+            x = comm.gather_from_sp(x, 1, tp.group)
+            if x.shape[1] != tp.seq_len:  # the model kept each shard's last position (last_only): the true last
+                x = x[:, -1:]             # is the last shard's
+        else:
+            x = comm.copy_to_tp(x, tp.group)
+        logits = F.linear(x, self.weight, self.bias)  # [B, T, V_pad/tp]
         return comm.gather_from_tp(logits, -1, self.tp.group)[..., :self.vocab_size]
 
 
@@ -209,8 +218,6 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
     elif style == "sequence_gather_input":
         module.register_forward_pre_hook(
             lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.seq_split else args)
-    elif style == "sequence_gather":  # into the replicated head: backward keeps this rank's chunk, no reduction
-        module.register_forward_hook(lambda m, inp, out: comm.gather_from_tp(out, 1, tp.group) if tp.seq_split else out)
     return module
 
 
@@ -234,7 +241,28 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
         setattr(parent, child, _build(style, getattr(parent, child), tp, plan.padded_vocab, config))
     model.tie_weights()  # the head and the embedding hold the same vocabulary rows
     plan.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if sequence_parallel:
+        plan.partial_grads = _sequence_split_params(model, plan.styles)
     return plan
+
+
+def _sequence_split_params(model: nn.Module, styles: dict[str, str]) -> list[str]:
+    # under SP every replicated parameter but the position/type tables (split, then gathered in backward) sees
+    # only this rank's positions: LayerNorms, BERT's head transform, row-parallel biases
+    names = []
+    for name, module in model.named_modules():
+        style = styles.get(name)
+        names += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)
+                  if style is None or (style == "rowwise" and p == "bias")]
+    return names
+
+
+def reduce_partial_grads(model: nn.Module, plan: TPPlan, group=None) -> None:
+    """After backward under SP: sum over the TP group the gradients of the parameters in plan.partial_grads."""
+    params = dict(model.named_parameters())
+    for name in plan.partial_grads:
+        if params[name].grad is not None:
+            comm.all_reduce(params[name].grad, "sum", resolve_group(group))
 
 
 # -- inference under TP: what `syntorch infer --tp N` runs ------------------------------------------------
@@ -302,14 +330,10 @@ def _check_same_tokens(tokens: list[list[int]], group) -> None:
 
 
 def write_tp_outputs(traces, out_dir, level: str | None = None) -> None:
-    """tensor_trace_graph.json/.png and tensor_comm_graph.png of rank 0, and a Chakra trace per rank."""
-    from pathlib import Path
-
-    from syntorch.export import image, networkx_json
+    """Rank 0's tensor_trace_graph.json/.png and tensor_comm_graph.png, and Chakra traces of every rank
+    (tensor_trace_chakra.json, <model>.<rank>.et, comm_groups.json), as seed 000 lists for --tp."""
+    from syntorch.export import write_trace_outputs
     from syntorch.export.chakra import write_chakra
 
-    out_dir, graph = Path(out_dir), traces[0]
-    networkx_json.export(graph, out_dir / "tensor_trace_graph.json", level)
-    image.draw(graph, out_dir / "tensor_trace_graph.png", level)
-    image.draw(graph, out_dir / "tensor_comm_graph.png", level, comm=True)
+    write_trace_outputs(traces[0], out_dir, level)
     write_chakra(traces, out_dir, level=level or "op")
