@@ -136,3 +136,21 @@ def test_export_bad_input_is_one_line_exit_2_and_writes_nothing(graph, tmp_path,
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("syntorch export: error:")
     out = tmp_path / "out"
     assert not out.is_dir() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_infer_visualize_trace_writes_the_seed_files(tmp_path, device):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"name": "tiny-gpt3", "n_layer": 3, "d_model": 64, "n_head": 4, "d_head": 16,
+                                  "d_ff": 256, "vocab_size": 128, "n_positions": 64}))
+    out = tmp_path / "run"
+    assert main(["infer", "--model", "gpt3-125m", "--model_config", str(config), "--device", device,
+                 "--num_input_tokens", "5", "--num_output_tokens", "3", "--visualize_trace", "--out", str(out)]) == 0
+    graph = networkx_json.load(out / "tensor_trace_graph.json")
+    assert graph.graph["model"] == "tiny-gpt3"
+    assert {d["phase"] for _, d in graph.ops()} == {"prefill", "decode[0]", "decode[1]"}
+    assert {d["module"] for _, d in graph.ops() if d["module"].endswith("mlp.fc2")} == {
+        f"layers.{i}.mlp.fc2" for i in range(3)}
+    assert (out / "tensor_trace_graph.png").read_bytes()[:4] == b"\x89PNG"
+    run = json.loads((out / "run.json").read_text())
+    assert run["trace"]["nodes"] == len(graph) and run["trace"]["flops"] == graph.total_flops()

@@ -110,6 +110,7 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
                  f"{g['level']} level, {len(view)} nodes ({n_coll} collectives)\n"
                  "green: tensors, blue: ops, red: collectives", fontsize=12)
     ax.axis("off")
+    ax.margins(0.02, 0.2 / size[1])  # matplotlib's default 5% is inches of blank on a tall graph
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.8 / size[1])  # tight_layout costs a draw
     dpi = min(100, int(MAX_PIXELS / max(size)))
     with atomic_output_file(path) as tmp, plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
