@@ -14,6 +14,7 @@ Graph -> Chakra:
 import io
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -246,7 +247,7 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
     if ranks != list(range(len(ranks))) or not ranks:
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
     out_dir = Path(out_dir)
-    model = model_name or graphs_by_rank[0].graph.get("model") or "trace"
+    model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
     stale = _check_out_dir(out_dir, model, len(ranks), force)
     graphs = {r: graphs_by_rank[r] for r in ranks}
     # one level view per distinct graph: the ranks sharing it share its encoding too
