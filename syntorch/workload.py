@@ -28,7 +28,7 @@ from syntorch.parallel.plans import TrainPlan, plan_group_ranks
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import representative, trace_stage, translate
+from syntorch.trace.training import representative, shift_stage, trace_stage, traced_stage_for, translate
 
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
@@ -43,8 +43,12 @@ class Workload:
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None) -> Workload:
-    stages = [trace_stage(config, plan, s, dtype) for s in range(plan.pp)]
-    for graph in stages if hw else ():
+    source = traced_stage_for(config, plan)
+    traced = {s: trace_stage(config, plan, s, dtype) for s in sorted(set(source))}
+    stages = [traced[s] if source[s] == s else shift_stage(
+        traced[source[s]], plan.mesh, s, plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0])
+        for s in range(plan.pp)]
+    for graph in stages if hw else ():  # after shifting: a moved group may span nodes where the source did not
         fill_durations(graph, hw)
     return Workload(config, plan, stages, hw.name if hw else None)
 

@@ -1,4 +1,5 @@
 """Pipeline stages and schedules, and training-step traces of TP x PP x DP plans on small meshes."""
+import dataclasses
 import json
 from collections import Counter
 
@@ -13,7 +14,7 @@ from syntorch.parallel.pipeline import schedule, stage_layers
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import RankTraces
 from syntorch.trace.levels import layer_of
-from syntorch.trace.training import trace_stage
+from syntorch.trace.training import shift_stage, trace_stage, traced_stage_for
 from syntorch.validate import check_traces, find_traces, read_trace
 from syntorch.workload import trace_workload, write_workload
 
@@ -125,3 +126,16 @@ def test_schedule_is_encoded_as_dependencies():
     assert nx.has_path(graph, first_send, second_embedding)
     graph.remove_nodes_from(tokens)
     assert not nx.has_path(graph, first_send, second_embedding)
+
+
+def test_middle_stages_derived_by_shifting_equal_tracing_them():
+    config = tiny_config("gpt2", n_layer=7, vocab_size=200)  # stages of 2, 2, 2, 1 layers
+    plan = TrainPlan(dp=2, tp=2, pp=4, sp=True, zero=2, microbatches=3, seq=16, schedule="gpipe")
+    assert traced_stage_for(config, plan) == [0, 1, 1, 3]
+    assert traced_stage_for(config, dataclasses.replace(plan, schedule="1f1b")) == [0, 1, 2, 3]  # warm-ups differ
+    source = trace_stage(config, plan, 1)
+    derived, traced = shift_stage(source, plan.mesh, 2, 2), trace_stage(config, plan, 2)
+    assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+    assert list(derived.edges(data=True)) == list(traced.edges(data=True))
+    assert derived.graph == traced.graph
+    assert any(d["module"].startswith("layers.4.") for _, d in derived.ops())

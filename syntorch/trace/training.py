@@ -7,16 +7,23 @@ representative's with global ranks mapped by `translate` (tests trace every rank
 difference is which output of a split a TP rank reads under sequence parallel (its own part): same shapes,
 same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that simulators do not read.
 
+Middle stages (neither first nor last) with as many layers and the same schedule run the same ops on other
+layers: the trace of
+one is the other's with layer indices shifted and global ranks moved along pp (`shift_stage`, also tested).
+
 The schedule is part of the trace: a stage runs its steps (forward or backward of a micro-batch) one after
 another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
 """
+import re
+
 import torch
 
 from syntorch.config import ModelConfig
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.tracer import Tracer
 
@@ -54,6 +61,42 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
     graph.graph["pipeline_schedule"] = [f"{kind}{m}" for kind, m, _ in steps if m is not None]
     add_schedule_deps(graph, [start for _, _, start in steps])
     return graph
+
+
+def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
+    """For each stage, the stage whose trace it is derived from (itself when it must be traced): middle
+    stages with as many layers and the same schedule (GPipe's is; 1F1B's warm-up differs per stage)."""
+    source, first_middle = [], {}
+    for s in range(plan.pp):
+        key = (len(plan.stage(config, s).layers), tuple(schedule(plan.schedule, s, plan.pp, plan.microbatches)))
+        source.append(first_middle.setdefault(key, s) if 0 < s < plan.pp - 1 else s)
+    return source
+
+
+def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
+    """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
+    tensor names, global ranks (groups, peers) moved by the stage difference along pp."""
+    shift = (to_stage - graph.graph["stage"]) * mesh.tp
+    pattern = re.compile(r"^layers\.(\d+)")
+    renamed = {}
+
+    def rename(name: str) -> str:
+        if name not in renamed:
+            renamed[name] = pattern.sub(lambda m: f"layers.{int(m.group(1)) + layer_offset}", name)
+        return renamed[name]
+
+    out = graph.copy()
+    out.graph.update(stage=to_stage, rank=graph.graph["rank"] + shift)
+    for _, d in out.nodes(data=True):
+        if d["kind"] == "tensor":
+            d["name"] = rename(d["name"])
+            continue
+        d["module"] = rename(d["module"])
+        if d["kind"] == "collective":
+            d["group"] = [r + shift for r in d["group"]]
+            d["src"] = None if d["src"] is None else d["src"] + shift
+            d["dst"] = None if d["dst"] is None else d["dst"] + shift
+    return out
 
 
 def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
