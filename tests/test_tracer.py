@@ -179,3 +179,19 @@ def test_replicated_layers_equal_a_full_trace(base):
     assert dict(replicated.nodes(data=True)) == dict(full.nodes(data=True))
     assert sorted(replicated.edges(data="arg")) == sorted(full.edges(data="arg"))
     assert replicated.graph == full.graph
+
+
+def test_measured_durations_on_cpu():
+    model = build_model(tiny_config("gpt2", d_model=256, d_head=64, d_ff=1024))
+    with Tracer(model, time_ops=True) as tracer:
+        run_model(model)
+    ops = [d for _, d in tracer.graph.ops()]
+    assert all(d["duration_us"] > 0 for d in ops)
+    mm = sum(d["duration_us"] for d in ops if d["name"] == "aten.addmm")
+    views = sum(d["duration_us"] for d in ops if d["is_view"])
+    n_views = sum(1 for d in ops if d["is_view"])
+    n_mm = sum(1 for d in ops if d["name"] == "aten.addmm")
+    assert mm / n_mm > views / n_views  # a matmul takes longer than a view
+    with Tracer(model) as untimed:
+        run_model(model)
+    assert not any("duration_us" in d for _, d in untimed.graph.ops())

@@ -15,6 +15,7 @@ Three pieces cooperate (DESIGN.md, facts):
   formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
 """
 import contextlib
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +37,13 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class Tracer:
-    """Context manager recording what runs inside it. `default_phase=None` records only inside `phase()`."""
+    """Context manager recording what runs inside it. `default_phase=None` records only inside `phase()`;
+    `time_ops` stores each op's measured wall time as `duration_us` (meaningful for CPU runs only: CUDA
+    kernels run asynchronously and meta ops do no work)."""
 
     def __init__(self, model: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1,
-                 meta: dict | None = None, default_phase: str | None = "forward"):
+                 meta: dict | None = None, default_phase: str | None = "forward", time_ops: bool = False):
+        self.time_ops = time_ops  # measure each op's wall time into duration_us (real CPU runs; not meta)
         self.graph = TraceGraph(**{**(meta or {}), "rank": rank, "world_size": world_size})
         self.model = model
         self.modules = [""]  # stack of module paths, innermost last
@@ -172,15 +176,24 @@ class Tracer:
         return node
 
     # --- ops -----------------------------------------------------------------------------------
+    def timed(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) and its wall time in microseconds (None unless time_ops)."""
+        if not self.time_ops:
+            return fn(*args, **kwargs), None
+        begin = time.perf_counter()
+        out = fn(*args, **kwargs)
+        return out, (time.perf_counter() - begin) * 1e6
+
     def record_op(self, name: str, inputs: list, outputs: list, flops: int, is_view: bool = False,
-                  written: list | None = None) -> int | None:
+                  written: list | None = None, duration_us: float | None = None) -> int | None:
         """inputs/outputs: tensors (or None) in argument order; `written`: inputs the op mutated in place."""
         module, phase = self.where()
         if phase is None:
             return None
         in_nodes = [self.tensor_node(t) if t is not None else None for t in inputs]
         cost = 0 if is_view else 1  # views move no data
-        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view,
+        timing = {} if duration_us is None else {"duration_us": duration_us}
+        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view, **timing,
                                bytes_read=cost * _unique_bytes(inputs),
                                bytes_written=cost * _unique_bytes(list(outputs) + list(written or [])))
         written_ids = {id(t) for t in written or []}
@@ -193,7 +206,7 @@ class Tracer:
                 self.output_node(t, op, -1, wrote=True)
         return op
 
-    def record_aten(self, func, args, kwargs, out):
+    def record_aten(self, func, args, kwargs, out, duration_us=None):
         if func.namespace in ("c10d", "_c10d_functional"):
             call = collective_call(func, args, kwargs, out)
             if call is not None:
@@ -203,7 +216,7 @@ class Tracer:
         flop_fn = flop_registry.get(func._overloadpacket)
         flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
         self.record_op(f"{func.namespace}.{func._overloadpacket.__name__}", inputs, outputs, flops,
-                       is_view=func.is_view, written=written)
+                       is_view=func.is_view, written=written, duration_us=duration_us)
 
     def record_collective(self, call):
         module, phase = self.where()
@@ -233,8 +246,8 @@ class _DispatchMode(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        out = func(*args, **kwargs)
-        self.tracer.record_aten(func, args, kwargs, out)
+        out, duration_us = self.tracer.timed(func, *args, **kwargs)
+        self.tracer.record_aten(func, args, kwargs, out, duration_us)
         return out
 
 
@@ -259,8 +272,10 @@ def fused_attention(tracer: Tracer, q, k, v, attn_mask=None, **kwargs):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _FusedAttention.apply(tracer, kwargs, q, k, v, attn_mask)
     with tracer.paused_recording():
-        out = _fused_layout(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs))
-    tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape))
+        out, duration_us = tracer.timed(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, **kwargs)
+        out = _fused_layout(out)
+    tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape),
+                     duration_us=duration_us)
     return out
 
 
@@ -272,9 +287,11 @@ class _FusedAttention(torch.autograd.Function):
         ctx.tracer = tracer
         with tracer.paused_recording(), torch.enable_grad():
             ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            ctx.out = F.scaled_dot_product_attention(*ctx.inputs, attn_mask=attn_mask, **kwargs)
+            ctx.out, duration_us = tracer.timed(F.scaled_dot_product_attention, *ctx.inputs, attn_mask=attn_mask,
+                                                **kwargs)
             out = _fused_layout(ctx.out.detach())
-        tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape))
+        tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape),
+                         duration_us=duration_us)
         ctx.saved = (q, k, v)
         return out
 
@@ -283,10 +300,11 @@ class _FusedAttention(torch.autograd.Function):
         tracer, (q, k, v) = ctx.tracer, ctx.saved
         wanted = [t for t in ctx.inputs if t.requires_grad]
         with tracer.paused_recording():
-            found = iter(torch.autograd.grad(ctx.out, wanted, grad))
+            found, duration_us = tracer.timed(torch.autograd.grad, ctx.out, wanted, grad)
+        found = iter(found)
         grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
         tracer.record_op(SDPA + "_backward", [grad, q, k, v], grads,
-                         sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+                         sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape), duration_us=duration_us)
         return None, None, *grads, None
 
 
