@@ -39,6 +39,12 @@ def atomic_output_dir(path: str | Path, force: bool = False, allow_existing: boo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output_file(path: str | Path):
     """Yields a temporary file path beside `path`, renamed to `path` on success."""
@@ -53,6 +59,7 @@ def atomic_output_file(path: str | Path):
         raise UserError(f"cannot write {path}: {e.strerror}") from None
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
