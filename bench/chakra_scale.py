@@ -4,7 +4,8 @@ Prints wall time per step (trace, durations, write), peak RSS and the bytes of t
 `syntorch infer --model gpt3-175b --device meta --tp 8 --num_input_tokens 2048 --num_output_tokens 8
 --hw_config h100-sxm --chakra --out runs/g175` does through the library. Goal: < 10 s, < 2 GB.
 
-    python bench/chakra_scale.py [--out DIR] [--level op|module] [--tokens 2048] [--new 8]
+    python bench/chakra_scale.py [--out DIR] [--level op|module] [--tokens 2040] [--new 8]
+    python bench/chakra_scale.py --converter   # bytes against mlc-chakra's converter, GPT-2 forward on CPU
 """
 import argparse
 import resource
@@ -42,6 +43,30 @@ class Clock:
         return f"{self.last[0] - self.start[0]:6.2f} s wall, {self.last[1] - self.start[1]:6.2f} s CPU"
 
 
+def compare_with_converter(out: Path) -> None:
+    """The same GPT-2 forward (seq 64, CPU) captured with the profiler and converted by mlc-chakra (through
+    syntorch.capture), and traced by syntorch: nodes and bytes of each .et."""
+    from syntorch.capture.convert import convert_rank
+    from syntorch.capture.profile import Schedule, TraceFiles, make_profiler
+    from syntorch.models import build_model
+    from syntorch.trace.tracer import Tracer
+
+    model = build_model(get_config("gpt2"), device="cpu", dtype=torch.float32)
+    x = torch.zeros(1, 64, dtype=torch.long)
+    files, schedule = TraceFiles(out, "gpt2", 0), Schedule(wait=0, warmup=1, active=1)
+    with torch.inference_mode(), make_profiler(files, schedule, "cpu") as prof:
+        for _ in range(schedule.steps):
+            model(x)
+            prof.step()
+    theirs = convert_rank(files.host, files.device, 0, files.et)
+    with torch.inference_mode(), Tracer(model, meta={"model": "gpt2"}) as tracer:
+        model(x)
+    ours = write_chakra({0: tracer.graph}, out / "syntorch")
+    for who, nodes, size in (("mlc-chakra converter", theirs["nodes"], files.et.stat().st_size),
+                             ("syntorch", ours["nodes"], ours["et_bytes"])):
+        print(f"{who:21s} {nodes:6d} nodes {size / 1e3:8.1f} kB  ({size / nodes:.0f} B/node)")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt3-175b")
@@ -50,8 +75,11 @@ def main():
     p.add_argument("--new", type=int, default=8)
     p.add_argument("--level", default="op")
     p.add_argument("--out", help="output folder (default: a temporary one)")
+    p.add_argument("--converter", action="store_true", help="compare sizes with mlc-chakra's converter instead")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="chakra_scale.")) / "chakra"
+    if args.converter:
+        return compare_with_converter(out.parent)
 
     clock = Clock()
     ranks = trace_tp_symbolic(get_config(args.model), torch.zeros(1, args.tokens, dtype=torch.long), args.new,
