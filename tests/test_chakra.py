@@ -111,14 +111,14 @@ def test_nodes_carry_what_astra_sim_reads(tp_traces):
     assert attrs(ag)["comm_type"].int64_val == et.ALL_GATHER and attrs(ag)["comm_size"].int64_val == 128
     assert attrs(bcast)["comm_type"].int64_val == et.ALL_GATHER and attrs(bcast)["comm_size"].int64_val == 4
     assert attrs(barrier)["comm_type"].int64_val == et.ALL_REDUCE and attrs(barrier)["comm_size"].int64_val == 4
-    # one stream per group: each communication waits for the group's previous one
+    # program order: each communication waits for the rank's previous one
     assert [list(n.ctrl_deps) for n in nodes] == [[], [], [], [1], [3], [4]]
 
 
 def test_send_recv_pair(tmp_path):
     write_chakra({r: pp_rank(r) for r in range(2)}, tmp_path)
     (_, (relu, send)), (_, (recv, relu1)) = read_et(tmp_path / "pipe.0.et"), read_et(tmp_path / "pipe.1.et")
-    assert send.type == et.COMM_SEND_NODE and list(send.data_deps) == [relu.id]
+    assert send.type == et.COMM_SEND_NODE and list(send.data_deps) == [relu.id] and not send.ctrl_deps
     assert {k: a.int64_val for k, a in attrs(send).items() if k.startswith("comm")} == \
         {"comm_dst": 1, "comm_tag": 7, "comm_size": 128}
     assert recv.type == et.COMM_RECV_NODE and attrs(recv)["comm_src"].int64_val == 0

@@ -66,6 +66,10 @@ def test_good_trace_is_clean(good, capsys):
     assert json.loads((good / "comm_groups.json").read_text()) == {"1": [0, 1], "2": [0, 2], "3": [1, 3], "4": [2, 3]}
     assert validate_traces(good) == []
     assert validate_traces(good / "mix") == []  # the prefix works too
+    _, nodes = read_et(good / "mix.0.et")  # communication in program order, across groups
+    comms = [n for n in nodes if n.type in (et.COMM_COLL_NODE, et.COMM_SEND_NODE, et.COMM_RECV_NODE)]
+    assert [list(n.ctrl_deps) for n in comms] == [[]] + [[a.id] for a in comms[:-1]]
+    assert comms[-1].type == et.COMM_SEND_NODE and attrs(comms[-1])["pg_name"].string_val == "2"
     assert main(["validate", str(good)]) == 0
     assert capsys.readouterr().out.strip() == "ok: 4 ranks, 32 nodes"  # 6 TP nodes + 2 pipeline nodes per rank
 

@@ -8,8 +8,10 @@ Graph -> Chakra:
 - op -> COMP_NODE (num_ops, tensor_size, duration_micros, is_cpu_op=false); views and ops that move no
   bytes are folded away: their consumers depend on whatever they depended on.
 - collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE.
-- data_deps: op -> tensor -> op in the graph; ctrl_deps: each process group's previous communication
-  node (one stream per communicator, as NCCL runs them), so every member issues them in traced order.
+- data_deps: op -> tensor -> op in the graph; ctrl_deps: the rank's previous communication node, so a
+  rank issues its communication in traced (program) order. ASTRA-sim runs one communication at a time
+  per NPU and otherwise starts the ready node with the lowest id, so without this chain two ranks could
+  each hold their slot for a collective the other has not reached yet, and hang.
 """
 import io
 import json
@@ -146,7 +148,7 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
 def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.nodes, graph._pred, graph._succ, []  # raw adjacency dicts, as above
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
-    last_comm = {}  # process group -> its previous communication node's Chakra id
+    last_comm = []  # the previous communication node's Chakra id, once there is one
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
 
     def ordered(adj):
@@ -178,11 +180,8 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
             attrs = [("num_ops", "int64_val", max(data["flops"], 1)),
                      ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])]
         else:
-            group = tuple(sorted(data["group"]))
-            kind, attrs = _comm_attrs(data, str(groups[group]))
-            if group in last_comm:
-                ctrl = [last_comm[group]]
-            last_comm[group] = nid
+            kind, attrs = _comm_attrs(data, str(groups[tuple(sorted(data["group"]))]))
+            ctrl, last_comm = last_comm, [nid]
         attrs.append(("is_cpu_op", "bool_val", False))
         name = f"{data.get('module') or 'root'}:{data['name']}"
         out.append(NodeSpec(nid, name, kind, deps, ctrl, round(data.get("duration_us") or 0),
