@@ -137,6 +137,7 @@ class StageRun:
     groups: PlanGroups
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
+    tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
 
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device="meta",
@@ -154,7 +155,7 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device
     # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
     optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: PlanGroups) -> list[tuple[list, object]]:
