@@ -8,7 +8,8 @@ import transformers
 from conftest import tiny_config
 from syntorch.checkpoints import load_checkpoint
 from syntorch.errors import UserError
-from syntorch.generate import Sampling, choose_tokens, generate, top_k_filter, top_p_filter
+from syntorch.generate import (Sampling, choose_tokens, generate, stream_friendly_weights, top_k_filter,
+                                top_p_filter)
 from syntorch.models import build_model
 
 GREEDY = Sampling(temperature=0)
@@ -116,6 +117,20 @@ def test_cached_decode_equals_full_recompute(pair):
     assert len(step_logits) == 12
     for i, logits in enumerate(step_logits):
         torch.testing.assert_close(logits, full[:, 5 + i], rtol=1e-5, atol=1e-5)
+
+
+def test_stream_friendly_weights_keep_values_shapes_and_tying():
+    model = build_model(tiny_config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        expected = model(prompts(8))
+    stream_friendly_weights(model)
+    stream_friendly_weights(model)  # idempotent: a second call must not transpose back
+    assert not model.layers["0"].mlp.fc1.weight.is_contiguous()
+    assert model.lm_head.weight is model.tok_emb.weight
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompts(8)), expected)
 
 
 def test_batch_equals_each_row_alone(gpt2_pair):
