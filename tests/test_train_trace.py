@@ -1,0 +1,70 @@
+"""`syntorch trace`: per-rank Chakra of a training step (or pipelined prefill), its summary, and bad input."""
+import json
+
+import pytest
+from conftest import tiny_config
+
+from syntorch.cli import main
+from syntorch.config import save_model_config
+from syntorch.validate import check_traces
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.json"
+    save_model_config(tiny_config("gpt2", n_layer=4, vocab_size=200), path)
+    return str(path)
+
+
+def test_trace_command_writes_every_rank_and_a_summary(tmp_path, tiny, capsys):
+    out = tmp_path / "run"
+    argv = ["trace", "--model_config", tiny, "--dp", "2", "--tp", "2", "--pp", "2", "--sp", "--zero", "1",
+            "--microbatches", "4", "--micro_batch_size", "2", "--seq", "32", "--global_batch", "16",
+            "--world_size", "8", "--hw_config", "h100-sxm", "--out", str(out), "--no_progress"]
+    assert main(argv) == 0
+    assert sorted(p.name for p in out.glob("*.et")) == [f"tiny-gpt2.{r}.et" for r in range(8)]
+    assert check_traces(out)[0] == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["distinct_rank_traces"] == 2 and summary["world_size"] == 8
+    first, last = summary["stages"]
+    assert first["ranks"] == [0, 1, 4, 5] and last["ranks"] == [2, 3, 6, 7]
+    assert first["schedule"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert last["schedule"] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert first["comm"]["send"]["count"] == 4 and last["comm"]["recv"]["count"] == 4
+    assert all(s["compute_us"] > 0 and s["comm_us"] > 0 for s in summary["stages"])
+    groups = json.loads((out / "comm_groups.json").read_text())
+    # 4 TP groups, 4 DP groups, 4 stage pairs, and the tied-embedding pairs (the same 4 ranks pairs at pp=2)
+    assert sorted(map(tuple, groups.values())) == sorted({(0, 1), (2, 3), (4, 5), (6, 7), (0, 4), (1, 5), (2, 6),
+                                                         (3, 7), (0, 2), (1, 3), (4, 6), (5, 7)})
+    assert "8 ranks" in capsys.readouterr().out
+    assert main(argv) == 2  # the folder holds a run now
+    assert main([*argv, "--force"]) == 0
+
+
+def test_pipelined_inference_runs_forwards_only(tmp_path, tiny):
+    out = tmp_path / "infer"
+    assert main(["trace", "--model_config", tiny, "--mode", "infer", "--tp", "2", "--pp", "2", "--microbatches", "3",
+                 "--seq", "16", "--trace_level", "op", "--out", str(out), "--no_progress"]) == 0
+    assert check_traces(out)[0] == []
+    summary = json.loads((out / "summary.json").read_text())
+    for stage in summary["stages"]:
+        assert stage["schedule"] == ["F0", "F1", "F2"]
+        assert stage["flops"]["backward"] == stage["flops"]["optimizer"] == 0 < stage["flops"]["forward"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dp", "2", "--tp", "2", "--world_size", "8"], "dp(2) * pp(1) * tp(2) = 4 but the world has 8 ranks"),
+    (["--pp", "5"], "--pp 5 is larger than the model's 4 layers"),
+    (["--dp", "2", "--microbatches", "3", "--global_batch", "8"], "--global_batch 8 is not dp(2) * microbatches(3)"),
+    (["--sp"], "--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1"),
+    (["--tp", "3"], "--tp 3 does not divide"),
+    (["--tp", "2", "--sp", "--seq", "15"], "--sp needs --seq (15) divisible by --tp (2)"),
+    (["--zero", "3"], "--zero must be 0 (DDP), 1 or 2"),
+    (["--hw_config", "no-such-gpu"], "no-such-gpu"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny, capsys, args, message):
+    out = tmp_path / "bad"
+    assert main(["trace", "--model_config", tiny, "--seq", "16", *args, "--out", str(out), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists()
