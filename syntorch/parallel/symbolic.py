@@ -57,9 +57,9 @@ def run_tp_symbolic(spec, out_dir, visualize: bool = False, trace_level: str | N
                                   inference.DTYPES[spec.dtype], inference.sampling_of(spec),
                                   stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
     record = inference.run_record(spec, config, prompt, result)
-    inference.write_run_json(record, out_dir)
     if visualize:
         traces = RankTraces(spec.tp)
         traces.put_shared(range(spec.tp), lambda: graph)
-        write_tp_outputs(traces, out_dir, trace_level)
+        record["trace"] = write_tp_outputs(traces, out_dir, trace_level)
+    inference.write_run_json(record, out_dir)
     return record

@@ -267,10 +267,11 @@ def reduce_partial_grads(model: nn.Module, plan: TPPlan, group=None) -> None:
 
 # -- inference under TP: what `syntorch infer --tp N` runs ------------------------------------------------
 
-def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | None = None) -> dict:
+def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | None = None) -> dict | None:
     """Spawn spec.tp local ranks (or join torchrun's), generate, and have rank 0 write run.json (and, with
-    `visualize`, the trace outputs) into `out_dir`. Returns run.json's record. Checks the TP degree and the
-    devices before any process starts; a failing rank becomes one line naming the rank and its error."""
+    `visualize`, the trace outputs) into `out_dir`. Returns run.json's record (None on other torchrun ranks).
+    Checks the TP degree and the devices before any process starts; a failing rank becomes one line naming
+    the rank and its error."""
     import json
     from pathlib import Path
 
@@ -280,7 +281,8 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     check_tp(inference.resolve_config(spec), spec.tp)
     args = (spec, str(out_dir), visualize, trace_level)
     if under_torchrun():
-        tp_inference_rank(*args)
+        if tp_inference_rank(*args) != 0:
+            return None
     else:
         check_devices(spec.device, spec.tp)
         try:
@@ -290,13 +292,13 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     return json.loads((Path(out_dir) / "run.json").read_text())
 
 
-def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | None) -> None:
-    """One rank of a TP generation: load the model, keep this rank's shard, generate, rank 0 writes."""
+def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | None) -> int:
+    """One rank of a TP generation: load the model, keep this rank's shard, generate; rank 0 writes the
+    outputs. Returns the rank."""
     from syntorch import inference
     from syntorch.parallel.launch import init_distributed
     from syntorch.parallel.mesh import Mesh, init_groups
-    from syntorch.trace.generation import trace_generation
-    from syntorch.trace.graph import RankTraces
+    from syntorch.trace import RankTraces, trace_run
 
     rank, world = init_distributed(spec.device)
     groups = init_groups(Mesh(tp=world))
@@ -304,20 +306,21 @@ def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | No
     prompt = inference.make_prompt(spec, config)
     model = inference.load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
     apply_tp(model, groups, spec.sp)
+    generate = lambda m, scope=None: inference.generate_tokens(spec, m, prompt, phase_scope=scope)  # noqa: E731
     if visualize:
-        graph, result = trace_generation(
-            model, prompt.to(spec.device), spec.num_output_tokens, inference.sampling_of(spec), rank=rank,
-            world_size=world, meta={"tp": world, "sequence_parallel": spec.sp},
-            stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
+        graph, result = trace_run(model, generate, rank=rank, world_size=world,
+                                  meta={"tp": world, "sequence_parallel": spec.sp})
     else:
-        result = inference.generate_tokens(spec, model, prompt)
+        result = generate(model)
     _check_same_tokens(result.tokens, groups.tp)
     if rank == 0:
-        inference.write_run_json(inference.run_record(spec, config, prompt, result), out_dir)
+        record = inference.run_record(spec, config, prompt, result)
         if visualize:
             traces = RankTraces(world)
             traces.put_shared(range(world), lambda: graph)  # TP ranks run the same ops (see symbolic.py)
-            write_tp_outputs(traces, out_dir, trace_level)
+            record["trace"] = write_tp_outputs(traces, out_dir, trace_level)
+        inference.write_run_json(record, out_dir)
+    return rank
 
 
 def _check_same_tokens(tokens: list[list[int]], group) -> None:
@@ -329,11 +332,15 @@ def _check_same_tokens(tokens: list[list[int]], group) -> None:
         raise RuntimeError("TP ranks generated different tokens; their logits diverged")
 
 
-def write_tp_outputs(traces, out_dir, level: str | None = None) -> None:
+def write_tp_outputs(traces, out_dir, level: str | None = None) -> dict:
     """Rank 0's tensor_trace_graph.json/.png and tensor_comm_graph.png, and Chakra traces of every rank
-    (tensor_trace_chakra.json, <model>.<rank>.et, comm_groups.json), as seed 000 lists for --tp."""
+    (tensor_trace_chakra.json, <model>.<rank>.et, comm_groups.json), as seed 000 lists for --tp.
+    Returns what run.json records about the trace."""
     from syntorch.export import write_trace_outputs
     from syntorch.export.chakra import write_chakra
 
-    write_trace_outputs(traces[0], out_dir, level)
-    write_chakra(traces, out_dir, level=level or "op")
+    graph = traces[0]
+    files = write_trace_outputs(graph, out_dir, level)
+    chakra = write_chakra(traces, out_dir, level=level or "op")
+    return {"files": files, "nodes": len(graph), "flops": graph.total_flops(),
+            "chakra": {"level": level or "op", "ranks": chakra["ranks"], "et_bytes": chakra["et_bytes"]}}
