@@ -64,10 +64,10 @@ def run(args) -> int:
     inference.sampling_of(spec)  # validates temperature/top_k/top_p before any work is done
     config = inference.resolve_config(spec)
     prompt = inference.make_prompt(spec, config)
-    if spec.tp > 1:
-        raise UserError("--tp > 1 arrives with issue 5 (tensor parallelism); use --tp 1 for now")
     if args.chakra or args.hw_config:
         raise UserError("--chakra and --hw_config arrive with issue 6; drop them for now")
+    if spec.tp > 1:
+        return run_tensor_parallel(spec, args)
     with atomic_output_dir(args.out) as tmp:
         model = inference.load_model(spec, config)
         if args.visualize_trace:
@@ -80,6 +80,23 @@ def run(args) -> int:
             record["trace"] = traced
         inference.write_run_json(record, tmp)
     print_result(record, args.out)
+    return 0
+
+
+def run_tensor_parallel(spec, args) -> int:
+    """--tp > 1: real ranks (spawned here, or torchrun's) on cpu/cuda; on meta one symbolic trace of rank 0
+    stands for every rank. Rank 0 writes run.json and, with --visualize_trace, the graphs and Chakra traces."""
+    import torch
+
+    from syntorch.outdir import atomic_output_dir
+    from syntorch.parallel.symbolic import run_tp_symbolic
+    from syntorch.parallel.tensor import run_tp_inference
+
+    run_tp = run_tp_symbolic if torch.device(spec.device).type == "meta" else run_tp_inference
+    with atomic_output_dir(args.out) as tmp:
+        record = run_tp(spec, tmp, args.visualize_trace, args.trace_level)
+    if record is not None:  # None on torchrun's other ranks
+        print_result(record, args.out)
     return 0
 
 
