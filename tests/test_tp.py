@@ -16,7 +16,8 @@ from syntorch.models import build_model
 from syntorch.parallel.launch import RankFailed, init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.symbolic import trace_tp_rank, trace_tp_symbolic
-from syntorch.parallel.tensor import apply_tp, check_tp, padded_vocab, reduce_partial_grads, tp_inference_rank
+from syntorch.parallel.tensor import (apply_tp, check_tp, padded_vocab, reduce_partial_grads, take_shard,
+                                     tp_inference_rank)
 from syntorch.trace.generation import trace_generation
 
 BASES = ("gpt2", "gptj-6b", "bert-base-uncased")
@@ -191,3 +192,50 @@ def test_a_dying_rank_stops_all_ranks_and_is_named(tmp_path):
         spawn(faulty_rank, 2, (spec, str(tmp_path)))
     assert time.monotonic() - start < 60  # generous for a loaded 2-core machine; a hang would be 300 s
     assert not (tmp_path / "run.json").exists()
+
+
+def test_shards_read_lazily_from_safetensors_equal_in_memory_shards(tmp_path):
+    """take_shard reads a safetensors slice (get_slice) exactly as it cuts an in-memory tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    tensors = {"qkv": torch.randn(3 * 4 * 16, 64), "rows": torch.randn(64, 256), "vocab": torch.randn(VOCAB, 64)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    cases = [("colwise_qkv", "weight", "qkv"), ("colwise", "weight", "rows"), ("rowwise", "weight", "rows"),
+             ("rowwise", "bias", "rows"), ("vocab_embedding", "weight", "vocab")]
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        for style, param, key in cases:
+            for rank in range(4):
+                lazy = take_shard(style, param, f.get_slice(key), rank, 4, padded_vocab(VOCAB, 4), 16)
+                assert torch.equal(lazy, take_shard(style, param, tensors[key], rank, 4, padded_vocab(VOCAB, 4), 16))
+    q_heads = tensors["qkv"].view(3, 4, 16, 64)[:, 2:4].reshape(-1, 64)  # rank 1 of 2 holds heads 2, 3 of q, k, v
+    assert torch.equal(take_shard("colwise_qkv", "weight", tensors["qkv"], 1, 2, 256, 16), q_heads)
+    vocab = take_shard("vocab_embedding", "weight", tensors["vocab"], 0, 4, 512, 16)
+    assert vocab.shape == (128, 64) and torch.equal(vocab[:VOCAB], tensors["vocab"]) and not vocab[VOCAB:].any()
+
+
+def test_cli_tp_errors_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
+    from syntorch.cli import main
+    out = tmp_path / "run"
+    assert main(["infer", "--model", "gpt2", "--tp", "5", "--out", str(out)]) == 2
+    assert main(["infer", "--model", "gpt2", "--tp", "16", "--device", "meta", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["syntorch infer: error: --tp 5 does not divide gpt2's attention heads (12); "
+                   "choose --tp from 1, 2, 3, 4, 6, 12",
+                   "syntorch infer: error: --tp 16 is larger than gpt2's 12 attention heads; use a --tp that divides 12"]
+    assert not out.exists()
+
+
+def test_cli_tp2_gives_tp1_tokens_and_the_comm_graph(tmp_path):
+    from syntorch.cli import main
+    from syntorch.config import save_model_config
+    save_model_config(tiny("gpt2"), tmp_path / "model.json")
+    common = ["infer", "--model_config", str(tmp_path / "model.json"), "--num_input_tokens", "6",
+              "--num_output_tokens", "5", "--temperature", "0.8", "--seed", "5"]
+    assert main(common + ["--out", str(tmp_path / "tp1")]) == 0
+    assert main(common + ["--tp", "2", "--visualize_trace", "--out", str(tmp_path / "tp2")]) == 0
+    tp1, tp2 = (json.loads((tmp_path / d / "run.json").read_text()) for d in ("tp1", "tp2"))
+    assert tp2["output_ids"] == tp1["output_ids"] and tp2["tp"] == 2
+    for name in ("tensor_trace_graph.json", "tensor_trace_graph.png", "tensor_comm_graph.png",
+                 "tensor_trace_chakra.json", "tiny-gpt2.0.et", "tiny-gpt2.1.et", "comm_groups.json"):
+        assert (tmp_path / "tp2" / name).stat().st_size > 0, name
