@@ -39,6 +39,9 @@ def runs(tmp_path_factory):
     for family, base in (("gpt2", "gpt2"), ("bert", "bert-base-uncased")):
         make_model(ws / family, base)
     out = ws / "outputs"
+    out.mkdir()
+    for stale in ("gpt2.2.et", "gpt2_host.3.json"):  # left by an earlier 4-rank run with the same name
+        (out / stale).write_text("old")
     assert main(["train", *train_command(ws, "gpt2", out), "--nproc", str(RANKS)]) == 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
                 "-m", "syntorch.train", *train_command(ws, "bert", out)]
@@ -87,6 +90,7 @@ def test_every_rank_leaves_host_device_stacks_linked_and_et(runs, family, base):
             assert (runs / name).stat().st_size > 0, name
         assert "ProfilerStep#2" in (runs / f"{family}_host.{rank}.json").read_text()  # the active step, on both traces
         assert "ProfilerStep#2" in (runs / f"{family}_device.{rank}.json").read_text()
+    assert not (runs / "gpt2.2.et").exists() and not (runs / "gpt2_host.3.json").exists()
     assert json.loads((runs / "comm_groups.json").read_text()) == {}  # DDP uses the default group "0" only
     assert not [p for p in runs.parent.iterdir() if p.name.startswith(".")]  # no temporary folders left
 

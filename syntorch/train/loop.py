@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from syntorch.capture.profile import Schedule, TraceFiles
+from syntorch.capture.profile import Schedule, TraceFiles, stale_rank_files
 from syntorch.errors import UserError
 from syntorch.train import data as D
 
@@ -300,6 +300,9 @@ def capture(trainer: Trainer, opts: TrainOptions) -> dict:
             write_comm_groups(result["groups"], tmp / "comm_groups.json")
         if trainer.world > 1:
             dist.barrier()
+    if trainer.rank == 0:
+        for path in stale_rank_files(opts.trace_output_dir, name, trainer.world):
+            path.unlink()
     prefix = Path(opts.trace_output_dir) / name
     return {**{k: result[k] for k in ("nodes", "collectives", "comm_bytes", "repairs", "notes")}, "prefix": str(prefix)}
 
