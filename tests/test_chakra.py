@@ -202,11 +202,16 @@ def symbolic_tp_traces(tp: int = 2):
 
 
 @pytest.mark.parametrize("level", ["op", "module"])
-def test_traced_tp_model(tmp_path, level):
+def test_traced_tp_model(tmp_path, monkeypatch, level):
+    from syntorch.trace import levels
+
+    views = []
+    monkeypatch.setattr(levels, "level_view", lambda g, lv, view=levels.level_view: views.append(lv) or view(g, lv))
     ranks = symbolic_tp_traces()
     graph = ranks[0]
     summary = write_chakra(ranks, tmp_path, level=level)
     assert summary["distinct_traces"] == 1 and validate_traces(tmp_path) == []
+    assert views == ([] if level == "op" else ["module"])  # both ranks share one graph: collapsed once
     _, nodes = read_et(tmp_path / "tiny-gpt2.1.et")
     colls = [n for n in nodes if n.type == et.COMM_COLL_NODE]
     assert len(colls) == sum(1 for _ in graph.collectives())  # every collective kept, at every level

@@ -250,7 +250,10 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
     stale = _check_out_dir(out_dir, model, len(ranks), force)
     graphs = {r: graphs_by_rank[r] for r in ranks}
     # one level view per distinct graph: the ranks sharing it share its encoding too
-    distinct = {shared_key(g): _level_graph(g, level) for g in graphs.values()}
+    distinct = {}
+    for graph in graphs.values():
+        if shared_key(graph) not in distinct:
+            distinct[shared_key(graph)] = _level_graph(graph, level)
     groups, notes = scan_groups(distinct.values())
     encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
     with atomic_output_dir(out_dir) as tmp:
