@@ -127,8 +127,8 @@ def trained(workspace):
     out = {}
     for family in ("gpt2", "bert"):
         save = workspace["root"] / f"ckpt_{family}"
-        code = main(train_args(workspace, family, save, "--batch-size", "4", "--num-epochs", "3",
-                               "--learning-rate", "3e-3", "--logging-steps", "2", "--eval-fraction", "0.2"))
+        code = main(train_args(workspace, family, save, "--batch-size", "8", "--num-epochs", "3",
+                               "--learning-rate", "1e-2", "--logging-steps", "2", "--eval-fraction", "0.2"))
         assert code == 0
         out[family] = save
     return out
