@@ -15,15 +15,16 @@ Three pieces cooperate (DESIGN.md, facts):
   formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
 """
 import contextlib
+import functools
+import gc
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-from torch.utils.weak import WeakIdKeyDictionary
 
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph
@@ -49,14 +50,19 @@ class Tracer:
         self.modules = [""]  # stack of module paths, innermost last
         self.phases = [default_phase]
         self.paused = 0  # > 0 while a fused op runs its parts
-        self.tensors = WeakIdKeyDictionary()  # tensor -> (node, storage key, storage writes when node was made)
+        # id(tensor) -> (weak ref, node, storage key, storage writes when the node was made); a plain dict with
+        # weak refs is several times faster than torch's WeakIdKeyDictionary, and lookups are the hot path
+        self.tensors: dict[int, tuple] = {}
         self.writes: dict[int, tuple[int, int]] = {}  # storage key -> (number of writes, last writing op)
-        self.names = WeakIdKeyDictionary()  # parameter/buffer -> its name
+        self.names: dict[int, tuple[str, bool]] = {}  # id(parameter or buffer) -> (name, is_param); they outlive the trace
         self.layer_calls: list[LayerCall] = []  # each forward call of a transformer layer, for replicate.py
         self._exits = contextlib.ExitStack()
 
     # --- entering and leaving ------------------------------------------------------------------
     def __enter__(self):
+        # the graph is many small dicts: the cyclic GC would rescan them all, over and over (5x slower)
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         if self.model is not None:
             self._watch_modules(self.model)
         self._exits.enter_context(_FunctionMode(self))
@@ -65,13 +71,15 @@ class Tracer:
 
     def __exit__(self, *exc):
         self._exits.close()
+        if self._gc_was_enabled:
+            gc.enable()
         return False
 
     def _name_tensors(self):
         for name, p in self.model.named_parameters():
-            self.names[p] = name
+            self.names[id(p)] = (name, True)
         for name, b in self.model.named_buffers():  # again per phase: KV caches are attached late
-            self.names[b] = name
+            self.names[id(b)] = (name, False)
 
     def _watch_modules(self, model: torch.nn.Module):
         self._name_tensors()
@@ -130,7 +138,7 @@ class Tracer:
     def tag_autograd_nodes(self, out):
         """Tag autograd nodes created by the call that just returned `out` with the current module."""
         module = self.modules[-1]
-        todo = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        todo = [t.grad_fn for t in _flat_tensors(out) if t is not None and t.grad_fn is not None]
         while todo:
             node = todo.pop()
             if node is None or "module" in node.metadata:
@@ -143,7 +151,7 @@ class Tracer:
         """The node holding t's current value: new at first sight, a new version after an aliased write."""
         key = _storage_key(t)
         writes, writer = self.writes.get(key, (0, None))
-        known = self.tensors.get(t)
+        known = self._known(t)
         if known is not None and known[2] == writes:
             return known[0]
         # first sight, or a write through another alias (a view, a KV-cache slice) changed the storage since
@@ -161,18 +169,23 @@ class Tracer:
         if wrote:
             writes += 1
             self.writes[key] = (writes, op)
-        known = self.tensors.get(t)
+        known = self._known(t)
         version = self.graph.nodes[known[0]]["version"] + 1 if known else 0
         node = self._add_tensor(t, key, writes, version)
         self.graph.add_edge(op, node, arg=arg)
         return node
 
+    def _known(self, t: torch.Tensor) -> tuple | None:
+        """(node, storage key, writes) of a tensor seen before (an id reused by a new tensor is not seen)."""
+        entry = self.tensors.get(id(t))
+        return entry[1:] if entry is not None and entry[0]() is t else None
+
     def _add_tensor(self, t: torch.Tensor, key: int, writes: int, version: int) -> int:
-        name = self.names.get(t, "")
+        name, is_param = self.names.get(id(t), ("", False))
         node = self.graph.add_tensor(t.shape, str(t.dtype).removeprefix("torch."), nbytes(t), name=name,
-                                     is_param=isinstance(t, torch.nn.Parameter), device=t.device.type,
+                                     is_param=is_param, device=t.device.type,
                                      version=version)
-        self.tensors[t] = (node, key, writes)
+        self.tensors[id(t)] = (weakref.ref(t), node, key, writes)
         return node
 
     # --- ops -----------------------------------------------------------------------------------
@@ -199,7 +212,7 @@ class Tracer:
         written_ids = {id(t) for t in written or []}
         for arg, t in enumerate(outputs):
             if t is not None:
-                self.output_node(t, op, arg, wrote=id(t) in written_ids or t in self.tensors)
+                self.output_node(t, op, arg, wrote=id(t) in written_ids or self._known(t) is not None)
                 written_ids.discard(id(t))
         for t in written or []:
             if id(t) in written_ids:  # mutated but not returned, e.g. ops returning None
@@ -212,7 +225,7 @@ class Tracer:
             if call is not None:
                 return self.record_collective(call)
         inputs, written = _schema_inputs(func, args, kwargs)
-        outputs = [t if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]]
+        outputs = _flat_tensors(out)
         flop_fn = flop_registry.get(func._overloadpacket)
         flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
         self.record_op(f"{func.namespace}.{func._overloadpacket.__name__}", inputs, outputs, flops,
@@ -234,18 +247,20 @@ class _DispatchMode(TorchDispatchMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
+        self.atomic = set()  # ops that do not decompose
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.tracer.paused:
             return func(*args, **kwargs)
-        if func._overloadpacket not in flop_registry:
+        if func not in self.atomic and func._overloadpacket not in flop_registry:
             # as FlopCounterMode does: a composite op (aten.linear under inference_mode) is recorded as the
             # ops it decomposes into (t, addmm), which have FLOP formulas -- the same ops training runs
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+            self.atomic.add(func)  # remembered: asking again costs more than most ops
         out, duration_us = self.tracer.timed(func, *args, **kwargs)
         self.tracer.record_aten(func, args, kwargs, out, duration_us)
         return out
@@ -321,6 +336,15 @@ def _storage_key(t: torch.Tensor) -> int:
         return id(t)
 
 
+def _flat_tensors(out) -> list:
+    """An op's outputs in order: tensors, None for anything else (a faster tree_flatten for op results)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _flat_tensors(item)]
+    return [None]
+
+
 def _unique_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -330,14 +354,24 @@ def _unique_bytes(tensors) -> int:
     return total
 
 
+@functools.cache
+def _tensor_arguments(func) -> tuple:
+    """(position, name, written) of each argument of func that may hold tensors; reading a schema is slow."""
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        if "Tensor" in str(arg.type):
+            found.append((i, arg.name, arg.alias_info is not None and arg.alias_info.is_write))
+    return tuple(found)
+
+
 def _schema_inputs(func, args, kwargs):
     """Tensor arguments in schema order (lists flattened), and those the op writes (`Tensor(a!)`)."""
     inputs, written = [], []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name, is_written in _tensor_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
         tensors = [value] if isinstance(value, torch.Tensor) else [
             t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
         inputs.extend(tensors)
-        if arg.alias_info is not None and arg.alias_info.is_write:
+        if is_written:
             written.extend(tensors)
     return inputs, written
