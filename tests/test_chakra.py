@@ -293,6 +293,10 @@ def test_export_command_from_a_saved_graph(tmp_path, capsys):
     assert validate_traces(tmp_path / "out") == []
     assert main([*argv, str(tmp_path / "out")]) == 2  # traces there already
     assert "pass --force" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "seed" / "model.json")]) == 0  # seed 000: --output model.json
+    assert sorted(p.name for p in (tmp_path / "seed").iterdir()) == [
+        "comm_groups.json", "model.json", "tiny-gpt2.0.et", "tiny-gpt2.1.et"]
+    assert json.loads((tmp_path / "seed" / "model.json").read_text())["nodes"]
 
 
 def test_shared_ranks_get_durations_once():

@@ -51,7 +51,8 @@ COLLECTIVE_TYPES = {
     "scatter": (et.ALL_GATHER, _part, "scatter written as all_gather of each rank's part"),
 }
 P2P = {"send": et.COMM_SEND_NODE, "recv": et.COMM_RECV_NODE}
-TRACE_FILES = ("comm_groups.json", "tensor_trace_chakra.json")
+JSON_FORM = "tensor_trace_chakra.json"
+TRACE_FILES = ("comm_groups.json", JSON_FORM)
 SCHEMA_VERSION = "0.0.4"  # the Chakra part of the ET schema tag mlc-chakra 1.0.0 reads ("1.0.2-chakra.0.0.4")
 
 
@@ -225,21 +226,21 @@ def _level_graph(graph, level: str):
     return level_view(graph, "module")
 
 
-def _check_out_dir(out_dir: Path, prefix: str, world: int, force: bool) -> list[Path]:
+def _check_out_dir(out_dir: Path, prefix: str, world: int, json_name: str, force: bool) -> list[Path]:
     """Trace files already in `out_dir` that this run would not overwrite (they would mix with ours)."""
     if not out_dir.is_dir():
         return []
-    ours = {f"{prefix}.{r}.et" for r in range(world)} | set(TRACE_FILES)
-    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in TRACE_FILES]
+    ours = {f"{prefix}.{r}.et" for r in range(world)} | {*TRACE_FILES, json_name}
+    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in ours]
     if found and not force:
         raise UserError(f"{out_dir} already holds Chakra traces ({found[0].name}, ...); pass --force to replace them")
     return [p for p in found if p.name not in ours]
 
 
 def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
-                 level: str = "op", force: bool = False) -> dict:
-    """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and `tensor_trace_chakra.json`
-    (rank 0) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
+                 level: str = "op", force: bool = False, json_name: str = JSON_FORM) -> dict:
+    """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and the JSON form of rank 0
+    (`json_name`) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
     from syntorch.outdir import atomic_output_dir
 
     ranks = sorted(graphs_by_rank)
@@ -247,7 +248,7 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
     out_dir = Path(out_dir)
     model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
-    stale = _check_out_dir(out_dir, model, len(ranks), force)
+    stale = _check_out_dir(out_dir, model, len(ranks), json_name, force)
     graphs = {r: graphs_by_rank[r] for r in ranks}
     # one level view per distinct graph: the ranks sharing it share its encoding too
     distinct = {}
@@ -263,7 +264,7 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
                 specs = chakra_nodes(distinct[key], groups)
                 encoded[key] = (_serialize(specs), len(specs), any(s.duration_micros for s in specs))
                 if rank == 0:
-                    _write_json_form(tmp / "tensor_trace_chakra.json",
+                    _write_json_form(tmp / json_name,
                                      global_metadata(graph, model, level, notes, encoded[key][2]), specs)
                 del specs
             body, _, durations = encoded[key]
@@ -290,8 +291,9 @@ def _write_json_form(path: Path, header: et.GlobalMetadata, specs: list[NodeSpec
 
 
 def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> dict:
-    """`syntorch export --format chakra`: a saved graph into the folder `path`. A tensor-parallel graph
-    stands for every rank (TP ranks run the same ops), so it is written once per rank."""
+    """`syntorch export --format chakra`: a saved graph into the folder `path`, or, for `path` ending in
+    .json (seed 000: `--output model.json`), the JSON form there and the .et files beside it. A
+    tensor-parallel graph stands for every rank (TP ranks run the same ops), so it is written per rank."""
     from syntorch.trace.graph import RankTraces
 
     world, tp = graph.graph.get("world_size", 1), graph.graph.get("tp", 1)
@@ -300,4 +302,7 @@ def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> d
                         "write per-rank traces with `syntorch trace` instead")
     ranks = RankTraces(world)
     ranks.put_shared(range(world), lambda: graph)
+    path = Path(path)
+    if path.suffix == ".json":
+        return write_chakra(ranks, path.parent, level=level, force=force, json_name=path.name)
     return write_chakra(ranks, path, level=level, force=force)
