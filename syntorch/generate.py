@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from syntorch.errors import UserError
 from syntorch.models.layers import Attention, KVCache
@@ -24,7 +23,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int | None = None  # None: a fresh random seed
+    seed: int | None = None  # None: a fresh random seed (tensor-parallel ranks need one shared seed)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -43,7 +42,7 @@ class Sampling:
 class GenerationResult:
     """tokens: per sequence, the prompt followed by the generated ids. A sequence that produced a stop token
     ends with that token (so sequences may differ in length); the others have max_new_tokens new ids.
-    On `meta` the generated ids are placeholders (zeros): no values exist to choose from."""
+    On `meta` the ids (prompt and generated) are placeholder zeros: no values exist to read or choose from."""
     tokens: list[list[int]]
     prompt_len: int
     prefill_s: float
@@ -171,6 +170,7 @@ class _Run:
         self.model = model
         self.phase_scope = phase_scope
         self.symbolic = next(model.parameters()).device.type == "meta"
+        self.vocab_size = model.config.vocab_size
         self.times: list[float] = []
 
     def step(self, idx: torch.Tensor, start: int, select):
@@ -179,7 +179,8 @@ class _Run:
         phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
         begin = time.perf_counter()
         with self.phase_scope(phase):
-            logits = self.model(idx, start=start, last_only=True)[:, -1]  # [B, V]
+            # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
+            logits = self.model(idx, start=start, last_only=True)[:, -1, :self.vocab_size]  # [B, V]
             chosen = None if self.symbolic else select(logits.float().cpu())
         self.times.append(time.perf_counter() - begin)
         return chosen
