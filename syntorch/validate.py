@@ -149,7 +149,7 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
             problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
                             "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
         problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in local]
-        problems += check_membership(trace, groups)
+        problems += check_rank_fields(trace, groups)
         traces.append(trace)
     problems += check_collective_order(traces, groups, len(files))
     problems += check_send_recv(traces)
@@ -191,15 +191,21 @@ def check_nodes(nodes: list[et.Node], groups: dict, world: int, roofline: bool =
     return problems + _check_cycles(nodes)
 
 
-def check_membership(trace: RankTrace, groups: dict) -> list[str]:
-    """A rank issues only collectives of groups it belongs to."""
+def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
+    """What depends on the file's rank: it issues collectives only of groups it is in, and a send's
+    source (a recv's destination), when given, is itself (ASTRA-sim throws otherwise)."""
     problems = []
     for node in trace.nodes:
-        pg = _attrs(node).get("pg_name") if node.type == et.COMM_COLL_NODE else None
-        name = pg.string_val if pg is not None and pg.WhichOneof("value") == "string_val" else ""
-        if name in groups and trace.rank not in groups[name]:
-            problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
-                            f"{groups[name]} without being in it")
+        attrs = _attrs(node)
+        if node.type == et.COMM_COLL_NODE and "pg_name" in attrs:
+            name = attrs["pg_name"].string_val
+            if name in groups and trace.rank not in groups[name]:
+                problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
+                                f"{groups[name]} without being in it")
+        own = {et.COMM_SEND_NODE: "comm_src", et.COMM_RECV_NODE: "comm_dst"}.get(node.type)
+        if own in attrs and _int_attr(attrs, own) != trace.rank:
+            problems.append(f"{trace.where(node)}: {own} is {_value(attrs[own])} in rank {trace.rank}'s file; "
+                            f"drop it or make it {trace.rank}")
     return problems
 
 
@@ -232,12 +238,11 @@ def _check_comm(node, attrs, groups, world) -> list[str]:
     problems = [f"{et.NodeType.Name(node.type)} needs attribute {a}" for a in REQUIRED[node.type] if a not in attrs]
     if "is_cpu_op" in attrs and _value(attrs["is_cpu_op"]):
         problems.append("communication node with is_cpu_op true; ASTRA-sim rejects it: set it false")
-    size = attrs.get("comm_size")
-    if size is not None and size.WhichOneof("value") in INT_FIELDS and _value(size) <= 0:
-        problems.append(f"comm_size is {_value(size)}; it must be the bytes moved, > 0")
-    comm_type = attrs.get("comm_type")
-    if node.type == et.COMM_COLL_NODE and comm_type is not None and comm_type.WhichOneof("value") in INT_FIELDS:
-        value = _value(comm_type)
+    size = _int_attr(attrs, "comm_size")
+    if size is not None and size <= 0:
+        problems.append(f"comm_size is {size}; it must be the bytes moved, > 0")
+    value = _int_attr(attrs, "comm_type")
+    if node.type == et.COMM_COLL_NODE and value is not None:
         if value not in SIMULATED:
             name = et.CollectiveCommType.Name(value) if value in et.CollectiveCommType.values() else value
             problems.append(f"comm_type {name} throws in ASTRA-sim; express it as ALL_REDUCE, ALL_GATHER, "
@@ -246,7 +251,7 @@ def _check_comm(node, attrs, groups, world) -> list[str]:
     if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0", *groups):
         problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
     for peer in ("comm_src", "comm_dst"):
-        value = _value(attrs[peer]) if peer in attrs and attrs[peer].WhichOneof("value") in INT_FIELDS else None
+        value = _int_attr(attrs, peer)
         if value is not None and not 0 <= value < world:
             problems.append(f"{peer} {value} is not a rank (0..{world - 1})")
     return problems

@@ -141,6 +141,11 @@ def _reduce(h, nodes):
     return h, nodes
 
 
+def _foreign_send(h, nodes):
+    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_src", int64_val=1)
+    return h, nodes
+
+
 def _zero_size(h, nodes):
     set_attr(first(nodes, et.COMM_COLL_NODE), "comm_size", int64_val=0)
     return h, nodes
@@ -161,6 +166,7 @@ def _zero_size(h, nodes):
     (_cpu_comm, "communication node with is_cpu_op true"),
     (_reduce, "comm_type REDUCE throws in ASTRA-sim"),
     (_zero_size, "comm_size is 0"),
+    (_foreign_send, "mix.0.et: node 7: comm_src is 1 in rank 0's file; drop it or make it 0"),
 ])
 def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
     rewrite(good / "mix.0.et", break_it)
