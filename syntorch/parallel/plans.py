@@ -185,7 +185,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch) in the stage's schedule.
 
     `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch)` is called
-    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage.
+    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage (else None).
     In "infer" mode only the forwards run, in micro-batch order, without gradients."""
     phase = phase or (lambda name: nullcontext())
     plan, stage, links = run.plan, run.stage, run.groups.links
@@ -197,7 +197,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
                 _forward(run, tokens, m, phase)
         return None
     order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches))
-    inputs, outputs, total = {}, {}, 0.0
+    inputs, outputs, losses = {}, {}, []
     for kind, m in order:
         if on_step:
             on_step(kind, m)
@@ -206,7 +206,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
             inputs[m], outputs[m] = _forward(run, tokens, m, phase, targets)
             if stage.last:
                 outputs[m] = outputs[m] / len(batches)  # gradients accumulate to the mean over micro-batches
-                total = total + outputs[m].detach()
+                losses.append(outputs[m].detach())
             continue
         with phase("backward"):
             run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but the last
@@ -222,7 +222,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     with phase("optimizer"):
         run.optimizer.step()
         run.grad_sync.gather_params()
-    return total
+    return sum(losses) if losses else None  # outside every phase: not part of the step
 
 
 def _forward(run: StageRun, tokens, m: int, phase, targets=None):

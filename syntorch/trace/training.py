@@ -15,6 +15,7 @@ The schedule is part of the trace: a stage runs its steps (forward or backward o
 another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
 """
+import dataclasses
 import re
 
 import torch
@@ -40,26 +41,132 @@ def translate(mesh: Mesh, rank: int, to_rank: int) -> int:
     return mesh.rank((d + to_d) % mesh.dp, s, (t + to_t) % mesh.tp)
 
 
+PROBE_MICROBATCHES = 4  # enough to see every kind of step: first, middle (after a middle), and last backward
+
+
 def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
-                rank: int | None = None) -> TraceGraph:
-    """The training step of one rank of `stage` (default: its representative) on meta, fake collectives."""
+                rank: int | None = None, replicate: bool = True) -> TraceGraph:
+    """The training step of one rank of `stage` (default: its representative) on meta, fake collectives.
+
+    `replicate`: trace at most PROBE_MICROBATCHES micro-batches and assemble the step from their copies
+    (`schedule_stage`); else run every micro-batch in the stage's schedule (tests compare the two)."""
+    if replicate:
+        return schedule_stage(*probe_stage(config, plan, stage, dtype, rank), plan)
+    graph, blocks = _run_stage(config, plan, stage, dtype, rank)
+    return _finish(graph, plan, list(blocks), [start for start, _ in blocks.values()])
+
+
+def probe_stage(config, plan, stage, dtype=torch.float32, rank=None) -> tuple[TraceGraph, dict]:
+    """A short run of the stage -- min(microbatches, PROBE_MICROBATCHES) micro-batches, all forwards then all
+    backwards -- and where each step's nodes are: {(kind, microbatch): (first node, end)}."""
+    probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, PROBE_MICROBATCHES), schedule="gpipe")
+    return _run_stage(config, probe, stage, dtype, rank)
+
+
+def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     mesh = plan.mesh
     rank = representative(mesh, stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "stage": stage,
-            "sequence_parallel": plan.sp, "zero": plan.zero, "schedule": plan.schedule,
-            "microbatches": plan.microbatches}
+            "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
     with symbolic_world(rank, mesh.world_size):
         groups = plans.init_plan_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
-        tokens = torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta")
-        batches = [(tokens, tokens)] * plan.microbatches
+        batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
+                   for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
+            # what lives across the step first, so every step's nodes look alike wherever it runs
+            for t in [*run.model.parameters(), *run.optimizer.param_groups[0]["params"],
+                      *(v for state in run.optimizer.state.values() for v in state.values())]:
+                tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
-                             on_step=lambda kind, m: steps.append((kind, m, len(tracer.graph))))
-    graph = tracer.graph
-    graph.graph["pipeline_schedule"] = [f"{kind}{m}" for kind, m, _ in steps if m is not None]
-    add_schedule_deps(graph, [start for _, _, start in steps])
+                             on_step=lambda kind, m: steps.append(((kind, m), len(tracer.graph))))
+    ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
+    return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
+    """The probed step a step is copied from: the same micro-batch when probed; else the first backward
+    (fresh gradients), the last one (gradient sync), or a middle one (accumulation after accumulation)."""
+    if m < probed - 1 or microbatches == probed:
+        return m
+    return probed - 1 if kind == "F" or m == microbatches - 1 else probed - 2
+
+
+def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> TraceGraph:
+    """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
+    each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
+    play the same part (the same micro-batch's forward, the previous backward)."""
+    stage, M = probe.graph["stage"], plan.microbatches
+    probed = 1 + max(m for kind, m in blocks if kind != "optimizer")
+    order = [*(schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m) for m in range(M)]),
+             *([("optimizer", M)] if ("optimizer", None) in blocks else [])]
+    found = sorted((start, end, key) for key, (start, end) in blocks.items())
+    prefix = found[0][0]
+    out = TraceGraph(**probe.graph)
+    out.add_nodes_from((n, probe.nodes[n]) for n in range(prefix))
+    out.add_edges_from(probe.subgraph(range(prefix)).edges(data=True))
+    placed = {}  # (kind, microbatch) -> first node in `out`
+
+    def source(kind, m):
+        return ("optimizer", None) if kind == "optimizer" else (kind, _template(kind, m, M, probed))
+
+    for kind, m in order:
+        key = source(kind, m)
+        a, b = blocks[key]
+        base = placed[(kind, m)] = len(out)
+        k = probed if kind == "optimizer" else key[1]
+        def image(u):
+            return u if u < prefix else base + u - a if a <= u < b else _resolve(u, found, blocks, placed, source, m - k)
+
+        for n in range(a, b):
+            out.add_node(base + n - a, **_moved(probe, n, base + n - a, m - k, image, out))
+            for u, _, edge in probe.in_edges(n, data=True):
+                out.add_edge(image(u), base + n - a, **edge)
+    _renumber_orders(out)
+    return _finish(out, plan, order, [placed[step] for step in order])
+
+
+def _moved(probe: TraceGraph, n: int, new_id: int, shift: int, image, out: TraceGraph) -> dict:
+    """Node n's attributes for its copy `shift` micro-batches later: its default name, the tag of a send or
+    recv (the micro-batch's), and the version of a tensor written in place (one past its earlier version
+    there, e.g. a gradient accumulated over one more micro-batch)."""
+    data = probe.nodes[n]
+    if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
+        return {**data, "tag": data["tag"] + 2 * shift}  # pipeline.tag: 2m (+1 for gradients)
+    if data["kind"] != "tensor":
+        return data
+    data = {**data, "name": f"t{new_id}"} if data["name"] == f"t{n}" else data
+    if data["version"]:
+        earlier = [t for w in probe.pred[n] for t in probe.pred[w]
+                   if probe.nodes[t]["version"] == data["version"] - 1 and probe.nodes[t]["shape"] == data["shape"]]
+        if earlier:
+            data = {**data, "version": out.nodes[image(earlier[0])]["version"] + 1}
+    return data
+
+
+def _resolve(u, found, blocks, placed, source, shift) -> int:
+    """Node u of the probe, read by a step copied with micro-batch offset `shift`: the same node of the
+    step in `out` that plays u's step's part (u's step, `shift` micro-batches later)."""
+    start, end, (kind, k) = next(f for f in found if f[0] <= u < f[1])
+    target = (kind, k + shift)
+    a, b = blocks[source(*target)]
+    assert b - a == end - start, f"probed steps {source(*target)} and {(kind, k)} differ; cannot replicate"
+    return placed[target] + u - start
+
+
+def _renumber_orders(graph: TraceGraph) -> None:
+    counts = {}
+    for _, d in graph.collectives():
+        key = tuple(d["group"])
+        d["order"] = counts.get(key, 0)
+        counts[key] = d["order"] + 1
+
+
+def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
+    graph.graph.update(schedule=plan.schedule, microbatches=plan.microbatches,
+                       pipeline_schedule=[f"{kind}{m}" for kind, m in order if kind != "optimizer"])
+    add_schedule_deps(graph, starts)
     return graph
 
 
