@@ -98,7 +98,7 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     Returns the graph at the level drawn."""
     view = choose_level(graph, level)
     pos = layered_positions(nx.DiGraph(view))
-    width = max((x for x, _ in pos.values()), default=0) + 1
+    width = max((x for x, _ in pos.values()), default=0) + 3  # labels run right of the last column
     depth = -min((y for _, y in pos.values()), default=0) + 1
     size = (min(max(10.0, width * 1.1), MAX_INCHES), min(max(6.0, depth * 0.3), MAX_INCHES))
     fig, ax = plt.subplots(figsize=size)
@@ -111,6 +111,7 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
                  "green: tensors, blue: ops, red: collectives", fontsize=12)
     ax.axis("off")
     ax.margins(0.02, 0.2 / size[1])  # matplotlib's default 5% is inches of blank on a tall graph
+    ax.set_xlim(right=width - 1)
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.8 / size[1])  # tight_layout costs a draw
     dpi = min(100, int(MAX_PIXELS / max(size)))
     with atomic_output_file(path) as tmp, plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
