@@ -79,6 +79,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="chakra_scale.")) / "chakra"
     if args.converter:
+        out.parent.mkdir(parents=True, exist_ok=True)
         return compare_with_converter(out.parent)
 
     clock = Clock()
