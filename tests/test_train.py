@@ -88,19 +88,32 @@ def test_bad_squad_is_one_clear_error(tmp_path, content, message):
         D.load_squad(path)
 
 
+@pytest.mark.parametrize("text", ["the red cat sat on a mat ?", "Dog ran, to the PARK! unknownword"])
+def test_tokenizer_folder_reads_like_transformers(workspace, tmp_path, text):
+    theirs = hf.AutoTokenizer.from_pretrained(str(workspace["tokenizer"]))
+    ours = D.LocalTokenizer(workspace["tokenizer"])
+    assert ours.encode([text]) == [theirs(text, add_special_tokens=False)["input_ids"]] and len(ours) == len(theirs)
+    assert ours.ids == {role: getattr(theirs, f"{role}_token_id") for role in D.ROLES}
+    # a BERT folder with only vocab.txt (as older checkpoints ship it): uncased WordPiece
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "park", "##s", ",", "!", "?"]))
+    bert = hf.BertTokenizerFast(str(tmp_path / "vocab.txt"))
+    assert D.LocalTokenizer(tmp_path).encode([text]) == [bert(text, add_special_tokens=False)["input_ids"]]
+    assert D.special_ids(D.LocalTokenizer(tmp_path), "bert") == {"cls": 2, "sep": 3, "mask": 4, "pad": 0, "eos": None}
+
+
 def test_bert_input_is_cls_question_sep_context_sep(workspace):
-    tok = D.load_tokenizer(workspace["tokenizer"])
+    tok = D.LocalTokenizer(workspace["tokenizer"])
     ids = D.special_ids(tok, "bert")
     (tokens, types), = D.encode_masked([("red cat", "the dog ran to park")], tok, 8, ids)
-    words = tok.convert_ids_to_tokens(tokens.tolist())
+    words = tok.tokens(tokens.tolist())
     assert words == ["[CLS]", "red", "cat", "[SEP]", "the", "dog", "ran", "[SEP]"]  # context cut to fit 8
     assert types.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_gpt2_input_is_question_then_context_then_eos(workspace):
-    tok = D.load_tokenizer(workspace["tokenizer"])
-    (tokens,) = D.encode_causal([("red cat", "the dog")], tok, 16, tok.eos_token_id)
-    assert tok.convert_ids_to_tokens(tokens.tolist()) == ["red", "cat", "the", "dog", "[EOS]"]
+    tok = D.LocalTokenizer(workspace["tokenizer"])
+    (tokens,) = D.encode_causal([("red cat", "the dog")], tok, 16, tok.ids["eos"])
+    assert tok.tokens(tokens.tolist()) == ["red", "cat", "the", "dog", "[EOS]"]
 
 
 def test_mlm_masks_15_percent_as_80_10_10_and_never_special_tokens():

@@ -2,6 +2,7 @@
 `[CLS] question [SEP] context [SEP]` for BERT. Tokenizers are local HuggingFace folders; nothing is
 downloaded."""
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,24 +44,75 @@ def load_squad(path) -> list[tuple[str, str]]:
     return pairs
 
 
-def load_tokenizer(path):
-    """A HuggingFace tokenizer from a local folder (tokenizer.json or vocab files)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"tokenizer folder not found: {path}; give --tokenizer a local HuggingFace tokenizer folder")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise UserError("training reads tokenizers with transformers; install it: pip install transformers") from None
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt")
+# special tokens by role, and the names they have in the GPT-2 and BERT vocabularies when no config names them
+ROLES = {"cls": ("[CLS]",), "sep": ("[SEP]",), "mask": ("[MASK]",), "pad": ("[PAD]",), "eos": ("<|endoftext|>", "[EOS]")}
 
 
-def special_ids(tokenizer, family: str) -> dict:
+class LocalTokenizer:
+    """A local HuggingFace tokenizer folder read with the `tokenizers` library (no transformers import,
+    which costs seconds per rank): tokenizer.json, or BERT's vocab.txt, or GPT-2's vocab.json + merges.txt;
+    special tokens from special_tokens_map.json / tokenizer_config.json, else their usual names."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise UserError(f"tokenizer folder not found: {folder}; give --tokenizer a local HuggingFace tokenizer folder")
+        config = {**_json_or_empty(self.folder / "tokenizer_config.json"),
+                  **_json_or_empty(self.folder / "special_tokens_map.json")}
+        self.backend = self._backend(config)
+        self.ids = {role: self._special_id(config.get(f"{role}_token"), names) for role, names in ROLES.items()}
+
+    def _backend(self, config: dict):
+        import tokenizers
+
+        f = self.folder
+        try:
+            if (f / "tokenizer.json").is_file():
+                return tokenizers.Tokenizer.from_file(str(f / "tokenizer.json"))
+            if (f / "vocab.txt").is_file():
+                return tokenizers.BertWordPieceTokenizer(str(f / "vocab.txt"), lowercase=config.get("do_lower_case", True))
+            if (f / "vocab.json").is_file() and (f / "merges.txt").is_file():
+                return tokenizers.ByteLevelBPETokenizer(str(f / "vocab.json"), str(f / "merges.txt"))
+        except Exception as e:  # the Rust library raises its own exception types
+            raise UserError(f"cannot load the tokenizer in {f}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{f} holds no tokenizer.json, vocab.txt or vocab.json + merges.txt")
+
+    def _special_id(self, configured, names) -> int | None:
+        token = configured.get("content") if isinstance(configured, dict) else configured
+        for name in [token] if token else names:
+            if (i := self.backend.token_to_id(name)) is not None:
+                return i
+        return None
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def tokens(self, ids) -> list[str]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def save(self, folder) -> None:
+        """Copies the tokenizer's files beside a checkpoint, so the checkpoint folder is complete."""
+        for name in TOKENIZER_FILES:
+            if (self.folder / name).is_file():
+                shutil.copyfile(self.folder / name, Path(folder) / name)
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    return value if isinstance(value, dict) else {}
+
+
+def special_ids(tokenizer: LocalTokenizer, family: str) -> dict:
     """Token ids the objective needs; BERT needs [CLS], [SEP], [MASK] and a pad token."""
-    ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("cls", "sep", "mask", "pad", "eos")}
+    ids = dict(tokenizer.ids)
     if family == "bert":
         missing = [k for k in ("cls", "sep", "mask", "pad") if ids[k] is None]
         if missing:
@@ -72,7 +124,7 @@ def special_ids(tokenizer, family: str) -> dict:
 
 def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     unique = list(dict.fromkeys(texts))  # SQuAD repeats each context for every question
-    ids = tokenizer(unique, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(unique)
     table = dict(zip(unique, ids))
     return [table[t] for t in texts]
 

@@ -72,8 +72,6 @@ def load_model(opts: TrainOptions, device):
 
 def tokenizer_dir(opts: TrainOptions) -> str:
     if opts.tokenizer:
-        if not Path(opts.tokenizer).is_dir():
-            raise UserError(f"tokenizer folder not found: {opts.tokenizer}; give --tokenizer a local HuggingFace tokenizer folder")
         return opts.tokenizer
     if Path(opts.model_name).is_dir() and any((Path(opts.model_name) / f).is_file()
                                               for f in ("tokenizer.json", "vocab.txt", "vocab.json")):
@@ -248,7 +246,7 @@ class Trainer:
             return
         path = Path(self.opts.save_dir) / kind
         save_checkpoint(self.model, path)
-        self.tokenizer.save_pretrained(str(path))  # so `--model-name path` finds its tokenizer
+        self.tokenizer.save(path)  # so `--model-name path` finds its tokenizer
 
     def summary(self) -> dict:
         train = [h["loss"] for h in self.history if "loss" in h]
@@ -313,7 +311,7 @@ def train_rank(opts: TrainOptions) -> dict:
     rank, world, device = join_ranks(opts.device)
     torch.manual_seed(opts.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     config, model = load_model(opts, device)
-    tokenizer = D.load_tokenizer(tokenizer_dir(opts))
+    tokenizer = D.LocalTokenizer(tokenizer_dir(opts))
     trainer = Trainer(opts, rank, world, device, model, tokenizer)
     if opts.tracing:
         trace = capture(trainer, opts)
@@ -352,7 +350,7 @@ def preflight(opts: TrainOptions) -> None:
     from syntorch.config import get_config, load_model_config
 
     D.load_squad(opts.data)
-    tokenizer_dir(opts)  # loading it needs transformers, which each rank imports anyway
+    D.LocalTokenizer(tokenizer_dir(opts))
     if not Path(opts.model_name).is_dir():
         load_model_config(opts.model_config, opts.model_name) if opts.model_config else get_config(opts.model_name)
 
