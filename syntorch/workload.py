@@ -28,7 +28,8 @@ from syntorch.parallel.plans import TrainPlan, plan_group_ranks
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import representative, shift_stage, trace_stage, traced_stage_for, translate
+from syntorch.trace.training import (probe_stage, representative, schedule_stage, shift_stage, traced_stage_for,
+                                     translate)
 
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
@@ -44,10 +45,14 @@ class Workload:
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None) -> Workload:
     source = traced_stage_for(config, plan)
-    traced = {s: trace_stage(config, plan, s, dtype) for s in sorted(set(source))}
-    stages = [traced[s] if source[s] == s else shift_stage(
-        traced[source[s]], plan.mesh, s, plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0])
-        for s in range(plan.pp)]
+    probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
+    stages = []
+    for s in range(plan.pp):
+        probe, blocks = probes[source[s]]
+        if source[s] != s:
+            offset = plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0]
+            probe = shift_stage(probe, plan.mesh, s, offset)
+        stages.append(schedule_stage(probe, blocks, plan))
     for graph in stages if hw else ():  # after shifting: a moved group may span nodes where the source did not
         fill_durations(graph, hw)
     return Workload(config, plan, stages, hw.name if hw else None)

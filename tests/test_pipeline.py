@@ -1,5 +1,4 @@
 """Pipeline stages and schedules, and training-step traces of TP x PP x DP plans on small meshes."""
-import dataclasses
 import json
 from collections import Counter
 
@@ -14,7 +13,7 @@ from syntorch.parallel.pipeline import schedule, stage_layers
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import RankTraces
 from syntorch.trace.levels import layer_of
-from syntorch.trace.training import shift_stage, trace_stage, traced_stage_for
+from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
 from syntorch.validate import check_traces, find_traces, read_trace
 from syntorch.workload import trace_workload, write_workload
 
@@ -130,12 +129,24 @@ def test_schedule_is_encoded_as_dependencies():
 
 def test_middle_stages_derived_by_shifting_equal_tracing_them():
     config = tiny_config("gpt2", n_layer=7, vocab_size=200)  # stages of 2, 2, 2, 1 layers
-    plan = TrainPlan(dp=2, tp=2, pp=4, sp=True, zero=2, microbatches=3, seq=16, schedule="gpipe")
+    plan = TrainPlan(dp=2, tp=2, pp=4, sp=True, zero=2, microbatches=3, seq=16)
     assert traced_stage_for(config, plan) == [0, 1, 1, 3]
-    assert traced_stage_for(config, dataclasses.replace(plan, schedule="1f1b")) == [0, 1, 2, 3]  # warm-ups differ
-    source = trace_stage(config, plan, 1)
-    derived, traced = shift_stage(source, plan.mesh, 2, 2), trace_stage(config, plan, 2)
+    probe, blocks = probe_stage(config, plan, 1)
+    derived = schedule_stage(shift_stage(probe, plan.mesh, 2, 2), blocks, plan)  # its own 1F1B warm-up
+    traced = trace_stage(config, plan, 2, replicate=False)
     assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
     assert list(derived.edges(data=True)) == list(traced.edges(data=True))
     assert derived.graph == traced.graph
     assert any(d["module"].startswith("layers.4.") for _, d in derived.ops())
+
+
+@pytest.mark.parametrize("schedule_kind", ["1f1b", "gpipe"])
+def test_microbatches_replicated_from_a_probe_equal_running_them_all(schedule_kind):
+    config = tiny_config("gpt2", n_layer=4, vocab_size=200)
+    plan = TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=2, bucket_mb=0.02, microbatches=6, seq=16, schedule=schedule_kind)
+    for stage in range(2):
+        replicated, ran = trace_stage(config, plan, stage), trace_stage(config, plan, stage, replicate=False)
+        assert sum(1 for _, d in ran.collectives() if d["collective"] == "send") == 6  # every micro-batch ran
+        assert dict(replicated.nodes(data=True)) == dict(ran.nodes(data=True))
+        assert list(replicated.edges(data=True)) == list(ran.edges(data=True))
+        assert replicated.graph == ran.graph

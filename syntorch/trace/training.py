@@ -7,8 +7,7 @@ representative's with global ranks mapped by `translate` (tests trace every rank
 difference is which output of a split a TP rank reads under sequence parallel (its own part): same shapes,
 same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that simulators do not read.
 
-Middle stages (neither first nor last) with as many layers and the same schedule run the same ops on other
-layers: the trace of
+Middle stages (neither first nor last) with as many layers run the same ops on other layers: the trace of
 one is the other's with layer indices shifted and global ranks moved along pp (`shift_stage`, also tested).
 
 The schedule is part of the trace: a stage runs its steps (forward or backward of a micro-batch) one after
@@ -171,12 +170,12 @@ def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
 
 
 def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
-    """For each stage, the stage whose trace it is derived from (itself when it must be traced): middle
-    stages with as many layers and the same schedule (GPipe's is; 1F1B's warm-up differs per stage)."""
+    """For each stage, the stage whose probe it is derived from (itself when it must be traced): middle
+    stages with as many layers (probes run GPipe's order, the same on every stage)."""
     source, first_middle = [], {}
     for s in range(plan.pp):
-        key = (len(plan.stage(config, s).layers), tuple(schedule(plan.schedule, s, plan.pp, plan.microbatches)))
-        source.append(first_middle.setdefault(key, s) if 0 < s < plan.pp - 1 else s)
+        size = len(plan.stage(config, s).layers)
+        source.append(first_middle.setdefault(size, s) if 0 < s < plan.pp - 1 else s)
     return source
 
 
