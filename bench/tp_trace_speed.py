@@ -50,7 +50,8 @@ def main():
     traces = trace_tp_symbolic(config, prompt, args.output, args.tp, args.sp)
     graph = timed("trace rank 0 (build, shard, generate)", lambda: traces[0])
     timed(f"derive ranks 1..{args.tp - 1}", lambda: [traces[r] for r in range(1, args.tp)])
-    print(f"{'all ' + str(args.tp) + ' rank graphs':<44} {time.perf_counter() - start:7.2f} s   (goal < 5 s, < 2048 MB)")
+    label = f"all {args.tp} rank graphs"
+    print(f"{label:<44} {time.perf_counter() - start:7.2f} s   (goal < 5 s, < 2048 MB)")
     kinds = Counter(d["collective"] for _, d in graph.collectives())
     print(f"per rank: {len(graph)} nodes, {sum(1 for _ in graph.ops())} ops, collectives {dict(kinds)}")
     with tempfile.TemporaryDirectory() as out:

@@ -168,7 +168,8 @@ def test_rank0_trace_stands_for_every_rank(base, sp):
 def test_tp_degree_errors_are_one_line():
     with pytest.raises(UserError, match=r"^--tp 8 is larger than tiny-gpt2's 4 attention heads"):
         check_tp(tiny("gpt2"), 8)
-    with pytest.raises(UserError, match=r"^--tp 4 does not divide tiny-gpt2.s attention heads \(6\); choose --tp from 1, 2$"):
+    heads = r"^--tp 4 does not divide tiny-gpt2's attention heads \(6\); choose --tp from 1, 2$"
+    with pytest.raises(UserError, match=heads):
         check_tp(tiny_config("gpt2", n_head=6, d_head=8, d_ff=200), 4)
     with pytest.raises(UserError, match=r"FFN size \(250\)"):
         check_tp(tiny_config("gpt2", d_ff=250), 4)
@@ -222,7 +223,8 @@ def test_cli_tp_errors_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["syntorch infer: error: --tp 5 does not divide gpt2's attention heads (12); "
                    "choose --tp from 1, 2, 3, 4, 6, 12",
-                   "syntorch infer: error: --tp 16 is larger than gpt2's 12 attention heads; use a --tp that divides 12"]
+                   "syntorch infer: error: --tp 16 is larger than gpt2's 12 attention heads; "
+                   "use a --tp that divides 12"]
     assert not out.exists()
 
 

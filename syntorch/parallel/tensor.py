@@ -273,6 +273,7 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     Checks the TP degree and the devices before any process starts; a failing rank becomes one line naming
     the rank and its error."""
     import json
+    import os
     from pathlib import Path
 
     from syntorch import inference
@@ -281,6 +282,9 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     check_tp(inference.resolve_config(spec), spec.tp)
     args = (spec, str(out_dir), visualize, trace_level)
     if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != spec.tp:
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp is {spec.tp}; "
+                            "make --nproc_per_node equal --tp")
         if tp_inference_rank(*args) != 0:
             return None
     else:
