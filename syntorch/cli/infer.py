@@ -1,7 +1,6 @@
 """`syntorch infer`: GPT-3 (or any registry model) inference, optionally traced. Seed 000's options as spelled there."""
 import argparse
 
-from syntorch.errors import UserError
 
 
 def int_list(text: str) -> list[int]:
@@ -41,7 +40,9 @@ def add_parser(sub) -> None:
     out.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                      help="graph level for images and exports (default: op, or coarser when too big to draw)")
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file")
-    out.add_argument("--chakra", action="store_true", help="write Chakra .et traces per rank")
+    out.add_argument("--chakra", action="store_true", help="write Chakra .et traces per rank into OUT/chakra")
+    out.add_argument("--comm_debug", type=int, nargs="?", const=1, default=None, metavar="NOISE_LEVEL",
+                     help="collective report (table, log, JSON, HTML) at noise level 0-3 (default 1)")
     p.set_defaults(func=run)
 
 
@@ -57,6 +58,7 @@ def spec_from_args(args):
 
 def run(args) -> int:
     from syntorch import inference
+    from syntorch.export.run_outputs import write_run_outputs
     from syntorch.outdir import atomic_output_dir
 
     spec = spec_from_args(args)
@@ -64,23 +66,28 @@ def run(args) -> int:
     inference.sampling_of(spec)  # validates temperature/top_k/top_p before any work is done
     config = inference.resolve_config(spec)
     prompt = inference.make_prompt(spec, config)
-    if args.chakra or args.hw_config:
-        raise UserError("--chakra and --hw_config arrive with issue 6; drop them for now")
+    outputs = outputs_from_args(args)
+    outputs.check()
     if spec.tp > 1:
         return run_tensor_parallel(spec, args)
     with atomic_output_dir(args.out) as tmp:
         model = inference.load_model(spec, config)
-        if args.visualize_trace:
-            traced = trace_outputs(spec, model, prompt, tmp, args.trace_level)
-            result = traced.pop("result")
+        if outputs.any:
+            traces, result = trace_generation(spec, model, prompt)
         else:
             result = inference.generate_tokens(spec, model, prompt)
         record = inference.run_record(spec, config, prompt, result)
-        if args.visualize_trace:
-            record["trace"] = traced
+        if outputs.any:
+            record["trace"] = write_run_outputs(traces, tmp, outputs)
         inference.write_run_json(record, tmp)
     print_result(record, args.out)
     return 0
+
+
+def outputs_from_args(args):
+    from syntorch.export.run_outputs import RunOutputs
+    return RunOutputs(visualize=args.visualize_trace, chakra=args.chakra, hw_config=args.hw_config,
+                      comm_debug=args.comm_debug, level=args.trace_level)
 
 
 def run_tensor_parallel(spec, args) -> int:
@@ -100,15 +107,15 @@ def run_tensor_parallel(spec, args) -> int:
     return 0
 
 
-def trace_outputs(spec, model, prompt, out_dir, level) -> dict:
-    """Generate under the tracer; write tensor_trace_graph.json/.png (and tensor_comm_graph.png with collectives)."""
+def trace_generation(spec, model, prompt):
+    """Generate under the tracer; returns (one-rank RankTraces, generation result)."""
     from syntorch import inference
-    from syntorch.export import write_trace_outputs
-    from syntorch.trace import trace_run
+    from syntorch.trace import RankTraces, trace_run
 
     graph, result = trace_run(model, lambda m, scope: inference.generate_tokens(spec, m, prompt, phase_scope=scope))
-    files = write_trace_outputs(graph, out_dir, level)
-    return {"result": result, "files": files, "nodes": len(graph), "flops": graph.total_flops()}
+    traces = RankTraces(1)
+    traces.put_shared([0], lambda: graph)
+    return traces, result
 
 
 def print_result(record: dict, out_dir) -> None:

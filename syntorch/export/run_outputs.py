@@ -1,0 +1,58 @@
+"""Everything a traced `syntorch infer` run writes, in one place, whatever produced the rank graphs
+(one CPU run, real TP ranks or a symbolic trace): durations from --hw_config, the graph JSON and images
+(--visualize_trace), per-rank Chakra traces (--chakra, and seed 000's --tp N --visualize_trace), and the
+collective report (--comm_debug)."""
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class RunOutputs:
+    visualize: bool = False
+    chakra: bool = False
+    hw_config: str | None = None  # preset name or JSON file
+    comm_debug: int | None = None  # noise level of the report, None: no report
+    level: str | None = None  # --trace_level
+
+    @property
+    def any(self) -> bool:
+        return self.visualize or self.chakra or self.hw_config is not None or self.comm_debug is not None
+
+    def check(self) -> None:
+        """Reject bad options before any model is built."""
+        if self.hw_config is not None:
+            from syntorch.hardware import load_hw_config
+            load_hw_config(self.hw_config)
+        if self.comm_debug is not None:
+            from syntorch.comm_debug import check_noise_level
+            check_noise_level(self.comm_debug)
+
+
+def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
+    """Writes the outputs of `traces` (rank -> TraceGraph; ranks may share one graph) into `out_dir`.
+    Returns what run.json records about them."""
+    out_dir = Path(out_dir)
+    graph = traces[0]
+    record = {"nodes": len(graph), "flops": graph.total_flops(), "ranks": len(traces)}
+    if outputs.hw_config is not None:
+        from syntorch.hardware import load_hw_config
+        from syntorch.trace.cost import fill_rank_durations, latency_us
+        hw = load_hw_config(outputs.hw_config)
+        fill_rank_durations(traces, hw)
+        record["hw_config"] = hw.name
+        record["predicted_latency_us"] = latency_us(graph)
+    if outputs.visualize:
+        from syntorch.export import write_trace_outputs
+        record["files"] = write_trace_outputs(graph, out_dir, outputs.level)
+    if outputs.chakra or (outputs.visualize and len(traces) > 1):
+        from syntorch.export.chakra import write_chakra
+        level = outputs.level if outputs.level in ("op", "module") else "op"
+        chakra = write_chakra(traces, out_dir / "chakra", level=level)
+        record["chakra"] = {k: chakra[k] for k in ("ranks", "distinct_traces", "nodes", "et_bytes", "notes")}
+        record["chakra"].update(dir="chakra", level=level)
+    if outputs.comm_debug is not None:
+        from syntorch.export.comm_report import write_comm_outputs
+        write_comm_outputs(graph, out_dir, noise_level=outputs.comm_debug)
+        record["comm_debug"] = {"noise_level": outputs.comm_debug,
+                                "files": ["comm_debug_log.txt", "comm_debug.json", "comm_debug.html"]}
+    return record
