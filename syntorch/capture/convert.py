@@ -108,7 +108,7 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
             with atomic_output_file(merged_output) as out:
                 shutil.copyfile(merged, out)
     if dropped:
-        repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter found a cycle)")
+        repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter would stop on a cycle)")
     return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs,
             "notes": summary["notes"] + notes, "groups": groups}
 
