@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from chakra.schema.protobuf import et_def_pb2 as et
-from chakra.src.third_party.utils.protolib import encodeMessage
 from google.protobuf.internal.encoder import _VarintBytes
 
 from syntorch.config import ModelConfig
@@ -28,8 +27,7 @@ from syntorch.parallel.plans import TrainPlan, plan_group_ranks
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import (probe_stage, representative, schedule_stage, shift_stage, traced_stage_for,
-                                     translate)
+from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for, translate
 
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
@@ -58,49 +56,84 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
     return Workload(config, plan, stages, hw.name if hw else None)
 
 
-def group_ids(plan: TrainPlan, tied: bool) -> dict[tuple[int, ...], int]:
-    """Every process group of the plan -> its comm-group id, 1, 2, ... ("0" means all ranks to ASTRA-sim)."""
-    ids = {}
-    for ranks in plan_group_ranks(plan.mesh, tied):
-        ids.setdefault(tuple(sorted(ranks)), len(ids) + 1)
-    return ids
+class GroupTable:
+    """Every process group of the plan -> its comm-group id (1, 2, ...; "0" means all ranks to ASTRA-sim), and
+    for any rank the id of the group that plays, for it, the part a representative's group plays."""
+
+    def __init__(self, plan: TrainPlan, tied: bool):
+        self.mesh = mesh = plan.mesh
+        self.ids: dict[tuple[int, ...], int] = {}
+        for ranks in plan_group_ranks(mesh, tied):
+            self.ids.setdefault(tuple(sorted(ranks)), len(self.ids) + 1)
+        self.group_of_id = {str(i): g for g, i in self.ids.items()}
+        self._attr: dict[int, bytes] = {}
+
+    def for_rank(self, group: tuple[int, ...], rank: int) -> int:
+        """A TP or DP group maps to rank's TP or DP group; a group along pp (a stage pair, the tied-embedding
+        pair) to the same stages at rank's dp and tp index."""
+        mesh, first = self.mesh, group[0]
+        for dim in ("tp", "dp"):
+            if list(group) == mesh.group_ranks(dim, first):
+                return self.ids[tuple(mesh.group_ranks(dim, rank))]
+        d, _, t = mesh.coords(rank)
+        return self.ids[tuple(sorted(mesh.rank(d, mesh.coords(r)[1], t) for r in group))]
+
+    def pg_attr(self, group_id: int) -> bytes:
+        """The encoded `pg_name` attribute of a group, as a Node field that can follow any node's bytes."""
+        if group_id not in self._attr:
+            attr = et.AttributeProto(name="pg_name", string_val=str(group_id))
+            self._attr[group_id] = et.Node(attr=[attr]).SerializeToString()
+        return self._attr[group_id]
 
 
 class StageTemplate:
-    """One stage's Chakra nodes, serialized once; `body(rank)` gives any of its ranks' node bytes."""
+    """One stage's Chakra nodes, serialized once; `write(f, rank)` writes any of its ranks' file.
 
-    def __init__(self, specs: list[chakra.NodeSpec], groups: dict[tuple, int], plan: TrainPlan, rep: int):
-        self.mesh, self.rep, self.groups = plan.mesh, rep, groups
-        self.group_of_id = {str(i): g for g, i in groups.items()}
-        self.static: list[bytes] = []  # node bytes without the per-rank attributes
-        self.slots: list[tuple] = []  # per node: () or ((attr, representative's value), ...)
+    Nodes without per-rank attributes are joined into runs of final bytes; each communication node keeps its
+    bytes without `pg_name`/`comm_src`/`comm_dst`, which are appended per rank (repeated `attr` fields may
+    come in pieces) behind a new length prefix."""
+
+    def __init__(self, specs: list[chakra.NodeSpec], header: et.GlobalMetadata, table: GroupTable):
+        self.table = table
+        self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
+        self.parts: list = []  # bytes (a run of whole nodes) or (node bytes, group or None, peer attr or None)
+        run = []
         for spec in specs:
             fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
-            self.static.append(chakra.to_proto(spec._replace(attrs=fixed)).SerializeToString())
-            self.slots.append(tuple((name, value) for name, _, value in spec.attrs if name in PER_RANK))
-        self._encoded: dict[tuple, bytes] = {}
+            static = chakra.to_proto(spec._replace(attrs=fixed)).SerializeToString()
+            per_rank = {name: value for name, _, value in spec.attrs if name in PER_RANK}
+            if not per_rank:
+                run += (_VarintBytes(len(static)), static)
+                continue
+            self.parts.append(b"".join(run))
+            run = []
+            group = table.group_of_id[per_rank["pg_name"]] if "pg_name" in per_rank else None
+            peer = next(((k, v) for k, v in per_rank.items() if k != "pg_name"), None)
+            self.parts.append((static, group, peer))
+        self.parts.append(b"".join(run))
 
-    def _per_rank(self, slot: tuple, rank: int) -> bytes:
-        attrs = []
-        for name, value in slot:
-            if name == "pg_name":
-                members = self.group_of_id[value]
-                attrs.append(et.AttributeProto(name=name, string_val=str(
-                    self.groups[tuple(sorted(translate(self.mesh, r, rank) for r in members))])))
-            else:
-                attrs.append(et.AttributeProto(name=name, int64_val=translate(self.mesh, value, rank)))
-        return et.Node(attr=attrs).SerializeToString()
-
-    def body(self, rank: int) -> bytes:
-        parts, cache = [], {}
-        for static, slot in zip(self.static, self.slots):
+    def write(self, f, rank: int) -> int:
+        """Writes rank's file to `f`; returns the bytes written."""
+        mesh, table, groups = self.table.mesh, self.table, {}
+        rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
+        chunks = [_VarintBytes(len(self.header) + len(rank_attr)), self.header, rank_attr]
+        for part in self.parts:
+            if type(part) is bytes:
+                chunks.append(part)
+                continue
+            static, group, peer = part
             extra = b""
-            if slot:
-                if slot not in cache:
-                    cache[slot] = self._per_rank(slot, rank)
-                extra = cache[slot]
-            parts += (_VarintBytes(len(static) + len(extra)), static, extra)
-        return b"".join(parts)
+            if group is not None:
+                if group not in groups:
+                    groups[group] = table.pg_attr(table.for_rank(group, rank))
+                extra = groups[group]
+            if peer is not None:
+                attr = et.AttributeProto(name=peer[0], int64_val=translate(mesh, peer[1], rank))
+                extra += et.Node(attr=[attr]).SerializeToString()
+            chunks += (_VarintBytes(len(static) + len(extra)), static, extra)
+        data = b"".join(chunks)
+        f.write(data)
+        return len(data)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -110,37 +143,28 @@ def write_workload(workload: Workload, out_dir, level: str = "module", force: bo
     config, plan = workload.config, workload.plan
     mesh, world = plan.mesh, plan.mesh.world_size
     views = [level_view(g, level) for g in workload.stages]
-    groups = group_ids(plan, config.tied_head)
+    table = GroupTable(plan, config.tied_head)
     _, notes = chakra.scan_groups(views)
-    templates, headers = [], []
+    templates = []
     for stage, view in enumerate(views):
-        specs = chakra.chakra_nodes(view, groups)
-        templates.append(StageTemplate(specs, groups, plan, representative(mesh, stage)))
-        headers.append((view, any(s.duration_micros for s in specs)))
-        if stage == 0:
-            rank0_specs = specs
+        specs = chakra.chakra_nodes(view, table.ids)
+        header = chakra.global_metadata(view, config.name, level, notes, any(s.duration_micros for s in specs))
+        if stage == 0:  # rank 0 is stage 0's representative: its nodes as they are
+            rank0 = (chakra.global_metadata(types.SimpleNamespace(graph={**view.graph, "rank": 0}), config.name,
+                                            level, notes, any(s.duration_micros for s in specs)), specs)
+        del header.attr[[a.name for a in header.attr].index("rank")]
+        templates.append(StageTemplate(specs, header, table))
     total = 0
     with atomic_output_dir(out_dir, force=force, allow_existing=False) as tmp:
-        chakra._write_json_form(tmp / "tensor_trace_chakra.json", _header(headers[0], config, level, notes, 0),
-                                rank0_specs)
+        chakra._write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
         for rank in _ranks(world, progress):
-            stage = mesh.coords(rank)[1]
-            path = tmp / f"{config.name}.{rank}.et"
-            with open(path, "wb") as f:
-                encodeMessage(f, _header(headers[stage], config, level, notes, rank))
-                f.write(templates[stage].body(rank))
-            total += path.stat().st_size
-        (tmp / "comm_groups.json").write_text(json.dumps({str(i): list(g) for g, i in groups.items()}))
+            with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
+                total += templates[mesh.coords(rank)[1]].write(f, rank)
+        (tmp / "comm_groups.json").write_text(json.dumps({str(i): list(g) for g, i in table.ids.items()}))
         summary = summarize(workload, views, level)
-        summary.update(et_bytes=total, comm_groups=len(groups), notes=notes)
+        summary.update(et_bytes=total, comm_groups=len(table.ids), notes=notes)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
-
-
-def _header(header: tuple, config: ModelConfig, level: str, notes: list[str], rank: int) -> et.GlobalMetadata:
-    view, durations = header
-    graph = types.SimpleNamespace(graph={**view.graph, "rank": rank})
-    return chakra.global_metadata(graph, config.name, level, notes, durations)
 
 
 def _ranks(world: int, progress: bool):
