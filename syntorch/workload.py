@@ -10,6 +10,8 @@ from its stage's nodes, serialized once, with only what differs per rank patched
 attributes are encoded apart and appended to the node's bytes (a protobuf message may carry a repeated field
 in several pieces), so writing a rank is joining byte strings.
 """
+import contextlib
+import gc
 import json
 import types
 from dataclasses import asdict, dataclass
@@ -42,6 +44,23 @@ class Workload:
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None) -> Workload:
+    with _no_gc():
+        return _trace_workload(config, plan, dtype, hw)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    # graphs of 10^5 nodes are all young objects: the collector rescans them again and again for nothing
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _trace_workload(config, plan, dtype, hw) -> Workload:
     source = traced_stage_for(config, plan)
     probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
     stages = []
@@ -66,16 +85,25 @@ class GroupTable:
         for ranks in plan_group_ranks(mesh, tied):
             self.ids.setdefault(tuple(sorted(ranks)), len(self.ids) + 1)
         self.group_of_id = {str(i): g for g, i in self.ids.items()}
+        # TP groups by (dp, stage), DP groups by (stage, tp); any other group is along pp
+        self.by_coords = {"tp": {}, "dp": {}}
+        self.kind: dict[tuple, str] = {}
+        for group, i in self.ids.items():
+            d, s, t = mesh.coords(group[0])
+            self.kind[group] = next((dim for dim in ("tp", "dp") if list(group) == mesh.group_ranks(dim, group[0])), "pp")
+            if self.kind[group] != "pp":
+                self.by_coords[self.kind[group]][(d, s) if self.kind[group] == "tp" else (s, t)] = i
         self._attr: dict[int, bytes] = {}
 
     def for_rank(self, group: tuple[int, ...], rank: int) -> int:
         """A TP or DP group maps to rank's TP or DP group; a group along pp (a stage pair, the tied-embedding
         pair) to the same stages at rank's dp and tp index."""
-        mesh, first = self.mesh, group[0]
-        for dim in ("tp", "dp"):
-            if list(group) == mesh.group_ranks(dim, first):
-                return self.ids[tuple(mesh.group_ranks(dim, rank))]
-        d, _, t = mesh.coords(rank)
+        kind, mesh = self.kind[group], self.mesh
+        d, s, t = mesh.coords(rank)
+        if kind == "tp":
+            return self.by_coords["tp"][(d, s)]
+        if kind == "dp":
+            return self.by_coords["dp"][(s, t)]
         return self.ids[tuple(sorted(mesh.rank(d, mesh.coords(r)[1], t) for r in group))]
 
     def pg_attr(self, group_id: int) -> bytes:
@@ -140,6 +168,11 @@ def write_workload(workload: Workload, out_dir, level: str = "module", force: bo
                    progress: bool = True) -> dict:
     """Every rank's `<model>.<rank>.et`, `comm_groups.json`, `tensor_trace_chakra.json` (rank 0) and
     `summary.json` into `out_dir`, whole or not at all. Returns the summary."""
+    with _no_gc():
+        return _write_workload(workload, out_dir, level, force, progress)
+
+
+def _write_workload(workload, out_dir, level, force, progress) -> dict:
     config, plan = workload.config, workload.plan
     mesh, world = plan.mesh, plan.mesh.world_size
     views = [level_view(g, level) for g in workload.stages]
