@@ -10,6 +10,11 @@ same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that
 Middle stages (neither first nor last) with as many layers run the same ops on other layers: the trace of
 one is the other's with layer indices shifted and global ranks moved along pp (`shift_stage`, also tested).
 
+Micro-batches repeat: a probe runs at most PROBE_MICROBATCHES of them (every kind of step: the first
+backward creates the gradients, middle ones accumulate, the last one synchronises them) and the stage's
+step is assembled from copies of the probed steps in the stage's own schedule (`schedule_stage`; tested
+equal to running every micro-batch).
+
 The schedule is part of the trace: a stage runs its steps (forward or backward of a micro-batch) one after
 another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
