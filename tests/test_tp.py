@@ -229,15 +229,16 @@ def test_cli_tp_errors_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
 
 
 def test_cli_tp2_gives_tp1_tokens_and_the_comm_graph(tmp_path):
+    """From a HuggingFace GPT-J checkpoint (q, k, v apart, untied head with bias): every rank keeps its shard."""
+    from syntorch.checkpoints import save_checkpoint
     from syntorch.cli import main
-    from syntorch.config import save_model_config
-    save_model_config(tiny("gpt2"), tmp_path / "model.json")
-    common = ["infer", "--model_config", str(tmp_path / "model.json"), "--num_input_tokens", "6",
+    save_checkpoint(build_model(tiny("gptj-6b")), tmp_path / "ckpt")
+    common = ["infer", "--checkpoint", str(tmp_path / "ckpt"), "--num_input_tokens", "6",
               "--num_output_tokens", "5", "--temperature", "0.8", "--seed", "5"]
     assert main(common + ["--out", str(tmp_path / "tp1")]) == 0
     assert main(common + ["--tp", "2", "--visualize_trace", "--out", str(tmp_path / "tp2")]) == 0
     tp1, tp2 = (json.loads((tmp_path / d / "run.json").read_text()) for d in ("tp1", "tp2"))
     assert tp2["output_ids"] == tp1["output_ids"] and tp2["tp"] == 2
     for name in ("tensor_trace_graph.json", "tensor_trace_graph.png", "tensor_comm_graph.png",
-                 "tensor_trace_chakra.json", "tiny-gpt2.0.et", "tiny-gpt2.1.et", "comm_groups.json"):
+                 "tensor_trace_chakra.json", "ckpt.0.et", "ckpt.1.et", "comm_groups.json"):
         assert (tmp_path / "tp2" / name).stat().st_size > 0, name

@@ -86,9 +86,9 @@ def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     """{module name: style} for this model: every module whose name ends with a plan key."""
     rules = {**TP_PLAN, **(SP_PLAN if sequence_parallel else {})}
     plan = {}
-    for name, module in model.named_modules():
+    for name, _ in model.named_modules():
         for suffix, style in rules.items():
-            if module is not None and (name == suffix or name.endswith("." + suffix)):
+            if name == suffix or name.endswith("." + suffix):
                 plan[name] = style
     return plan
 
