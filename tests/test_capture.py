@@ -168,12 +168,14 @@ def test_forward_inter_thread_dependency_is_dropped_before_the_converter_sees_a_
     assert len(read_et(tmp_path / "ok.et")[1]) > 1000
 
 
-def test_convert_repairs_a_host_trace_written_twice(runs, tmp_path, capsys):
-    doubled = tmp_path / "host.json"
+def test_convert_repairs_a_host_trace_written_twice(runs, tmp_path, capsys, monkeypatch):
     text = (runs / "gpt2_host.1.json").read_text()
-    doubled.write_text(text + "\n" + text)
-    code = main(["convert", "--host", str(doubled), "--device", str(runs / "gpt2_device.1.json"), "--rank", "1",
-                 "--output", str(tmp_path / "g.1.et")])
+    (tmp_path / "host.json").write_text(text + "\n" + text)
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "device.json").write_text((runs / "gpt2_device.1.json").read_text())
+    monkeypatch.chdir(tmp_path)  # relative paths: the linker alone would double the device trace's folder
+    code = main(["convert", "--host", "host.json", "--device", "traces/device.json", "--rank", "1",
+                 "--output", "g.1.et"])
     assert code == 0 and "kept the largest of 2 JSON documents" in capsys.readouterr().out
     _, ours = read_et(tmp_path / "g.1.et")
     _, theirs = read_et(runs / "gpt2.1.et")
