@@ -125,10 +125,21 @@ def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width:
         raise UserError(f"the number of new tokens must be positive, got {max_new_tokens}")
     if beam_width < 1:
         raise UserError(f"beam_width must be positive, got {beam_width}")
-    n_positions = model.config.n_positions
-    if prompt.shape[1] + max_new_tokens > n_positions:
-        raise UserError(f"{prompt.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the context of "
-                        f"{model.config.name} ({n_positions}); shorten the prompt or generate fewer tokens")
+    check_context(model.config, prompt.shape[1], max_new_tokens, prompt.device)
+
+
+def check_context(config, prompt_len: int, max_new_tokens: int, device) -> None:
+    """Real runs must fit the context. A symbolic (meta) run may pass it -- e.g. a 2048-token prompt plus
+    decode steps on GPT-3 -- since it studies cost, not outputs; the ops keep their shapes, with a warning."""
+    total = prompt_len + max_new_tokens
+    if total <= config.n_positions or config.arch != "gpt":
+        return
+    message = (f"{prompt_len} prompt tokens + {max_new_tokens} new tokens exceed the context of "
+               f"{config.name} ({config.n_positions})")
+    if torch.device(device).type != "meta":
+        raise UserError(f"{message}; shorten the prompt or generate fewer tokens")
+    log.warning("%s; tracing symbolically anyway (positions past the context reuse the embedding table's shape)",
+                message)
 
 
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),

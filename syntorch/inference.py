@@ -111,10 +111,8 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary of {config.name} (0..{config.vocab_size - 1})")
-    total = len(ids) + spec.num_output_tokens
-    if config.arch == "gpt" and total > config.n_positions:
-        raise UserError(f"{len(ids)} prompt tokens + {spec.num_output_tokens} new tokens exceed the context of "
-                        f"{config.name} ({config.n_positions}); shorten the prompt or generate fewer tokens")
+    from syntorch.generate import check_context
+    check_context(config, len(ids), spec.num_output_tokens, spec.device)
     return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
 
 
@@ -150,7 +148,8 @@ def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scop
 
 def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result) -> dict:
     """What run.json holds: the run's identity, its tokens and its timings."""
-    outputs = [list(map(int, seq)) for seq in result.tokens]
+    # the prompt from our side (on meta the generator cannot know its values), then the generated ids
+    outputs = [row + list(map(int, new)) for row, new in zip(prompt.tolist(), result.new_tokens)]
     decode_ms = [s * 1e3 for s in result.decode_s]
     record = {
         "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp,

@@ -121,8 +121,9 @@ def trace_generation(spec, model, prompt):
 def print_result(record: dict, out_dir) -> None:
     from rich.console import Console
     console = Console()
+    prompt_len = len(record["input_ids"][0])
     for i, ids in enumerate(record["output_ids"]):
-        console.print(f"[bold]sequence {i}[/bold]: {ids}")
+        console.print(f"[bold]sequence {i}[/bold] ({prompt_len} prompt tokens) generated: {ids[prompt_len:]}")
         if "output_text" in record:
             console.print(f"  text: {record['output_text'][i]!r}")
     console.print(f"prefill {record['prefill_ms']:.1f} ms, decode {record['decode_ms_per_token']:.1f} ms/token, "
