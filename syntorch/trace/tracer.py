@@ -44,7 +44,7 @@ class Tracer:
 
     def __init__(self, model: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1,
                  meta: dict | None = None, default_phase: str | None = "forward", time_ops: bool = False):
-        self.time_ops = time_ops  # measure each op's wall time into duration_us (real CPU runs; not meta)
+        self.time_ops = time_ops
         self.graph = TraceGraph(**{**(meta or {}), "rank": rank, "world_size": world_size})
         self.model = model
         self.modules = [""]  # stack of module paths, innermost last
