@@ -180,7 +180,7 @@ def faulty_rank(spec, out_dir):
     rank, _ = init_distributed("cpu")
     if rank == 1:
         raise RuntimeError("injected fault")
-    tp_inference_rank(spec, out_dir, False, None)
+    tp_inference_rank(spec, out_dir)
 
 
 def test_a_dying_rank_stops_all_ranks_and_is_named(tmp_path):
@@ -240,5 +240,5 @@ def test_cli_tp2_gives_tp1_tokens_and_the_comm_graph(tmp_path):
     tp1, tp2 = (json.loads((tmp_path / d / "run.json").read_text()) for d in ("tp1", "tp2"))
     assert tp2["output_ids"] == tp1["output_ids"] and tp2["tp"] == 2
     for name in ("tensor_trace_graph.json", "tensor_trace_graph.png", "tensor_comm_graph.png",
-                 "tensor_trace_chakra.json", "ckpt.0.et", "ckpt.1.et", "comm_groups.json"):
+                 "chakra/tensor_trace_chakra.json", "chakra/ckpt.0.et", "chakra/ckpt.1.et", "chakra/comm_groups.json"):
         assert (tmp_path / "tp2" / name).stat().st_size > 0, name

@@ -44,11 +44,12 @@ def trace_tp_symbolic(config: ModelConfig, prompt: torch.Tensor, max_new_tokens:
     return ranks
 
 
-def run_tp_symbolic(spec, out_dir, visualize: bool = False, trace_level: str | None = None) -> dict:
+def run_tp_symbolic(spec, out_dir, outputs=None) -> dict:
     """`syntorch infer --device meta --tp N`: trace rank 0 symbolically, write run.json (placeholder tokens,
-    the timings of the symbolic run) and, with `visualize`, every rank's trace outputs."""
+    the timings of the symbolic run) and what `outputs` (export.run_outputs.RunOutputs) asks for, every rank's
+    traces shared from rank 0's."""
     from syntorch import inference
-    from syntorch.parallel.tensor import write_tp_outputs
+    from syntorch.export.run_outputs import write_run_outputs
 
     config = inference.resolve_config(spec)
     check_tp(config, spec.tp)
@@ -57,9 +58,9 @@ def run_tp_symbolic(spec, out_dir, visualize: bool = False, trace_level: str | N
                                   inference.DTYPES[spec.dtype], inference.sampling_of(spec),
                                   stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
     record = inference.run_record(spec, config, prompt, result)
-    if visualize:
+    if outputs is not None and outputs.any:
         traces = RankTraces(spec.tp)
         traces.put_shared(range(spec.tp), lambda: graph)
-        record["trace"] = write_tp_outputs(traces, out_dir, trace_level)
+        record["trace"] = write_run_outputs(traces, out_dir, outputs)
     inference.write_run_json(record, out_dir)
     return record

@@ -267,11 +267,11 @@ def reduce_partial_grads(model: nn.Module, plan: TPPlan, group=None) -> None:
 
 # -- inference under TP: what `syntorch infer --tp N` runs ------------------------------------------------
 
-def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | None = None) -> dict | None:
-    """Spawn spec.tp local ranks (or join torchrun's), generate, and have rank 0 write run.json (and, with
-    `visualize`, the trace outputs) into `out_dir`. Returns run.json's record (None on other torchrun ranks).
-    Checks the TP degree and the devices before any process starts; a failing rank becomes one line naming
-    the rank and its error."""
+def run_tp_inference(spec, out_dir, outputs=None) -> dict | None:
+    """Spawn spec.tp local ranks (or join torchrun's), generate, and have rank 0 write run.json and, when
+    `outputs` (export.run_outputs.RunOutputs) asks for any, the trace outputs into `out_dir`. Returns run.json's
+    record (None on torchrun's other ranks). Checks the TP degree and the devices before any process starts;
+    a failing rank becomes one line naming the rank and its error."""
     import json
     import os
     from pathlib import Path
@@ -280,7 +280,7 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     from syntorch.parallel.launch import RankFailed, check_devices, spawn, under_torchrun
 
     check_tp(inference.resolve_config(spec), spec.tp)
-    args = (spec, str(out_dir), visualize, trace_level)
+    args = (spec, str(out_dir), outputs)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != spec.tp:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp is {spec.tp}; "
@@ -296,10 +296,11 @@ def run_tp_inference(spec, out_dir, visualize: bool = False, trace_level: str | 
     return json.loads((Path(out_dir) / "run.json").read_text())
 
 
-def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | None) -> int:
+def tp_inference_rank(spec, out_dir: str, outputs=None) -> int:
     """One rank of a TP generation: load the model, keep this rank's shard, generate; rank 0 writes the
     outputs. Returns the rank."""
     from syntorch import inference
+    from syntorch.export.run_outputs import write_run_outputs
     from syntorch.parallel.launch import init_distributed
     from syntorch.parallel.mesh import Mesh, init_groups
     from syntorch.trace import RankTraces, trace_run
@@ -311,7 +312,8 @@ def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | No
     model = inference.load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
     apply_tp(model, groups, spec.sp)
     generate = lambda m, scope=None: inference.generate_tokens(spec, m, prompt, phase_scope=scope)  # noqa: E731
-    if visualize:
+    traced = outputs is not None and outputs.any
+    if traced:
         graph, result = trace_run(model, generate, rank=rank, world_size=world,
                                   meta={"tp": world, "sequence_parallel": spec.sp})
     else:
@@ -319,10 +321,10 @@ def tp_inference_rank(spec, out_dir: str, visualize: bool, trace_level: str | No
     _check_same_tokens(result.tokens, groups.tp)
     if rank == 0:
         record = inference.run_record(spec, config, prompt, result)
-        if visualize:
+        if traced:
             traces = RankTraces(world)
             traces.put_shared(range(world), lambda: graph)  # TP ranks run the same ops (see symbolic.py)
-            record["trace"] = write_tp_outputs(traces, out_dir, trace_level)
+            record["trace"] = write_run_outputs(traces, out_dir, outputs)
         inference.write_run_json(record, out_dir)
     return rank
 
@@ -334,17 +336,3 @@ def _check_same_tokens(tokens: list[list[int]], group) -> None:
     dist.all_gather(everyone, mine, group=group)
     if any(not torch.equal(mine, other) for other in everyone):
         raise RuntimeError("TP ranks generated different tokens; their logits diverged")
-
-
-def write_tp_outputs(traces, out_dir, level: str | None = None) -> dict:
-    """Rank 0's tensor_trace_graph.json/.png and tensor_comm_graph.png, and Chakra traces of every rank
-    (tensor_trace_chakra.json, <model>.<rank>.et, comm_groups.json), as seed 000 lists for --tp.
-    Returns what run.json records about the trace."""
-    from syntorch.export import write_trace_outputs
-    from syntorch.export.chakra import write_chakra
-
-    graph = traces[0]
-    files = write_trace_outputs(graph, out_dir, level)
-    chakra = write_chakra(traces, out_dir, level=level or "op")
-    return {"files": files, "nodes": len(graph), "flops": graph.total_flops(),
-            "chakra": {"level": level or "op", "ranks": chakra["ranks"], "et_bytes": chakra["et_bytes"]}}
