@@ -69,7 +69,7 @@ def run(args) -> int:
     outputs = outputs_from_args(args)
     outputs.check()
     if spec.tp > 1:
-        return run_tensor_parallel(spec, args)
+        return run_tensor_parallel(spec, args, outputs)
     with atomic_output_dir(args.out) as tmp:
         model = inference.load_model(spec, config)
         if outputs.any:
@@ -90,9 +90,9 @@ def outputs_from_args(args):
                       comm_debug=args.comm_debug, level=args.trace_level)
 
 
-def run_tensor_parallel(spec, args) -> int:
+def run_tensor_parallel(spec, args, outputs) -> int:
     """--tp > 1: real ranks (spawned here, or torchrun's) on cpu/cuda; on meta one symbolic trace of rank 0
-    stands for every rank. Rank 0 writes run.json and, with --visualize_trace, the graphs and Chakra traces."""
+    stands for every rank. Rank 0 writes run.json and the outputs asked for (write_run_outputs)."""
     import torch
 
     from syntorch.outdir import atomic_output_dir
@@ -101,7 +101,7 @@ def run_tensor_parallel(spec, args) -> int:
 
     run_tp = run_tp_symbolic if torch.device(spec.device).type == "meta" else run_tp_inference
     with atomic_output_dir(args.out) as tmp:
-        record = run_tp(spec, tmp, args.visualize_trace, args.trace_level)
+        record = run_tp(spec, tmp, outputs)
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)
     return 0
