@@ -88,7 +88,7 @@ def fix_nodes(nodes: list, host_nodes: dict, pg_name: str = "0") -> tuple[list, 
     _bypass(by_id, {i for i, n in by_id.items() if n.type == et.METADATA_NODE}, drop=True)
     collectives, notes = _make_collectives(by_id, host_nodes, pg_name)
     _restore_dependencies(by_id, collectives, host_nodes)
-    for node in by_id.values():
+    for node in by_id.values():  # the converter dropped some nodes that others still name (rule 4 above)
         for deps in (node.data_deps, node.ctrl_deps):
             kept = [d for d in deps if d in by_id]
             del deps[:]
