@@ -19,6 +19,7 @@ The schedule is part of the trace: a stage runs its steps (forward or backward o
 another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
 """
+import bisect
 import dataclasses
 import re
 
@@ -110,53 +111,67 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     out = TraceGraph(**probe.graph)
     out.add_nodes_from((n, probe.nodes[n]) for n in range(prefix))
     out.add_edges_from(probe.subgraph(range(prefix)).edges(data=True))
-    placed = {}  # (kind, microbatch) -> first node in `out`
+    placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
 
     def source(kind, m):
         return ("optimizer", None) if kind == "optimizer" else (kind, _template(kind, m, M, probed))
 
+    def image(u, shift):
+        """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
+        the same node of the step in `out` that plays u's step's part."""
+        if u < prefix:
+            return u
+        start, end, (kind, k) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        a, b = blocks[source(kind, k + shift)]
+        assert b - a == end - start, f"probed steps {source(kind, k + shift)} and {(kind, k)} differ"
+        return placed[(kind, k + shift)] + u - start
+
     for kind, m in order:
         key = source(kind, m)
-        a, b = blocks[key]
+        step = steps.setdefault(key, _Step(probe, *blocks[key]))
         base = placed[(kind, m)] = len(out)
-        k = probed if kind == "optimizer" else key[1]
-        def image(u):
-            return u if u < prefix else base + u - a if a <= u < b else _resolve(u, found, blocks, placed, source, m - k)
-
-        for n in range(a, b):
-            out.add_node(base + n - a, **_moved(probe, n, base + n - a, m - k, image, out))
-            for u, _, edge in probe.in_edges(n, data=True):
-                out.add_edge(image(u), base + n - a, **edge)
+        shift = m - (probed if kind == "optimizer" else key[1])
+        out.add_nodes_from(zip(range(base, base + len(step.nodes)), step.copy(base, shift, lambda u: image(u, shift), out)))
+        out.add_edges_from((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges)
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
 
 
-def _moved(probe: TraceGraph, n: int, new_id: int, shift: int, image, out: TraceGraph) -> dict:
-    """Node n's attributes for its copy `shift` micro-batches later: its default name, the tag of a send or
-    recv (the micro-batch's), and the version of a tensor written in place (one past its earlier version
-    there, e.g. a gradient accumulated over one more micro-batch)."""
-    data = probe.nodes[n]
-    if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
-        return {**data, "tag": data["tag"] + 2 * shift}  # pipeline.tag: 2m (+1 for gradients)
-    if data["kind"] != "tensor":
-        return data
-    data = {**data, "name": f"t{new_id}"} if data["name"] == f"t{n}" else data
-    if data["version"]:
-        earlier = [t for w in probe.pred[n] for t in probe.pred[w]
-                   if probe.nodes[t]["version"] == data["version"] - 1 and probe.nodes[t]["shape"] == data["shape"]]
-        if earlier:
-            data = {**data, "version": out.nodes[image(earlier[0])]["version"] + 1}
-    return data
+class _Step:
+    """A probed step prepared for copying: its nodes' attributes, which of them move with the micro-batch,
+    and its in-edges in their order (from inside the step as offsets, else as probe nodes)."""
 
+    def __init__(self, probe: TraceGraph, a: int, b: int):
+        self.a, self.nodes, self.moving, self.edges = a, [], {}, []
+        for n in range(a, b):
+            data = probe.nodes[n]
+            self.nodes.append(data)
+            if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
+                self.moving[n - a] = ("tag", None)
+            elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
+                earlier = [t for w in probe.pred[n] for t in probe.pred[w] if data["version"] and
+                           probe.nodes[t]["version"] == data["version"] - 1 and probe.nodes[t]["shape"] == data["shape"]]
+                self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
+            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e)
+                           for u, _, e in probe.in_edges(n, data=True)]
 
-def _resolve(u, found, blocks, placed, source, shift) -> int:
-    """Node u of the probe, read by a step copied with micro-batch offset `shift`: the same node of the
-    step in `out` that plays u's step's part (u's step, `shift` micro-batches later)."""
-    start, end, (kind, k) = next(f for f in found if f[0] <= u < f[1])
-    target = (kind, k + shift)
-    a, b = blocks[source(*target)]
-    assert b - a == end - start, f"probed steps {source(*target)} and {(kind, k)} differ; cannot replicate"
-    return placed[target] + u - start
+    def copy(self, base: int, shift: int, image, out: TraceGraph) -> list[dict]:
+        """The nodes' attributes for a copy at `base`, `shift` micro-batches later: a send's or recv's tag
+        (the micro-batch's), default tensor names, and the version of a tensor written in place (one past
+        its earlier version there, e.g. a gradient accumulated over one more micro-batch)."""
+        nodes = list(self.nodes)
+        for off, (what, earlier) in self.moving.items():
+            data = nodes[off]
+            if what == "tag":
+                nodes[off] = {**data, "tag": data["tag"] + 2 * shift}  # pipeline.tag: 2m (+1 for gradients)
+                continue
+            data = {**data, "name": f"t{base + off}"} if data["name"] == f"t{self.a + off}" else dict(data)
+            if earlier is not None:
+                inside = earlier - self.a
+                before = nodes[inside] if 0 <= inside < len(nodes) else out.nodes[image(earlier)]
+                data["version"] = before["version"] + 1
+            nodes[off] = data
+        return nodes
 
 
 def _renumber_orders(graph: TraceGraph) -> None:
