@@ -71,8 +71,7 @@ class Stage:
 
 
 def build_stage_model(config: ModelConfig, stage: Stage, device="meta", dtype=torch.float32) -> nn.Module:
-    """The model with every layer this stage owns, plus the last layer (the TP plan hooks the sequence-
-    parallel gather on it; split_stage drops it again when the stage does not own it).
+    """The model with the layers `stage` owns (and, for now, every embedding and head: split_stage drops them).
 
     On meta only those layers are built, so a 96-layer model costs what one stage holds; elsewhere the
     whole model is built and initialised as build_model does, so every stage has the single-process weights.
@@ -82,8 +81,7 @@ def build_stage_model(config: ModelConfig, stage: Stage, device="meta", dtype=to
     model = build_model(dataclasses.replace(config, n_layer=1), "meta", dtype)
     block = type(model.layers["0"])
     with torch.device("meta"):
-        kept = dict.fromkeys([*stage.layers, config.n_layer - 1])
-        model.layers = nn.ModuleDict({str(i): block(config) for i in kept}).to(dtype)
+        model.layers = nn.ModuleDict({str(i): block(config) for i in stage.layers}).to(dtype)
     model.config = config
     return model
 

@@ -6,9 +6,8 @@
     train_step(run, batches)
 
 `apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
-1. TP (+SP) on a model holding the stage's layers and the model's last layer: the TP plan hooks the
-   sequence-parallel gather on the last block and ties the vocab-parallel head to the embedding, so it must
-   see the model whole at its ends.
+1. TP (+SP) on a model holding the stage's layers and still both ends: the vocab-parallel head is tied to the
+   vocab-parallel embedding while both exist, so the last stage's copy of a tied embedding is sharded alike.
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
 3. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
