@@ -40,6 +40,7 @@ class Workload:
     plan: TrainPlan
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
     hw_name: str | None = None
+    traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
@@ -72,7 +73,7 @@ def _trace_workload(config, plan, dtype, hw) -> Workload:
         stages.append(schedule_stage(probe, blocks, plan))
     for graph in stages if hw else ():  # after shifting: a moved group may span nodes where the source did not
         fill_durations(graph, hw)
-    return Workload(config, plan, stages, hw.name if hw else None)
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes))
 
 
 class GroupTable:
@@ -234,4 +235,5 @@ def summarize(workload: Workload, views: list[TraceGraph], level: str) -> dict:
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw_name, "distinct_rank_traces": len(stages),
+            "traced_stages": workload.traced_stages,
             "rank_layout": "rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank", "stages": stages}

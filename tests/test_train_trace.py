@@ -25,7 +25,7 @@ def test_trace_command_writes_every_rank_and_a_summary(tmp_path, tiny, capsys):
     assert sorted(p.name for p in out.glob("*.et")) == [f"tiny-gpt2.{r}.et" for r in range(8)]
     assert check_traces(out)[0] == []
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["distinct_rank_traces"] == 2 and summary["world_size"] == 8
+    assert summary["distinct_rank_traces"] == summary["traced_stages"] == 2 and summary["world_size"] == 8
     first, last = summary["stages"]
     assert first["ranks"] == [0, 1, 4, 5] and last["ranks"] == [2, 3, 6, 7]
     assert first["schedule"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]

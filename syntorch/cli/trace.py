@@ -66,7 +66,7 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
-                        f"{summary['distinct_rank_traces']} distinct rank traces")
+                        f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced)")
     for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms"):
         table.add_column(column, justify="right")
     for s in summary["stages"]:
