@@ -139,8 +139,10 @@ class GradSync:
 
 
 def _flat(tensors: list[torch.Tensor], size: int) -> torch.Tensor:
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    return flat if flat.numel() == size else torch.cat([flat, flat.new_zeros(size - flat.numel())])
+    """The tensors flattened into one buffer of `size` elements (zero padding at the end), in one copy."""
+    pad = size - sum(t.numel() for t in tensors)
+    parts = [t.reshape(-1) for t in tensors]
+    return torch.cat(parts + [parts[0].new_zeros(pad)] if pad else parts)
 
 
 def _split(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
