@@ -125,7 +125,7 @@ class StageTemplate:
     def __init__(self, specs: list[chakra.NodeSpec], header: et.GlobalMetadata, table: GroupTable):
         self.table = table
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
-        self.parts: list = []  # bytes (a run of whole nodes) or (node bytes, group or None, peer attr or None)
+        self.parts: list = []  # bytes (a run of whole nodes), or (node bytes, group or None, peer or None, prefixes)
         run = []
         for spec in specs:
             fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
@@ -138,7 +138,7 @@ class StageTemplate:
             run = []
             group = table.group_of_id[per_rank["pg_name"]] if "pg_name" in per_rank else None
             peer = next(((k, v) for k, v in per_rank.items() if k != "pg_name"), None)
-            self.parts.append((static, group, peer))
+            self.parts.append((static, group, peer, {}))  # {} : per-rank attribute length -> prefix + static
         self.parts.append(b"".join(run))
 
     def write(self, f, rank: int) -> int:
@@ -150,7 +150,7 @@ class StageTemplate:
             if type(part) is bytes:
                 chunks.append(part)
                 continue
-            static, group, peer = part
+            static, group, peer, heads = part
             extra = b""
             if group is not None:
                 if group not in groups:
@@ -159,7 +159,9 @@ class StageTemplate:
             if peer is not None:
                 attr = et.AttributeProto(name=peer[0], int64_val=translate(mesh, peer[1], rank))
                 extra += et.Node(attr=[attr]).SerializeToString()
-            chunks += (_VarintBytes(len(static) + len(extra)), static, extra)
+            if len(extra) not in heads:
+                heads[len(extra)] = _VarintBytes(len(static) + len(extra)) + static
+            chunks += (heads[len(extra)], extra)
         data = b"".join(chunks)
         f.write(data)
         return len(data)
