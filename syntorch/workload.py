@@ -13,10 +13,12 @@ in several pieces), so writing a rank is joining byte strings.
 import contextlib
 import gc
 import json
+import struct
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from chakra.schema.protobuf import et_def_pb2 as et
 from google.protobuf.internal.encoder import _VarintBytes
@@ -77,14 +79,16 @@ def _trace_workload(config, plan, dtype, hw) -> Workload:
 
 
 class GroupTable:
-    """Every process group of the plan -> its comm-group id (1, 2, ...; "0" means all ranks to ASTRA-sim), and
-    for any rank the id of the group that plays, for it, the part a representative's group plays."""
+    """Every process group of the plan -> its comm-group id, and for any rank the id of the group that plays,
+    for it, the part a representative's group plays. Ids all have the same number of digits (1000, 1001, ...
+    for up to 9000 groups; "0" would mean all ranks to ASTRA-sim), so a rank's file is its representative's
+    with equal-length strings swapped."""
 
     def __init__(self, plan: TrainPlan, tied: bool):
         self.mesh = mesh = plan.mesh
-        self.ids: dict[tuple[int, ...], int] = {}
-        for ranks in plan_group_ranks(mesh, tied):
-            self.ids.setdefault(tuple(sorted(ranks)), len(self.ids) + 1)
+        groups = list(dict.fromkeys(tuple(sorted(ranks)) for ranks in plan_group_ranks(mesh, tied)))
+        first = 10 ** len(str(len(groups)))
+        self.ids: dict[tuple[int, ...], int] = {g: first + i for i, g in enumerate(groups)}
         self.group_of_id = {str(i): g for g, i in self.ids.items()}
         # TP groups by (dp, stage), DP groups by (stage, tp); any other group is along pp
         self.by_coords = {"tp": {}, "dp": {}}
@@ -94,7 +98,6 @@ class GroupTable:
             self.kind[group] = next((dim for dim in ("tp", "dp") if list(group) == mesh.group_ranks(dim, group[0])), "pp")
             if self.kind[group] != "pp":
                 self.by_coords[self.kind[group]][(d, s) if self.kind[group] == "tp" else (s, t)] = i
-        self._attr: dict[int, bytes] = {}
 
     def for_rank(self, group: tuple[int, ...], rank: int) -> int:
         """A TP or DP group maps to rank's TP or DP group; a group along pp (a stage pair, the tied-embedding
@@ -107,64 +110,53 @@ class GroupTable:
             return self.by_coords["dp"][(s, t)]
         return self.ids[tuple(sorted(mesh.rank(d, mesh.coords(r)[1], t) for r in group))]
 
-    def pg_attr(self, group_id: int) -> bytes:
-        """The encoded `pg_name` attribute of a group, as a Node field that can follow any node's bytes."""
-        if group_id not in self._attr:
-            attr = et.AttributeProto(name="pg_name", string_val=str(group_id))
-            self._attr[group_id] = et.Node(attr=[attr]).SerializeToString()
-        return self._attr[group_id]
-
 
 class StageTemplate:
-    """One stage's Chakra nodes, serialized once; `write(f, rank)` writes any of its ranks' file.
-
-    Nodes without per-rank attributes are joined into runs of final bytes; each communication node keeps its
-    bytes without `pg_name`/`comm_src`/`comm_dst`, which are appended per rank (repeated `attr` fields may
-    come in pieces) behind a new length prefix."""
+    """One stage's Chakra nodes serialized once, as its representative's; `write(f, rank)` writes any of its
+    ranks' file by overwriting, in a copy, what differs: the group id in each communication node's `pg_name`
+    (fixed width, see GroupTable) and the peer of each send and recv (a fixed32 `comm_src`/`comm_dst`). Those
+    attributes are appended to the node's other bytes (a repeated `attr` may come in pieces), so their
+    values sit at known offsets."""
 
     def __init__(self, specs: list[chakra.NodeSpec], header: et.GlobalMetadata, table: GroupTable):
         self.table = table
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
-        self.parts: list = []  # bytes (a run of whole nodes), or (node bytes, group or None, peer or None, prefixes)
-        run = []
+        self.group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
+        self.peer_at: list[tuple[int, int]] = []  # (offset of a fixed32 peer, representative's peer)
+        chunks, size = [], 0
         for spec in specs:
             fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
-            static = chakra.to_proto(spec._replace(attrs=fixed)).SerializeToString()
-            per_rank = {name: value for name, _, value in spec.attrs if name in PER_RANK}
-            if not per_rank:
-                run += (_VarintBytes(len(static)), static)
-                continue
-            self.parts.append(b"".join(run))
-            run = []
-            group = table.group_of_id[per_rank["pg_name"]] if "pg_name" in per_rank else None
-            peer = next(((k, v) for k, v in per_rank.items() if k != "pg_name"), None)
-            self.parts.append((static, group, peer, {}))  # {} : per-rank attribute length -> prefix + static
-        self.parts.append(b"".join(run))
+            per_rank = [(name, value) for name, _, value in spec.attrs if name in PER_RANK]
+            attrs = [et.AttributeProto(name=name, string_val=value) if name == "pg_name" else
+                     et.AttributeProto(name=name, fixed32_val=value) for name, value in per_rank]
+            node = chakra.to_proto(spec._replace(attrs=fixed)).SerializeToString()
+            tail = [et.Node(attr=[a]).SerializeToString() for a in attrs]
+            data = b"".join([node, *tail])
+            size += len(_VarintBytes(len(data))) + len(node)
+            for (name, value), piece in zip(per_rank, tail):
+                size += len(piece)
+                if name == "pg_name":
+                    self.group_at.setdefault(table.group_of_id[value], []).append(size - len(value))
+                else:
+                    self.peer_at.append((size - 4, value))
+            chunks += (_VarintBytes(len(data)), data)
+        self.body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        self.group_at = {g: np.array(at)[:, None] + np.arange(len(str(next(iter(table.ids.values())))))
+                         for g, at in self.group_at.items()}
 
     def write(self, f, rank: int) -> int:
         """Writes rank's file to `f`; returns the bytes written."""
-        mesh, table, groups = self.table.mesh, self.table, {}
+        mesh, table = self.table.mesh, self.table
         rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
-        chunks = [_VarintBytes(len(self.header) + len(rank_attr)), self.header, rank_attr]
-        for part in self.parts:
-            if type(part) is bytes:
-                chunks.append(part)
-                continue
-            static, group, peer, heads = part
-            extra = b""
-            if group is not None:
-                if group not in groups:
-                    groups[group] = table.pg_attr(table.for_rank(group, rank))
-                extra = groups[group]
-            if peer is not None:
-                attr = et.AttributeProto(name=peer[0], int64_val=translate(mesh, peer[1], rank))
-                extra += et.Node(attr=[attr]).SerializeToString()
-            if len(extra) not in heads:
-                heads[len(extra)] = _VarintBytes(len(static) + len(extra)) + static
-            chunks += (heads[len(extra)], extra)
-        data = b"".join(chunks)
-        f.write(data)
-        return len(data)
+        head = _VarintBytes(len(self.header) + len(rank_attr)) + self.header + rank_attr
+        body = self.body.copy()
+        for group, at in self.group_at.items():
+            body[at] = np.frombuffer(str(table.for_rank(group, rank)).encode(), dtype=np.uint8)
+        for at, peer in self.peer_at:
+            body[at:at + 4] = np.frombuffer(struct.pack("<I", translate(mesh, peer, rank)), dtype=np.uint8)
+        f.write(head)
+        f.write(body.data)
+        return len(head) + body.nbytes
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
