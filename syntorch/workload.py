@@ -93,11 +93,15 @@ class GroupTable:
         # TP groups by (dp, stage), DP groups by (stage, tp); any other group is along pp
         self.by_coords = {"tp": {}, "dp": {}}
         self.kind: dict[tuple, str] = {}
+        dp_stride = mesh.pp * mesh.tp  # TP groups are consecutive ranks, DP groups this far apart
         for group, i in self.ids.items():
             d, s, t = mesh.coords(group[0])
-            self.kind[group] = next((dim for dim in ("tp", "dp") if list(group) == mesh.group_ranks(dim, group[0])), "pp")
-            if self.kind[group] != "pp":
-                self.by_coords[self.kind[group]][(d, s) if self.kind[group] == "tp" else (s, t)] = i
+            if t == 0 and group == tuple(range(group[0], group[0] + mesh.tp)):
+                self.kind[group], self.by_coords["tp"][(d, s)] = "tp", i
+            elif d == 0 and group == tuple(range(group[0], group[0] + mesh.dp * dp_stride, dp_stride)):
+                self.kind[group], self.by_coords["dp"][(s, t)] = "dp", i
+            else:
+                self.kind[group] = "pp"
 
     def for_rank(self, group: tuple[int, ...], rank: int) -> int:
         """A TP or DP group maps to rank's TP or DP group; a group along pp (a stage pair, the tied-embedding

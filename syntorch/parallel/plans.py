@@ -93,7 +93,9 @@ class PlanGroups:
 def plan_group_ranks(mesh: Mesh, tied: bool) -> list[list[int]]:
     """Every process group of the plan in a fixed order (real ranks must all create them in this order):
     TP groups, DP groups, neighbouring-stage pairs, then first/last-stage pairs for a tied embedding."""
-    groups = mesh.groups("tp") + mesh.groups("dp")
+    tp_groups = [[mesh.rank(d, s, t) for t in range(mesh.tp)] for d in range(mesh.dp) for s in range(mesh.pp)]
+    dp_groups = [[mesh.rank(d, s, t) for d in range(mesh.dp)] for s in range(mesh.pp) for t in range(mesh.tp)]
+    groups = tp_groups + dp_groups  # Mesh.groups' order, built in one pass (it scans every rank's group)
     for d in range(mesh.dp):
         for t in range(mesh.tp):
             chain = [mesh.rank(d, s, t) for s in range(mesh.pp)]
