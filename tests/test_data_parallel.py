@@ -135,10 +135,13 @@ def errors_against_reference(run, plan, rank) -> dict:
 
     grad_err = param_err = step_excess = 0.0
     names = {id(p): n for n, p in run.model.named_parameters()}
-    for bucket in run.grad_sync.all_buckets if plan.zero else ():  # ZeRO: this rank's part of each bucket
-        flat = torch.cat([shard(names[id(p)], ref_grads[names[id(p)]]).flatten() for p in bucket.params])
-        flat = torch.cat([flat, flat.new_zeros(bucket.size - flat.numel())])
-        grad_err = max(grad_err, (bucket.shard.grad - flat.chunk(plan.dp)[plan.mesh.coords(rank)[0]]).abs().max().item())
+    if plan.zero:  # this rank's part of each bucket, one after the other in the flat shard
+        mine = []
+        for bucket in run.grad_sync.all_buckets:
+            flat = torch.cat([shard(names[id(p)], ref_grads[names[id(p)]]).flatten() for p in bucket.params])
+            flat = torch.cat([flat, flat.new_zeros(bucket.size - flat.numel())])
+            mine.append(flat.chunk(plan.dp)[plan.mesh.coords(rank)[0]])
+        grad_err = (run.grad_sync.shard.grad - torch.cat(mine)).abs().max().item()
     for name, p in run.model.named_parameters():
         g, new = shard(name, ref_grads[name]), shard(name, ref_params[name])
         if not plan.zero:

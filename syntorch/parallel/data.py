@@ -8,8 +8,8 @@ gradient is accumulated, so communication overlaps the rest of backward:
 - zero 0 (DDP): each bucket's gradients are flattened, divided by dp and all-reduced; `finish` copies the
   averaged values back into `.grad`. The optimizer updates every parameter.
 - zero 2: the flattened bucket (padded to a multiple of dp) is reduce-scattered instead; this rank keeps
-  1/dp of it. The optimizer updates only its shard (a flat fp32-like master copy), and `gather_params`
-  all-gathers the updated shards back into the parameters.
+  1/dp of it. The optimizer updates only this rank's parts of all buckets, one flat parameter, and
+  `gather_params` all-gathers each bucket's updated part back into the parameters.
 - zero 1: the same, but the reduce-scatters wait for the end of backward (gradients are kept whole until
   then, as ZeRO stage 1 does), so they do not overlap it.
 
@@ -31,8 +31,7 @@ class Bucket:
     params: list[nn.Parameter]
     size: int  # elements, padded to a multiple of dp under ZeRO
     ready: int = 0
-    flat: torch.Tensor | None = None  # zero 0: the all-reduced gradients
-    shard: nn.Parameter | None = None  # zero 1/2: this rank's part of the parameters, updated by the optimizer
+    flat: torch.Tensor | None = None  # zero 0: the all-reduced gradients; zero 1/2: this rank's reduced part
 
     @property
     def nbytes(self) -> int:
@@ -74,8 +73,10 @@ class GradSync:
         self.buckets = make_buckets([p for p in self.params if id(p) not in late], cap, pad) if self.dp > 1 else []
         self.late = make_buckets([p for p in self.params if id(p) in late], cap, pad) if self.dp > 1 else []
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for b in self.all_buckets if self.zero else ():
-            b.shard = nn.Parameter(self._shard_of(_flat([p.detach() for p in b.params], b.size)))
+        # ZeRO: this rank's part of every bucket, in one flat parameter the optimizer updates (as DeepSpeed's
+        # flat partition), so its step is a few ops on one tensor whatever the bucket count
+        self.shard = nn.Parameter(torch.cat([self._shard_of(_flat([p.detach() for p in b.params], b.size))
+                                             for b in self.all_buckets])) if self.zero and self.all_buckets else None
         for p in self.params:
             if id(p) in self._bucket_of:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -90,10 +91,8 @@ class GradSync:
         return flat[rank * n:(rank + 1) * n].clone()
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        """What this rank's optimizer updates: every parameter, or under ZeRO its shard of each bucket."""
-        if self.zero and self.dp > 1:
-            return [b.shard for b in self.all_buckets]
-        return list(self.params)
+        """What this rank's optimizer updates: every parameter, or under ZeRO its flat shard."""
+        return [self.shard] if self.shard is not None else list(self.params)
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -107,7 +106,7 @@ class GradSync:
     def _launch(self, bucket: Bucket) -> None:
         flat = _flat([p.grad for p in bucket.params], bucket.size)
         if self.zero:
-            bucket.shard.grad = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.dp)
+            bucket.flat = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.dp)
         else:
             bucket.flat = comm.all_reduce(flat.div_(self.dp), "sum", self.dp_group)
         bucket.ready = 0
@@ -126,15 +125,21 @@ class GradSync:
                 torch._foreach_copy_(grads, _split(flat, params))
         for bucket in self.late:
             self._launch(bucket)
+        if self.shard is not None:
+            self.shard.grad = torch.cat([b.flat for b in self.all_buckets])
         for bucket in self.all_buckets if not self.zero else ():
             torch._foreach_copy_([p.grad for p in bucket.params], _split(bucket.flat, bucket.params))
+        for bucket in self.all_buckets:
             bucket.flat = None
 
     @torch.no_grad()
     def gather_params(self) -> None:
         """ZeRO, after the optimizer step: every rank's updated shard back into the whole parameters."""
-        for bucket in self.all_buckets if self.zero else ():
-            full = comm.all_gather(bucket.shard.detach(), 0, self.dp_group)
+        start = 0
+        for bucket in self.all_buckets if self.shard is not None else ():
+            part = self.shard.detach()[start:start + bucket.size // self.dp]
+            start += bucket.size // self.dp
+            full = comm.all_gather(part, 0, self.dp_group)
             torch._foreach_copy_(bucket.params, _split(full, bucket.params))
 
 
