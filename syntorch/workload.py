@@ -219,8 +219,9 @@ def summarize(workload: Workload, views: list[TraceGraph], level: str) -> dict:
             by_kind.setdefault(d["collective"], [0, 0])
             by_kind[d["collective"]][0] += 1
             by_kind[d["collective"]][1] += d["bytes"]
+        layers = plan.stage(workload.config, s).layers
         stages.append({
-            "stage": s, "layers": [min(plan.stage(workload.config, s).layers), max(plan.stage(workload.config, s).layers)],
+            "stage": s, "layers": [layers[0], layers[-1]],
             "ranks": [r for r in range(mesh.world_size) if mesh.coords(r)[1] == s],
             "flops": {p: sum(d["flops"] for d in ops if d["phase"] == p) for p in ("forward", "backward", "optimizer")},
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),

@@ -33,10 +33,6 @@ class Bucket:
     ready: int = 0
     flat: torch.Tensor | None = None  # zero 0: the all-reduced gradients; zero 1/2: this rank's reduced part
 
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.params[0].element_size()
-
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int, pad_to: int = 1) -> list[Bucket]:
     """Reverse registration order, a new bucket whenever the next parameter would overflow this one."""
