@@ -84,13 +84,21 @@ def _place_rows(graph: nx.DiGraph, left: float) -> dict:
     return pos
 
 
-def _label(d: dict, level: str) -> str:
+def _label(d: dict) -> str:
     if d["kind"] == "collective":
         return f"{d['collective']} {d['group']}"
     if d["kind"] == "tensor":
         return d["name"] if d["is_param"] else "x".join(map(str, d["shape"]))
-    # at coarse levels a module appears once per phase; on meta the steps' nodes interleave (no real token links them)
-    return d["name"].removeprefix("aten.") + ("" if level == "op" else f" {d['phase']}")
+    return d["name"].removeprefix("aten.")
+
+
+def _phase_headers(graph: nx.DiGraph, pos: dict, ax):
+    """The phase's name above each column."""
+    columns: dict[str, list] = {}
+    for node, phase in _phases(graph).items():
+        columns.setdefault(phase, []).append(pos[node][0])
+    for phase, xs in columns.items():
+        ax.text(sum(xs) / len(xs), 1.2, phase, ha="center", va="bottom", fontsize=11, fontweight="bold")
 
 
 def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None) -> TraceGraph:
@@ -104,6 +112,7 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     fig, ax = plt.subplots(figsize=size)
     _draw_edges(view, pos, ax, comm)
     _draw_nodes(view, pos, ax, comm)
+    _phase_headers(view, pos, ax)
     g = view.graph
     n_coll = sum(1 for _ in view.collectives())
     ax.set_title(f"{g.get('model') or 'trace'}, rank {g.get('rank', 0)} of {g.get('world_size', 1)}: "
@@ -140,7 +149,7 @@ def _draw_nodes(view, pos, ax, comm: bool):
         nx.draw_networkx_nodes(view, pos, nodelist=nodes, node_color=color, node_size=size, alpha=fade, ax=ax,
                                node_shape="o" if kind == "tensor" else "s")
     for kind, font, color in (("tensor", 6, "#2e7d32"), ("op", 8, "#0d47a1"), ("collective", 9, "#b71c1c")):
-        labels = {n: "   " + _label(d, view.graph["level"]) for n, d in view.nodes(data=True) if d["kind"] == kind
+        labels = {n: "   " + _label(d) for n, d in view.nodes(data=True) if d["kind"] == kind
                   and (not big or kind == "collective" or (kind == "op" and d["flops"]))}
         nx.draw_networkx_labels(view, pos, labels, font_size=font, font_color=color, ax=ax,
                                 horizontalalignment="left")
