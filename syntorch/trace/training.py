@@ -31,6 +31,7 @@ from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
+from syntorch.trace.meta_cache import MetaCache
 from syntorch.trace.tracer import Tracer
 
 
@@ -73,7 +74,7 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     rank = representative(mesh, stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "stage": stage,
             "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
-    with symbolic_world(rank, mesh.world_size):
+    with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
         groups = plans.init_plan_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
         batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2

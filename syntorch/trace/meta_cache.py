@@ -1,0 +1,68 @@
+"""Meta kernels memoized: on `meta` an op's result is only shapes, strides and dtypes, a function of its
+arguments' shapes, strides, dtypes and other values. Most meta kernels are Python (torch._refs) and cost far
+more than recording the op, and a training step runs the same ones with the same shapes in every layer and
+micro-batch, so each is run once and its results rebuilt as fresh meta tensors afterwards.
+
+Only functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors.
+Views, in-place ops and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's
+dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before.
+"""
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# argument values a result may depend on and that hash by value (their type is part of the key: 1 == True)
+_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+
+
+@functools.cache
+def _functional(func) -> bool:
+    schema = func._schema
+    return (func.namespace == "aten" and bool(schema.returns)
+            and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
+            and all(a.alias_info is None for a in schema.arguments)
+            and not any(tag in func.tags for tag in _UNSHAPED))
+
+
+def _key(value):
+    if isinstance(value, torch.Tensor):
+        return type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, value.device.type
+    if isinstance(value, (list, tuple)):
+        return type(value), *map(_key, value)
+    if isinstance(value, _VALUES):
+        return type(value), value
+    raise TypeError(f"not memoized: {type(value)}")
+
+
+def _fresh_meta(out) -> bool:
+    """Results a rebuild reproduces: meta tensors at offset 0 of storages of their own."""
+    storages = {t.untyped_storage()._cdata for t in out}
+    return len(storages) == len(out) and all(t.device.type == "meta" and t.storage_offset() == 0 for t in out)
+
+
+class MetaCache(TorchDispatchMode):
+    # shared by every instance: a result depends on the key alone, so runs in one process reuse each other's
+    results: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _functional(func):
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
+        except TypeError:
+            return func(*args, **kwargs)
+        found = self.results.get(key)
+        if found is None:
+            out = func(*args, **kwargs)
+            outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            self.results[key] = (isinstance(out, torch.Tensor), [(t.shape, t.stride(), t.dtype) for t in outs]
+                                 ) if _fresh_meta(outs) else False
+            return out
+        if found is False:  # results this cache cannot rebuild (not on meta, or sharing storage)
+            return func(*args, **kwargs)
+        single, metas = found
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
+        return outs[0] if single else tuple(outs)
