@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from conftest import tiny_config
-from syntorch.generate import Sampling
+from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 from syntorch.trace import Tracer, trace_generation
 
@@ -169,12 +169,17 @@ def test_collectives_on_the_fake_backend(fake_world):
     assert nx.is_directed_acyclic_graph(tracer.graph)
 
 
+@pytest.mark.parametrize("device", ["meta", "cpu"])
 @pytest.mark.parametrize("base", ["gpt2", "gptj-6b"])
-def test_replicated_layers_equal_a_full_trace(base):
-    model = build_model(tiny_config(base, n_layer=3), device="meta")
-    prompt = torch.zeros(2, 5, dtype=torch.long, device="meta")
-    full, _ = trace_generation(model, prompt, 3, replicate=False)
-    replicated, _ = trace_generation(model, prompt, 3, replicate=True)
+def test_replicated_layers_equal_a_full_trace(base, device):
+    """On meta only the first layer runs; on cpu every layer runs and only the first is recorded."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(base, n_layer=3), device=device)
+    prompt = torch.randint(0, 50, (2, 5), device=device)
+    full, full_run = trace_generation(model, prompt, 3, Sampling(temperature=0), replicate=False)
+    replicated, replicated_run = trace_generation(model, prompt, 3, Sampling(temperature=0), replicate=True)
+    if device == "cpu":  # the values went through every layer
+        assert replicated_run.tokens == full_run.tokens == generate(model, prompt, 3, Sampling(temperature=0)).tokens
     assert len(replicated) == len(full) > 0
     assert dict(replicated.nodes(data=True)) == dict(full.nodes(data=True))
     assert sorted(replicated.edges(data="arg")) == sorted(full.edges(data="arg"))

@@ -16,6 +16,8 @@ Attribute names are a public schema (DESIGN.md, "The TraceGraph"):
 
 Op -> op data dependencies (Chakra's data_deps) are derived by `op_deps()`, never stored.
 """
+import contextlib
+import gc
 from collections.abc import Callable, Iterator, Mapping
 
 import networkx as nx
@@ -26,6 +28,19 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
 LEVELS = ("op", "module", "layer")
 GRAPH_DEFAULTS = dict(model="", rank=0, world_size=1, tp=1, pp=1, dp=1, level="op", syntorch_version=__version__)
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Build graphs with the cyclic collector off: they are many small young dicts that it would rescan
+    again and again for nothing (building is several times slower with it on)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class TraceGraph(nx.DiGraph):

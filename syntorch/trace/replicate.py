@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, no_gc
 
 
 @dataclass
@@ -37,7 +37,12 @@ def first_layer_only(model: nn.Module) -> nn.Module:
 def replicate_layers(graph: TraceGraph, calls: list[LayerCall], layer_names: list[str]) -> TraceGraph:
     """The graph of a run in which every call in `calls` (all of layer `layer_names[0]`) ran once per
     layer in `layer_names`, in that order."""
-    out = TraceGraph(**graph.graph)
+    with no_gc():
+        return _replicate(graph, calls, layer_names)
+
+
+def _replicate(graph: TraceGraph, calls: list[LayerCall], layer_names: list[str]) -> TraceGraph:
+    out = _Copies(graph)
     outside: dict[int, int] = {}  # old id -> new id, for nodes not made by a layer call
     owner = {n: i for i, c in enumerate(calls) for n in range(c.start, c.end)}
     copies: list[list[dict[int, int]]] = []  # per call, per layer: old id -> new id
@@ -45,17 +50,16 @@ def replicate_layers(graph: TraceGraph, calls: list[LayerCall], layer_names: lis
     while node < n:
         if len(copies) < len(calls) and node == calls[len(copies)].start:
             call = calls[len(copies)]
-            copies.append(_copy_call(graph, out, call, layer_names, outside, owner, copies))
+            copies.append(_copy_call(out, call, layer_names, outside, owner, copies))
             outside[call.output] = copies[-1][-1][call.output]  # later readers of the output see the last layer's
             node = call.end
             continue
-        outside[node] = _add_node(out, graph, node, lambda u: outside[u])
+        outside[node] = out.add(node, outside.__getitem__)
         node += 1
-    _renumber_collectives(out)
-    return out
+    return out.graph()
 
 
-def _copy_call(graph, out, call, layer_names, outside, owner, copies) -> list[dict[int, int]]:
+def _copy_call(out: "_Copies", call, layer_names, outside, owner, copies) -> list[dict[int, int]]:
     maps = []
     for k, name in enumerate(layer_names):
         here = {call.input: maps[-1][call.output]} if k else {}
@@ -68,23 +72,38 @@ def _copy_call(graph, out, call, layer_names, outside, owner, copies) -> list[di
             return outside[u]
 
         for old in range(call.start, call.end):
-            here[old] = _add_node(out, graph, old, find, rename=(call.path, name))
+            here[old] = out.add(old, find, rename=(call.path, name))
         maps.append(here)
     return maps
 
 
-def _add_node(out: TraceGraph, graph: TraceGraph, old: int, find, rename=None) -> int:
-    attrs = dict(graph.nodes[old])
-    new = len(out)
-    if rename:
-        key = "name" if attrs["kind"] == "tensor" else "module"
-        attrs[key] = _renamed(attrs[key], *rename)
-    if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
-        attrs["name"] = f"t{new}"
-    out.add_node(new, **attrs)
-    for u in graph.predecessors(old):
-        out.add_edge(find(u), new, **graph.edges[u, old])
-    return new
+class _Copies:
+    """Nodes and edges copied from `source`, collected in lists and added to a new graph at once (several
+    times faster than adding them one by one)."""
+
+    def __init__(self, source: TraceGraph):
+        self.source = source
+        self.nodes: list[tuple[int, dict]] = []
+        self.edges: list[tuple[int, int, dict]] = []
+
+    def add(self, old: int, find, rename=None) -> int:
+        attrs = dict(self.source.nodes[old])
+        new = len(self.nodes)
+        if rename:
+            key = "name" if attrs["kind"] == "tensor" else "module"
+            attrs[key] = _renamed(attrs[key], *rename)
+        if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
+            attrs["name"] = f"t{new}"
+        self.nodes.append((new, attrs))
+        self.edges.extend((find(u), new, dict(edge)) for u, edge in self.source._pred[old].items())
+        return new
+
+    def graph(self) -> TraceGraph:
+        out = TraceGraph(**self.source.graph)
+        out.add_nodes_from(self.nodes)
+        out.add_edges_from(self.edges)
+        _renumber_collectives(out)
+        return out
 
 
 def _renamed(path: str, old: str, new: str) -> str:

@@ -16,7 +16,6 @@ Three pieces cooperate (DESIGN.md, facts):
 """
 import contextlib
 import functools
-import gc
 import time
 import weakref
 
@@ -27,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from syntorch.trace.collectives import collective_call
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.replicate import LayerCall
 
 SDPA = "aten.scaled_dot_product_attention"
@@ -40,11 +39,14 @@ def nbytes(t: torch.Tensor) -> int:
 class Tracer:
     """Context manager recording what runs inside it. `default_phase=None` records only inside `phase()`;
     `time_ops` stores each op's measured wall time as `duration_us` (meaningful for CPU runs only: CUDA
-    kernels run asynchronously and meta ops do no work)."""
+    kernels run asynchronously and meta ops do no work). `first_layer_only` records the first transformer
+    layer and runs the others unrecorded, for replicate.py to copy (a real run's values need every layer)."""
 
     def __init__(self, model: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1,
-                 meta: dict | None = None, default_phase: str | None = "forward", time_ops: bool = False):
+                 meta: dict | None = None, default_phase: str | None = "forward", time_ops: bool = False,
+                 first_layer_only: bool = False):
         self.time_ops = time_ops
+        self.first_layer_only = first_layer_only
         self.graph = TraceGraph(**{**(meta or {}), "rank": rank, "world_size": world_size})
         self.model = model
         self.modules = [""]  # stack of module paths, innermost last
@@ -60,9 +62,7 @@ class Tracer:
 
     # --- entering and leaving ------------------------------------------------------------------
     def __enter__(self):
-        # the graph is many small dicts: the cyclic GC would rescan them all, over and over (5x slower)
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
+        self._exits.enter_context(no_gc())
         if self.model is not None:
             self._watch_modules(self.model)
         self._exits.enter_context(_FunctionMode(self))
@@ -71,8 +71,6 @@ class Tracer:
 
     def __exit__(self, *exc):
         self._exits.close()
-        if self._gc_was_enabled:
-            gc.enable()
         return False
 
     def _name_tensors(self):
@@ -83,25 +81,34 @@ class Tracer:
 
     def _watch_modules(self, model: torch.nn.Module):
         self._name_tensors()
-        layers = getattr(model, "layers", None)
+        layers = list(getattr(model, "layers", {}).values())
         for path, module in model.named_modules():
-            is_layer = layers is not None and any(module is m for m in layers.values())
-            self._exits.enter_context(module.register_forward_pre_hook(self._enter_module(path, is_layer)))
-            self._exits.enter_context(module.register_forward_hook(self._leave_module(is_layer), always_call=True))
+            index = next((k for k, m in enumerate(layers) if module is m), None)
+            skipped = self.first_layer_only and bool(index)
+            last = skipped and index == len(layers) - 1
+            self._exits.enter_context(module.register_forward_pre_hook(self._enter_module(path, index == 0, skipped)))
+            self._exits.enter_context(module.register_forward_hook(self._leave_module(index == 0, skipped, last),
+                                                                   always_call=True))
 
-    def _enter_module(self, path: str, is_layer: bool):
+    def _enter_module(self, path: str, is_layer: bool, skipped: bool):
         def hook(_module, args):
             self.modules.append(path)
-            if is_layer and self._recording() and args and isinstance(args[0], torch.Tensor):
+            if skipped:
+                self.paused += 1
+            elif is_layer and self._recording() and args and isinstance(args[0], torch.Tensor):
                 x = self.tensor_node(args[0])
                 self.layer_calls.append(LayerCall(path, len(self.graph), -1, x, -1))
         return hook
 
-    def _leave_module(self, is_layer: bool):
+    def _leave_module(self, is_layer: bool, skipped: bool, last: bool):
         def hook(_module, _args, out):
             self.modules.pop()
             call = self.layer_calls[-1] if self.layer_calls else None
-            if is_layer and call is not None and call.end == -1 and isinstance(out, torch.Tensor):
+            if skipped:
+                self.paused -= 1
+                if last and self._recording() and call is not None and isinstance(out, torch.Tensor):
+                    self._alias(out, call.output)  # the stack's output: what replicate.py maps to the last copy
+            elif is_layer and call is not None and call.end == -1 and isinstance(out, torch.Tensor):
                 call.end, call.output = len(self.graph), self.tensor_node(out)
         return hook
 
@@ -174,6 +181,11 @@ class Tracer:
         node = self._add_tensor(t, key, writes, version)
         self.graph.add_edge(op, node, arg=arg)
         return node
+
+    def _alias(self, t: torch.Tensor, node: int) -> None:
+        """Let t's current value be `node` (a value made while recording was paused)."""
+        key = _storage_key(t)
+        self.tensors[id(t)] = (weakref.ref(t), node, key, self.writes.get(key, (0, None))[0])
 
     def _known(self, t: torch.Tensor) -> tuple | None:
         """(node, storage key, writes) of a tensor seen before (an id reused by a new tensor is not seen)."""
