@@ -55,5 +55,4 @@ def export(graphs, path, level: str | None = None) -> None:
     elif level:
         graphs = {r: level_view(g, level) for r, g in graphs.items()}
     with atomic_output_file(path) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(trace_events(graphs), f, separators=(",", ":"))
+        tmp.write_text(json.dumps(trace_events(graphs), separators=(",", ":")))  # one-shot: the C encoder
