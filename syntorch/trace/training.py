@@ -110,8 +110,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
-    out.add_nodes_from((n, probe.nodes[n]) for n in range(prefix))
-    out.add_edges_from(probe.subgraph(range(prefix)).edges(data=True))
+    _append(out, (probe._node[n] for n in range(prefix)),
+            ((u, v, e) for u in range(prefix) for v, e in probe._succ[u].items() if v < prefix))
     placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
 
     def source(kind, m):
@@ -129,12 +129,13 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
 
     for kind, m in order:
         key = source(kind, m)
-        step = steps.setdefault(key, _Step(probe, *blocks[key]))
+        if key not in steps:  # each probed step prepared once, however many copies it makes
+            steps[key] = _Step(probe, *blocks[key])
+        step = steps[key]
         base = placed[(kind, m)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
-        copied = step.copy(base, shift, lambda u: image(u, shift), out)
-        out.add_nodes_from(zip(range(base, base + len(copied)), copied))
-        out.add_edges_from((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges)
+        _append(out, step.copy(base, shift, lambda u: image(u, shift), out),
+                ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges))
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
 
@@ -145,17 +146,17 @@ class _Step:
 
     def __init__(self, probe: TraceGraph, a: int, b: int):
         self.a, self.nodes, self.moving, self.edges = a, [], {}, []
+        nodes, pred = probe._node, probe._pred  # networkx's own dicts: its views cost microseconds per lookup
         for n in range(a, b):
-            data = probe.nodes[n]
+            data = nodes[n]
             self.nodes.append(data)
             if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
                 self.moving[n - a] = ("tag", None)
             elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w in probe.pred[n] for t in probe.pred[w] if data["version"] and
-                           probe.nodes[t]["version"] == data["version"] - 1 and probe.nodes[t]["shape"] == data["shape"]]
+                earlier = [t for w in pred[n] for t in pred[w] if data["version"] and
+                           nodes[t]["version"] == data["version"] - 1 and nodes[t]["shape"] == data["shape"]]
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
-            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e)
-                           for u, _, e in probe.in_edges(n, data=True)]
+            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
 
     def copy(self, base: int, shift: int, image, out: TraceGraph) -> list[dict]:
         """The nodes' attributes for a copy at `base`, `shift` micro-batches later: a send's or recv's tag
@@ -174,6 +175,15 @@ class _Step:
                 data["version"] = before["version"] + 1
             nodes[off] = data
         return nodes
+
+
+def _append(graph: TraceGraph, nodes, edges) -> None:
+    """add_nodes_from (numbered on from len(graph)) then add_edges_from into those nodes, written straight
+    into networkx's dicts: every node is new and every edge ends at one, so its per-item checks find nothing."""
+    for n, data in enumerate(nodes, len(graph)):
+        graph._node[n], graph._succ[n], graph._pred[n] = dict(data), {}, {}
+    for u, v, data in edges:
+        graph._succ[u][v] = graph._pred[v][u] = dict(data)
 
 
 def _renumber_orders(graph: TraceGraph) -> None:
@@ -213,17 +223,19 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
             renamed[name] = pattern.sub(lambda m: f"layers.{int(m.group(1)) + layer_offset}", name)
         return renamed[name]
 
-    out = graph.copy()
-    out.graph.update(stage=to_stage, rank=graph.graph["rank"] + shift)
-    for _, d in out.nodes(data=True):
+    def moved(d: dict) -> dict:
         if d["kind"] == "tensor":
-            d["name"] = rename(d["name"])
-            continue
-        d["module"] = rename(d["module"])
-        if d["kind"] == "collective":
-            d["group"] = [r + shift for r in d["group"]]
-            d["src"] = None if d["src"] is None else d["src"] + shift
-            d["dst"] = None if d["dst"] is None else d["dst"] + shift
+            return {**d, "name": rename(d["name"])}
+        if d["kind"] == "op":
+            return {**d, "module": rename(d["module"])}
+        return {**d, "module": rename(d["module"]), "group": [r + shift for r in d["group"]],
+                "src": None if d["src"] is None else d["src"] + shift,
+                "dst": None if d["dst"] is None else d["dst"] + shift}
+
+    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": graph.graph["rank"] + shift})
+    # edges in graph.copy()'s order: by source node, then by target
+    _append(out, map(moved, graph._node.values()),
+            ((u, v, e) for u, targets in graph._succ.items() for v, e in targets.items()))
     return out
 
 
@@ -231,12 +243,12 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
     """Step k (nodes from starts[k] to starts[k+1]) runs after step k-1: its first nodes (those with no
     producer inside the step) read a 0-byte tensor written by step k-1's last node."""
     bounds = [*starts, len(graph)]
-    work = {n for n, kind in graph.nodes(data="kind") if kind != "tensor"}
+    pred = graph._pred  # networkx's own dict: its views cost microseconds per lookup
+    work = {n for n, d in graph._node.items() if d["kind"] != "tensor"}
     for k in range(1, len(starts)):
         start, end = bounds[k], bounds[k + 1]
         before = [n for n in range(bounds[k - 1], start) if n in work]
-        roots = [n for n in range(start, end) if n in work and
-                 not any(p >= start for t in graph.pred[n] for p in graph.pred[t])]
+        roots = [n for n in range(start, end) if n in work and not any(p >= start for t in pred[n] for p in pred[t])]
         if not before or not roots:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
