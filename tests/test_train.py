@@ -2,8 +2,10 @@
 
 Everything is made here: a word-level tokenizer trained on the test's own text (saved as a HuggingFace
 tokenizer folder), a tiny SQuAD v2.0 file and tiny models. test_capture.py reuses these helpers."""
+import argparse
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -14,7 +16,10 @@ from syntorch.checkpoints import load_checkpoint, save_checkpoint
 from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.models import build_model
+from syntorch.parallel.launch import RankFailed, init_distributed, spawn
 from syntorch.train import data as D
+from syntorch.train.loop import train_rank
+from syntorch.train.options import add_arguments, options_from_args
 from conftest import tiny_config
 
 WORDS = "the cat sat on a mat dog ran to park bird flew over tree red blue green house".split()
@@ -170,6 +175,36 @@ def test_best_and_last_checkpoints_load_with_transformers(trained, workspace, fa
     trained_weights = load_checkpoint(trained[family] / "last_model")[1].state_dict()
     initial = load_checkpoint(workspace[family])[1].state_dict()
     assert not torch.equal(trained_weights["tok_emb.weight"], initial["tok_emb.weight"])
+
+
+# ---- DDP ------------------------------------------------------------------------------------------------
+
+def test_four_ranks_train_and_save(workspace, tmp_path, capfd):
+    save = tmp_path / "ckpt"
+    code = main(train_args(workspace, "gpt2", save, "--nproc", "4", "--batch-size", "2", "--max-steps", "2",
+                           "--num-epochs", "1"))
+    out = capfd.readouterr().out
+    assert code == 0 and "2 steps on 4 rank(s)" in out, out
+    assert load_checkpoint(save / "last_model")[1] is not None
+
+
+def faulty_train_rank(opts):
+    """Rank 1 fails after joining the group; rank 0 trains and would wait for it in DDP's first broadcast."""
+    rank, _ = init_distributed("cpu")
+    if rank == 1:
+        raise RuntimeError("injected fault")
+    train_rank(opts)
+
+
+def test_a_crashing_worker_stops_every_worker_and_is_named(workspace, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts, _ = options_from_args(parser.parse_args(train_args(workspace, "gpt2", tmp_path / "ckpt")[1:]))
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"^rank 1 failed: RuntimeError: injected fault$"):
+        spawn(faulty_train_rank, 2, (opts,))
+    assert time.monotonic() - start < 60  # generous for a loaded 2-core machine; a hang would be 300 s
+    assert not (tmp_path / "ckpt").exists()
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
