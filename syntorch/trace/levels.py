@@ -49,34 +49,36 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
         inputs = _boundary_inputs(graph, members, run_of, i)
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = out.add_tensor(**_tensor_fields(graph.nodes[t]))
+                new_tensor[t] = out.add_tensor(**_tensor_fields(graph._node[t]))
         node = _add_group(out, graph, members, [new_tensor[t] for t in inputs])
         for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
-            new_tensor[t] = out.add_tensor(**_tensor_fields(graph.nodes[t]))
+            new_tensor[t] = out.add_tensor(**_tensor_fields(graph._node[t]))
             out.add_edge(node, new_tensor[t], arg=arg)
     return out
 
 
+# networkx's own dicts below (graph._node, _pred, _succ): its views cost microseconds per lookup
+
 def _boundary_inputs(graph, members, run_of, i) -> list[int]:
-    seen = []
+    pred, nodes = graph._pred, graph._node
+    seen = {}  # ordered set
     for node in members:
-        for t in graph.predecessors(node):
-            producers = list(graph.predecessors(t))
-            inside = any(run_of.get(p) == i for p in producers)
-            if not inside and not graph.nodes[t]["is_param"] and t not in seen:
-                seen.append(t)
-    return seen
+        for t in pred[node]:
+            inside = any(run_of.get(p) == i for p in pred[t])
+            if not inside and not nodes[t]["is_param"]:
+                seen[t] = None
+    return list(seen)
 
 
 def _boundary_outputs(graph, members, run_of, i) -> list[int]:
     """Outputs read outside the run, and the run's final result if nobody reads it (e.g. logits)."""
-    last = members[-1]
+    succ, last = graph._succ, members[-1]
     found = []
     for node in members:
-        for t in graph.successors(node):
-            readers = [run_of[r] for r in graph.successors(t)]
-            final = not readers and node == last and graph.edges[node, t]["arg"] == 0
-            if any(r != i for r in readers) or final:
+        for t, edge in succ[node].items():
+            readers = succ[t]
+            final = not readers and node == last and edge["arg"] == 0
+            if final or any(run_of[r] != i for r in readers):
                 found.append(t)
     return found
 
@@ -87,11 +89,11 @@ def _tensor_fields(d: dict) -> dict:
 
 
 def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: list[int]) -> int:
-    first = graph.nodes[members[0]]
+    first = graph._node[members[0]]
     if first["kind"] == "collective":
         fields = {k: v for k, v in first.items() if k not in ("kind", "collective", "group", "bytes", "order")}
         return out.add_collective(first["collective"], inputs, group=first["group"], nbytes=first["bytes"], **fields)
-    ops = [graph.nodes[n] for n in members]
+    ops = [graph._node[n] for n in members]
     durations = [d.get("duration_us") for d in ops]
     extra = {"duration_us": sum(durations)} if None not in durations else {}
     key = layer_of(first["module"]) if out.graph["level"] == "layer" else first["module"]
