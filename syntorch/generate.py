@@ -180,19 +180,24 @@ class _Run:
     def __init__(self, model, phase_scope):
         self.model = model
         self.phase_scope = phase_scope
-        self.symbolic = next(model.parameters()).device.type == "meta"
+        self.device = next(model.parameters()).device
+        self.symbolic = self.device.type == "meta"
         self.vocab_size = model.config.vocab_size
         self.times: list[float] = []
 
     def step(self, idx: torch.Tensor, start: int, select):
-        """Logits of the last position of idx [B, T] (positions start..), handed as float32 on CPU to
-        `select`, whose result is returned; on meta, `select` is not called and None is returned."""
+        """Logits of the last position of idx (positions start..) handed as float32 to `select` (on CPU; on
+        meta as they are, so the choice is traced too), whose result is returned (None without `select`).
+        idx is [B, T], or the [B] tokens the last step chose: they are fed in here, inside the step, so a
+        trace links each step to the one that chose its input."""
         phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
         begin = time.perf_counter()
         with self.phase_scope(phase):
+            if idx.dim() == 1:
+                idx = idx[:, None].to(self.device)  # [B, 1]
             # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
-            logits = self.model(idx, start=start, last_only=True)[:, -1, :self.vocab_size]  # [B, V]
-            chosen = None if self.symbolic else select(logits.float().cpu())
+            logits = self.model(idx, start=start, last_only=True)[:, -1, :self.vocab_size].float()  # [B, V]
+            chosen = select(logits if self.symbolic else logits.cpu()) if select else None
         self.times.append(time.perf_counter() - begin)
         return chosen
 
@@ -213,14 +218,12 @@ def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[li
     idx, new = prompt, []
     while True:
         token = run.step(idx, T + len(new) - 1 if new else 0, select)
-        if token is None:  # meta: no values, so no stop token can fire
-            token = placeholder
-        else:
+        if not run.symbolic:  # meta has no values, so no stop token can fire
             finished |= torch.isin(token, stop_tokens)
-        new.append(token)
+        new.append(placeholder if run.symbolic else token)
         if len(new) == max_new_tokens or finished.all():
             break
-        idx = new[-1][:, None].to(prompt.device)  # [B, 1]
+        idx = token  # [B]: the next step feeds it
     rows = torch.cat((_known(prompt), torch.stack(new, 1)), 1).tolist()
     return rows if run.symbolic else [_cut_after_stop(row, T, stop_tokens.tolist()) for row in rows]
 

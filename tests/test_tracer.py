@@ -134,6 +134,22 @@ def test_generation_phases_and_kv_cache_data_flow():
     assert writers == {"prefill", "decode[0]", "decode[1]"}
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.8, top_k=5, seed=1)])
+def test_each_step_reads_the_token_the_step_before_chose(sampling):
+    """The chosen token is traced and fed to the next step inside it, on cpu and on meta alike."""
+    ops = {}
+    for device in ("cpu", "meta"):
+        model = build_model(tiny_config("gpt2"), device=device)
+        graph, _ = trace_generation(model, torch.zeros(1, 4, dtype=torch.long, device=device), 3, sampling)
+        choices = {d["phase"]: n for n, d in graph.ops() if d["name"] in ("aten.argmax", "aten.multinomial")}
+        assert list(choices) == ["prefill", "decode[0]", "decode[1]"]
+        for before, after in (("prefill", "decode[0]"), ("decode[0]", "decode[1]")):
+            lookup = next(n for n, d in graph.ops() if d["phase"] == after and d["module"] == "tok_emb")
+            assert nx.has_path(graph, choices[before], lookup)
+        ops[device] = [(d["name"], d["module"], d["phase"]) for _, d in graph.ops()]
+    assert ops["cpu"] == ops["meta"]
+
+
 @pytest.fixture
 def fake_world():
     from torch.testing._internal.distributed.fake_pg import FakeStore
