@@ -66,13 +66,10 @@ def _no_gc():
 def _trace_workload(config, plan, dtype, hw) -> Workload:
     source = traced_stage_for(config, plan)
     probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
-    stages = []
-    for s in range(plan.pp):
-        probe, blocks = probes[source[s]]
-        if source[s] != s:
-            offset = plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0]
-            probe = shift_stage(probe, plan.mesh, s, offset)
-        stages.append(schedule_stage(probe, blocks, plan))
+    moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
+                            plan.stage(config, source[s]).layers[0]) for s in range(plan.pp) if source[s] != s}
+    # shifted first: schedule_stage may finish a probe in place (see there)
+    stages = [schedule_stage(moved[s] if s in moved else probes[s][0], probes[source[s]][1], plan) for s in range(plan.pp)]
     for graph in stages if hw else ():  # after shifting: a moved group may span nodes where the source did not
         fill_durations(graph, hw)
     return Workload(config, plan, stages, hw.name if hw else None, len(probes))

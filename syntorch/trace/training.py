@@ -102,12 +102,18 @@ def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
 def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> TraceGraph:
     """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
     each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
-    play the same part (the same micro-batch's forward, the previous backward)."""
+    play the same part (the same micro-batch's forward, the previous backward).
+
+    When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
+    the probe itself: then `probe` is finished in place and returned."""
     stage, M = probe.graph["stage"], plan.microbatches
     probed = 1 + max(m for kind, m in blocks if kind != "optimizer")
     order = [*(schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m) for m in range(M)]),
              *([("optimizer", M)] if ("optimizer", None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
+    if [key for _, _, key in found] == [("optimizer", None) if kind == "optimizer" else (kind, m) for kind, m in order]:
+        _renumber_orders(probe)
+        return _finish(probe, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
     _append(out, (probe._node[n] for n in range(prefix)),
