@@ -209,8 +209,13 @@ def summarize(workload: Workload, views: list[TraceGraph], level: str) -> dict:
     plan, mesh = workload.plan, workload.plan.mesh
     stages = []
     for s, (graph, view) in enumerate(zip(workload.stages, views)):
-        ops = [d for _, d in graph.ops()]
-        comms = [d for _, d in graph.collectives()]
+        nodes = graph._node.values()  # networkx's own dict: 10^5 nodes, several passes
+        ops = [d for d in nodes if d["kind"] == "op"]
+        comms = [d for d in nodes if d["kind"] == "collective"]
+        flops = dict.fromkeys(("forward", "backward", "optimizer"), 0)
+        for d in ops:
+            if d["phase"] in flops:
+                flops[d["phase"]] += d["flops"]
         by_kind = {}
         for d in comms:
             by_kind.setdefault(d["collective"], [0, 0])
@@ -220,11 +225,11 @@ def summarize(workload: Workload, views: list[TraceGraph], level: str) -> dict:
         stages.append({
             "stage": s, "layers": [layers[0], layers[-1]],
             "ranks": [r for r in range(mesh.world_size) if mesh.coords(r)[1] == s],
-            "flops": {p: sum(d["flops"] for d in ops if d["phase"] == p) for p in ("forward", "backward", "optimizer")},
+            "flops": flops,
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),
             "comm_bytes": sum(d["bytes"] for d in comms),
             "comm": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(by_kind.items())},
-            "ops": len(ops), "chakra_nodes": sum(1 for _ in view.work()),
+            "ops": len(ops), "chakra_nodes": sum(1 for d in view._node.values() if d["kind"] != "tensor"),
             "compute_us": sum(d.get("duration_us", 0.0) for d in ops),
             "comm_us": sum(d.get("duration_us", 0.0) for d in comms),
             "schedule": graph.graph["pipeline_schedule"],
