@@ -49,11 +49,11 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
         inputs = _boundary_inputs(graph, members, run_of, i)
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = out.add_tensor(**_tensor_fields(graph._node[t]))
+                new_tensor[t] = _copy_tensor(out, graph._node[t])
         node = _add_group(out, graph, members, [new_tensor[t] for t in inputs])
         for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
-            new_tensor[t] = out.add_tensor(**_tensor_fields(graph._node[t]))
-            out.add_edge(node, new_tensor[t], arg=arg)
+            new_tensor[t] = _copy_tensor(out, graph._node[t])
+            out._succ[node][new_tensor[t]] = out._pred[new_tensor[t]][node] = {"arg": arg}  # a new edge
     return out
 
 
@@ -83,9 +83,13 @@ def _boundary_outputs(graph, members, run_of, i) -> list[int]:
     return found
 
 
-def _tensor_fields(d: dict) -> dict:
-    fields = {k: v for k, v in d.items() if k not in ("kind", "shape", "dtype", "bytes")}
-    return dict(shape=d["shape"], dtype=d["dtype"], nbytes=d["bytes"], **fields)
+def _copy_tensor(out: TraceGraph, d: dict) -> int:
+    """What out.add_tensor would make of tensor node d (its fields, a name if it had none), without its
+    argument handling: level views copy 10^5 tensors."""
+    node = len(out)
+    out._node[node] = {**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])}
+    out._succ[node], out._pred[node] = {}, {}
+    return node
 
 
 def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: list[int]) -> int:
