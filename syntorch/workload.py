@@ -69,9 +69,12 @@ def _trace_workload(config, plan, dtype, hw) -> Workload:
     moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
                             plan.stage(config, source[s]).layers[0]) for s in range(plan.pp) if source[s] != s}
     # shifted first: schedule_stage may finish a probe in place (see there)
-    stages = [schedule_stage(moved[s] if s in moved else probes[s][0], probes[source[s]][1], plan) for s in range(plan.pp)]
-    for graph in stages if hw else ():  # after shifting: a moved group may span nodes where the source did not
+    unscheduled = [moved[s] if s in moved else probes[s][0] for s in range(plan.pp)]
+    # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
+    # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
+    for graph in unscheduled if hw else ():
         fill_durations(graph, hw)
+    stages = [schedule_stage(graph, probes[source[s]][1], plan) for s, graph in enumerate(unscheduled)]
     return Workload(config, plan, stages, hw.name if hw else None, len(probes))
 
 
