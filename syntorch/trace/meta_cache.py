@@ -36,10 +36,18 @@ def _key(value):
     raise TypeError(f"not memoized: {type(value)}")
 
 
-def _fresh_meta(out) -> bool:
-    """Results a rebuild reproduces: meta tensors at offset 0 of storages of their own."""
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
+
+
+def _fresh_meta(out, args) -> bool:
+    """Results a rebuild reproduces: meta tensors at offset 0 of storages of their own (none an argument's)."""
     storages = {t.untyped_storage()._cdata for t in out}
-    return len(storages) == len(out) and all(t.device.type == "meta" and t.storage_offset() == 0 for t in out)
+    taken = {t.untyped_storage()._cdata for t in _tensors(args)}
+    return (len(storages) == len(out) and not storages & taken
+            and all(t.device.type == "meta" and t.storage_offset() == 0 for t in out))
 
 
 class MetaCache(TorchDispatchMode):
@@ -59,7 +67,7 @@ class MetaCache(TorchDispatchMode):
             out = func(*args, **kwargs)
             outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
             self.results[key] = (isinstance(out, torch.Tensor), [(t.shape, t.stride(), t.dtype) for t in outs]
-                                 ) if _fresh_meta(outs) else False
+                                 ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
             return out
         if found is False:  # results this cache cannot rebuild (not on meta, or sharing storage)
             return func(*args, **kwargs)
