@@ -29,7 +29,10 @@ def atomic_output_dir(path: str | Path, force: bool = False, allow_existing: boo
         yield tmp
         if force and path.exists():
             shutil.rmtree(path)
-        path.mkdir(exist_ok=True)
+        if not path.exists():  # the whole folder in one rename (8192 rank traces were 8192 renames)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs get the usual permissions
+            os.replace(tmp, path)
+            return
         for item in tmp.iterdir():
             target = path / item.name
             if target.is_dir() and not target.is_symlink():
