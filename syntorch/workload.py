@@ -10,8 +10,6 @@ from its stage's nodes, serialized once, with only what differs per rank patched
 attributes are encoded apart and appended to the node's bytes (a protobuf message may carry a repeated field
 in several pieces), so writing a rank is joining byte strings.
 """
-import contextlib
-import gc
 import json
 import struct
 import types
@@ -29,7 +27,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.plans import TrainPlan, plan_group_ranks
 from syntorch.trace.cost import fill_durations
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.levels import level_view
 from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for, translate
 
@@ -47,20 +45,8 @@ class Workload:
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None) -> Workload:
-    with _no_gc():
+    with no_gc():
         return _trace_workload(config, plan, dtype, hw)
-
-
-@contextlib.contextmanager
-def _no_gc():
-    # graphs of 10^5 nodes are all young objects: the collector rescans them again and again for nothing
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _trace_workload(config, plan, dtype, hw) -> Workload:
@@ -167,7 +153,7 @@ def write_workload(workload: Workload, out_dir, level: str = "module", force: bo
                    progress: bool = True) -> dict:
     """Every rank's `<model>.<rank>.et`, `comm_groups.json`, `tensor_trace_chakra.json` (rank 0) and
     `summary.json` into `out_dir`, whole or not at all. Returns the summary."""
-    with _no_gc():
+    with no_gc():
         return _write_workload(workload, out_dir, level, force, progress)
 
 
