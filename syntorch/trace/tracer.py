@@ -58,6 +58,7 @@ class Tracer:
         self.writes: dict[int, tuple[int, int]] = {}  # storage key -> (number of writes, last writing op)
         self.names: dict[int, tuple[str, bool]] = {}  # id(parameter or buffer) -> (name, is_param); they outlive the trace
         self.layer_calls: list[LayerCall] = []  # each forward call of a transformer layer, for replicate.py
+        self.unrecorded: list[contextlib.ExitStack] = []  # per unrecorded layer running now: our modes, popped
         self._exits = contextlib.ExitStack()
 
     # --- entering and leaving ------------------------------------------------------------------
@@ -65,8 +66,9 @@ class Tracer:
         self._exits.enter_context(no_gc())
         if self.model is not None:
             self._watch_modules(self.model)
-        self._exits.enter_context(_FunctionMode(self))
-        self._exits.enter_context(_DispatchMode(self))
+        self._modes = (_FunctionMode(self), _DispatchMode(self))
+        for mode in self._modes:
+            self._exits.enter_context(mode)
         return self
 
     def __exit__(self, *exc):
@@ -93,8 +95,9 @@ class Tracer:
     def _enter_module(self, path: str, is_layer: bool, skipped: bool):
         def hook(_module, args):
             self.modules.append(path)
-            if skipped:
+            if skipped:  # our modes leave the stacks while it runs: even paused, they cost ~5% of every op
                 self.paused += 1
+                self.unrecorded.append(_modes_popped(self._modes))
             elif is_layer and self._recording() and args and isinstance(args[0], torch.Tensor):
                 x = self.tensor_node(args[0])
                 self.layer_calls.append(LayerCall(path, len(self.graph), -1, x, -1))
@@ -105,6 +108,7 @@ class Tracer:
             self.modules.pop()
             call = self.layer_calls[-1] if self.layer_calls else None
             if skipped:
+                self.unrecorded.pop().close()
                 self.paused -= 1
                 if last and self._recording() and call is not None and isinstance(out, torch.Tensor):
                     self._alias(out, call.output)  # the stack's output: what replicate.py maps to the last copy
@@ -339,6 +343,16 @@ def _fused_layout(out: torch.Tensor) -> torch.Tensor:
     """[B, H, T, D] stored as [B, T, H, D], as fused kernels (FlashAttention, CPU flash) write it; the math
     path writes [B, H, T, D] contiguous, which would change the ops that follow (a view vs a copy)."""
     return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _modes_popped(modes) -> contextlib.ExitStack:
+    """Our function and dispatch modes off their stacks (they are on top: a layer does not push modes) until
+    the returned stack is closed."""
+    popped = contextlib.ExitStack()
+    function_mode = popped.enter_context(torch.overrides._pop_mode_temporarily())
+    dispatch_mode = popped.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
+    assert (function_mode, dispatch_mode) == modes, "another mode sits above the tracer's"
+    return popped
 
 
 def _storage_key(t: torch.Tensor) -> int:
