@@ -185,14 +185,17 @@ class _Run:
         self.vocab_size = model.config.vocab_size
         self.times: list[float] = []
 
-    def step(self, idx: torch.Tensor, start: int, select):
+    def step(self, idx: torch.Tensor, start: int, select, cache_rows: torch.Tensor | None = None):
         """Logits of the last position of idx (positions start..) handed as float32 to `select` (on CPU; on
         meta as they are, so the choice is traced too), whose result is returned (None without `select`).
         idx is [B, T], or the [B] tokens the last step chose: they are fed in here, inside the step, so a
-        trace links each step to the one that chose its input."""
+        trace links each step to the one that chose its input. `cache_rows` (beam search) reorders the
+        KV cache first, inside the step too, so its copies are traced."""
         phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
         begin = time.perf_counter()
         with self.phase_scope(phase):
+            if cache_rows is not None:
+                reorder_caches(self.model, cache_rows.to(self.device))
             if idx.dim() == 1:
                 idx = idx[:, None].to(self.device)  # [B, 1]
             # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
@@ -245,14 +248,13 @@ def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> 
     rows are reordered to follow the beams they continue."""
     B, T = prompt.shape
     beams = None if run.symbolic else _Beams(prompt.cpu(), beam_width, T + max_new_tokens, stop_tokens)
-    idx = prompt.repeat_interleave(beam_width, 0)  # [B*N, T]: every beam starts from its row's prompt
+    idx, rows = prompt.repeat_interleave(beam_width, 0), None  # [B*N, T]: every beam starts from its row's prompt
     for i in range(max_new_tokens):
-        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None)
+        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None, cache_rows=rows)
         if (beams.done if beams else i == max_new_tokens - 1):
             break
-        tokens, rows = chosen or (torch.zeros(B * beam_width, dtype=torch.long), torch.arange(B * beam_width))
-        reorder_caches(run.model, rows.to(prompt.device))
-        idx = tokens[:, None].to(prompt.device)  # [B*N, 1]
+        # [B*N] tokens and the cache row each beam continues; the next step feeds them
+        idx, rows = chosen or (torch.zeros(B * beam_width, dtype=torch.long), torch.arange(B * beam_width))
     if beams is None:  # meta: placeholders of full length
         return torch.cat((_known(prompt), torch.zeros(B, max_new_tokens, dtype=torch.long)), 1).tolist()
     return beams.best()

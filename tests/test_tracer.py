@@ -150,6 +150,23 @@ def test_each_step_reads_the_token_the_step_before_chose(sampling):
     assert ops["cpu"] == ops["meta"]
 
 
+def test_beam_steps_read_the_beams_chosen_before_and_reorder_the_cache_inside():
+    n_layer = 2
+    model = build_model(tiny_config("gpt2", n_layer=n_layer))
+    graph, result = trace_generation(model, torch.randint(0, 50, (1, 4)), 3, beam_width=2)
+    assert len(result.new_tokens[0]) == 3
+    phases = ["prefill", "decode[0]", "decode[1]"]
+    choices = {}  # each step's first pick: the candidate tokens and beams
+    for n, d in graph.ops():
+        if d["name"] == "aten.topk":
+            choices.setdefault(d["phase"], n)
+    for before, after in zip(phases, phases[1:]):
+        lookup = next(n for n, d in graph.ops() if d["phase"] == after and d["module"] == "tok_emb")
+        assert nx.has_path(graph, choices[before], lookup)
+        reorders = [n for n, d in graph.ops() if d["phase"] == after and d["name"] == "aten.index_select"]
+        assert len(reorders) == 2 * n_layer  # keys and values of every layer follow their beams
+
+
 @pytest.fixture
 def fake_world():
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -185,17 +202,19 @@ def test_collectives_on_the_fake_backend(fake_world):
     assert nx.is_directed_acyclic_graph(tracer.graph)
 
 
+@pytest.mark.parametrize("beam_width", [1, 2])
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 @pytest.mark.parametrize("base", ["gpt2", "gptj-6b"])
-def test_replicated_layers_equal_a_full_trace(base, device):
+def test_replicated_layers_equal_a_full_trace(base, device, beam_width):
     """On meta only the first layer runs; on cpu every layer runs and only the first is recorded."""
     torch.manual_seed(0)
     model = build_model(tiny_config(base, n_layer=3), device=device)
     prompt = torch.randint(0, 50, (2, 5), device=device)
-    full, full_run = trace_generation(model, prompt, 3, Sampling(temperature=0), replicate=False)
-    replicated, replicated_run = trace_generation(model, prompt, 3, Sampling(temperature=0), replicate=True)
+    greedy = dict(sampling=Sampling(temperature=0), beam_width=beam_width)
+    full, full_run = trace_generation(model, prompt, 3, replicate=False, **greedy)
+    replicated, replicated_run = trace_generation(model, prompt, 3, replicate=True, **greedy)
     if device == "cpu":  # the values went through every layer
-        assert replicated_run.tokens == full_run.tokens == generate(model, prompt, 3, Sampling(temperature=0)).tokens
+        assert replicated_run.tokens == full_run.tokens == generate(model, prompt, 3, **greedy).tokens
     assert len(replicated) == len(full) > 0
     assert dict(replicated.nodes(data=True)) == dict(full.nodes(data=True))
     assert sorted(replicated.edges(data="arg")) == sorted(full.edges(data="arg"))

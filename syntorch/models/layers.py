@@ -14,18 +14,23 @@ class KVCache(nn.Module):
         shape = (batch, n_head, max_seq, d_head)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.rows: torch.Tensor | None = None  # set by reorder, applied by the next update
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
         # k, v: [B, H, T, D] for positions start..start+T; returns the cache up to start+T
+        if self.rows is not None:
+            self.k.copy_(self.k.index_select(0, self.rows))
+            self.v.copy_(self.v.index_select(0, self.rows))
+            self.rows = None
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def reorder(self, index: torch.Tensor):
-        """Beam search: row b of the cache becomes row index[b]."""
-        self.k.copy_(self.k.index_select(0, index))
-        self.v.copy_(self.v.index_select(0, index))
+        """Beam search: row b of the cache becomes row index[b], when the layer next runs (so the copy is
+        part of the layer's work, as in every layer's step)."""
+        self.rows = index
 
 
 def rotary_tables(positions: torch.Tensor, rotary_dim: int):
