@@ -154,3 +154,16 @@ def test_infer_visualize_trace_writes_the_seed_files(tmp_path, device):
     assert (out / "tensor_trace_graph.png").read_bytes()[:4] == b"\x89PNG"
     run = json.loads((out / "run.json").read_text())
     assert run["trace"]["nodes"] == len(graph) and run["trace"]["flops"] == graph.total_flops()
+
+
+def test_output_piped_into_a_reader_that_stops_is_no_traceback(graph, tmp_path):
+    """`syntorch comm ... | head -1`: the reader closes the pipe; exit 1 quietly, no traceback."""
+    import subprocess
+    import sys
+    networkx_json.export(graph, tmp_path / "g.json")
+    command = [sys.executable, "-c", "from syntorch.cli import run_main; run_main()", "comm", "--input",
+               str(tmp_path / "g.json"), "--noise_level", "3", "--html", str(tmp_path / "c.html")]
+    writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer.stdout.close()  # as `head` does once it has read enough; here before the first write, so no race
+    err = writer.stderr.read().decode()
+    assert writer.wait(timeout=120) == 1 and "Traceback" not in err, err

@@ -4,6 +4,7 @@ A command module parses and validates, then calls library functions; it holds no
 """
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -29,6 +30,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"syntorch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout piped into a reader that stopped (`| head`): not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+        return 1
 
 
 def run_main():
