@@ -137,12 +137,13 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
         if missing := [m for m in members if m not in ranks]:
             problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
     traces, checked = [], {}  # node bytes -> (nodes, problems): identical ranks are decoded and checked once
+    node_checks = {}  # one node's bytes -> its problems: ranks of a stage share most nodes byte for byte
     for rank, f in files:
         header, body = _split(_read(f), f)
         key = b"".join(body)
         if key not in checked:
             nodes = _parse_nodes(body, f)
-            checked[key] = (nodes, check_nodes(nodes, groups, len(files), roofline))
+            checked[key] = (nodes, check_nodes(nodes, groups, len(files), roofline, body, node_checks))
         nodes, local = checked[key]
         trace = RankTrace(f, rank, nodes)
         if header is None:
@@ -180,14 +181,25 @@ def _value(attr):
     return getattr(attr, attr.WhichOneof("value")) if attr.WhichOneof("value") else None
 
 
-def check_nodes(nodes: list[et.Node], groups: dict, world: int, roofline: bool = False) -> list[tuple[int, str]]:
+def check_nodes(nodes: list[et.Node], groups: dict, world: int, roofline: bool = False,
+                messages: list[bytes] | None = None, cache: dict | None = None) -> list[tuple[int, str]]:
     """Rules within one file that do not depend on its rank: unique ids, deps that exist, no cycle,
-    node types and attributes. Returns (node id, what to fix) pairs."""
+    node types and attributes. Returns (node id, what to fix) pairs. With the nodes' `messages`, a node's
+    own checks are looked up in `cache` by its bytes (they depend on nothing else for one groups/world)."""
     ids = Counter(n.id for n in nodes)
     problems = [(node_id, f"id used by {count} nodes; ids must be unique (ASTRA-sim keeps only the last)")
                 for node_id, count in ids.items() if count > 1]
-    for node in nodes:
-        problems += [(node.id, p) for p in _check_node(node, ids, groups, world, roofline)]
+    cache = {} if cache is None else cache
+    for i, node in enumerate(nodes):
+        problems += [(node.id, f"{kind} names node {d}, which is not in this file")
+                     for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps))
+                     for d in deps if d not in ids]
+        found = cache.get(messages[i]) if messages else None
+        if found is None:
+            found = _check_node(node, groups, world, roofline)
+            if messages:
+                cache[messages[i]] = found
+        problems += [(node.id, p) for p in found]
     return problems + _check_cycles(nodes)
 
 
@@ -196,6 +208,8 @@ def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
     source (a recv's destination), when given, is itself (ASTRA-sim throws otherwise)."""
     problems = []
     for node in trace.nodes:
+        if node.type not in COMM_NODES:
+            continue
         attrs = _attrs(node)
         if node.type == et.COMM_COLL_NODE and "pg_name" in attrs:
             name = attrs["pg_name"].string_val
@@ -209,13 +223,12 @@ def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
     return problems
 
 
-def _check_node(node, ids, groups, world, roofline) -> list[str]:
-    problems = []
-    for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps)):
-        problems += [f"{kind} names node {d}, which is not in this file" for d in deps if d not in ids]
+def _check_node(node, groups, world, roofline) -> list[str]:
+    """The node's type and attributes."""
     if node.type in (et.METADATA_NODE, et.INVALID_NODE):
-        return problems + [f"{et.NodeType.Name(node.type)} is not allowed (ASTRA-sim aborts or stalls); "
-                           "drop it or make it a COMP_NODE"]
+        return [f"{et.NodeType.Name(node.type)} is not allowed (ASTRA-sim aborts or stalls); "
+                "drop it or make it a COMP_NODE"]
+    problems = []
     attrs = _attrs(node)
     for name, attr in attrs.items():
         kind = attr.WhichOneof("value")
@@ -333,6 +346,8 @@ def check_send_recv(traces: list[RankTrace]) -> list[str]:
     sends, recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [(trace, node)]
     for trace in traces:
         for node in trace.nodes:
+            if node.type not in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
+                continue
             attrs = _attrs(node)
             if node.type == et.COMM_SEND_NODE:
                 key = (trace.rank, _int_attr(attrs, "comm_dst"), _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size"))
