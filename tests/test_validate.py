@@ -214,3 +214,15 @@ def test_nothing_to_validate(tmp_path):
     (tmp_path / "a.0.et").write_bytes(b"")
     with pytest.raises(UserError, match="integer-string keys"):
         validate_traces(tmp_path / "a")
+
+
+def test_a_broken_node_shared_by_ranks_is_reported_in_each(good):
+    """Nodes checked once per distinct bytes are still reported once per file that holds them."""
+    def metadata_node(h, nodes):
+        nodes[0].type = et.METADATA_NODE  # a compute node every rank of the stage has byte for byte
+        return h, nodes
+    for rank in (0, 1):
+        rewrite(good / f"mix.{rank}.et", metadata_node)
+    assert read_et(good / "mix.0.et")[1][0] == read_et(good / "mix.1.et")[1][0]  # the same node in both files
+    problems = [p for p in validate_traces(good) if "METADATA_NODE" in p]
+    assert [p.split(":")[0] for p in problems] == ["mix.0.et", "mix.1.et"]
