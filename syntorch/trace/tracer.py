@@ -346,12 +346,14 @@ def _fused_layout(out: torch.Tensor) -> torch.Tensor:
 
 
 def _modes_popped(modes) -> contextlib.ExitStack:
-    """Our function and dispatch modes off their stacks (they are on top: a layer does not push modes) until
-    the returned stack is closed."""
+    """Our function and dispatch modes off their stacks until the returned stack is closed. If another mode
+    sits above ours, nothing is popped: the layer then runs through our modes, paused."""
     popped = contextlib.ExitStack()
-    function_mode = popped.enter_context(torch.overrides._pop_mode_temporarily())
-    dispatch_mode = popped.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
-    assert (function_mode, dispatch_mode) == modes, "another mode sits above the tracer's"
+    function_mode, dispatch_mode = modes
+    if (torch.overrides._get_current_function_mode_stack()[-1:] == [function_mode]
+            and torch.utils._python_dispatch._get_current_dispatch_mode() is dispatch_mode):
+        popped.enter_context(torch.overrides._pop_mode_temporarily())
+        popped.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
     return popped
 
 
