@@ -56,6 +56,18 @@ class TraceGraph(nx.DiGraph):
     def _new_id(self) -> int:
         return len(self)  # ids are dense and in traced order; nodes are never removed
 
+    def append(self, nodes, edges=()) -> int:
+        """Copies of `nodes` (attribute dicts, numbered on from len(self)), then of `edges` (u, v, attrs)
+        into them; returns the first new id. Written straight into networkx's dicts: every node is new and
+        every edge ends at one, so add_nodes_from/add_edges_from's per-item checks would find nothing, and
+        copies of 10^5 nodes are a hot path (replicated layers, schedules, level views)."""
+        first = len(self)
+        for n, data in enumerate(nodes, first):
+            self._node[n], self._succ[n], self._pred[n] = dict(data), {}, {}
+        for u, v, data in edges:
+            self._succ[u][v] = self._pred[v][u] = dict(data)
+        return first
+
     def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
                    device: str = "cpu", version: int = 0, **attrs) -> int:
         node = self._new_id()

@@ -52,8 +52,7 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
                 new_tensor[t] = _copy_tensor(out, graph._node[t])
         node = _add_group(out, graph, members, [new_tensor[t] for t in inputs])
         for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
-            new_tensor[t] = _copy_tensor(out, graph._node[t])
-            out._succ[node][new_tensor[t]] = out._pred[new_tensor[t]][node] = {"arg": arg}  # a new edge
+            new_tensor[t] = _copy_tensor(out, graph._node[t], (node, {"arg": arg}))
     return out
 
 
@@ -83,13 +82,12 @@ def _boundary_outputs(graph, members, run_of, i) -> list[int]:
     return found
 
 
-def _copy_tensor(out: TraceGraph, d: dict) -> int:
+def _copy_tensor(out: TraceGraph, d: dict, producer: tuple | None = None) -> int:
     """What out.add_tensor would make of tensor node d (its fields, a name if it had none), without its
-    argument handling: level views copy 10^5 tensors."""
+    argument handling: level views copy 10^5 tensors. `producer`: (op node, edge attributes)."""
     node = len(out)
-    out._node[node] = {**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])}
-    out._succ[node], out._pred[node] = {}, {}
-    return node
+    edges = [(producer[0], node, producer[1])] if producer else []
+    return out.append([{**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])}], edges)
 
 
 def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: list[int]) -> int:

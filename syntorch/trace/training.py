@@ -116,7 +116,7 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
         return _finish(probe, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
-    _append(out, (probe._node[n] for n in range(prefix)),
+    out.append((probe._node[n] for n in range(prefix)),
             ((u, v, e) for u in range(prefix) for v, e in probe._succ[u].items() if v < prefix))
     placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
 
@@ -140,7 +140,7 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
         step = steps[key]
         base = placed[(kind, m)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
-        _append(out, step.copy(base, shift, lambda u: image(u, shift), out),
+        out.append(step.copy(base, shift, lambda u: image(u, shift), out),
                 ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges))
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
@@ -181,15 +181,6 @@ class _Step:
                 data["version"] = before["version"] + 1
             nodes[off] = data
         return nodes
-
-
-def _append(graph: TraceGraph, nodes, edges) -> None:
-    """add_nodes_from (numbered on from len(graph)) then add_edges_from into those nodes, written straight
-    into networkx's dicts: every node is new and every edge ends at one, so its per-item checks find nothing."""
-    for n, data in enumerate(nodes, len(graph)):
-        graph._node[n], graph._succ[n], graph._pred[n] = dict(data), {}, {}
-    for u, v, data in edges:
-        graph._succ[u][v] = graph._pred[v][u] = dict(data)
 
 
 def _renumber_orders(graph: TraceGraph) -> None:
@@ -240,7 +231,7 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
 
     out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": graph.graph["rank"] + shift})
     # edges in graph.copy()'s order: by source node, then by target
-    _append(out, map(moved, graph._node.values()),
+    out.append(map(moved, graph._node.values()),
             ((u, v, e) for u, targets in graph._succ.items() for v, e in targets.items()))
     return out
 
