@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from syntorch.config import get_config
-from syntorch.export.chakra import write_chakra
+from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
-from syntorch.parallel.symbolic import trace_tp_symbolic
+from syntorch.trace.generation import trace_tp_symbolic
 from syntorch.trace.cost import fill_rank_durations, latency_us
-from syntorch.validate import check_traces
+from syntorch.chakra.validate import check_traces
 
 
 def peak_rss_gb() -> float:

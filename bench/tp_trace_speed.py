@@ -41,8 +41,8 @@ def main():
 
     timed("torch lazy imports (once per process)", lambda: __import__("torch._dynamo"))
     from syntorch.config import get_config
-    from syntorch.export.chakra import write_chakra
-    from syntorch.parallel.symbolic import trace_tp_symbolic
+    from syntorch.chakra.writer import write_chakra
+    from syntorch.trace.generation import trace_tp_symbolic
 
     config = get_config(args.model)
     prompt = torch.zeros(1, args.input, dtype=torch.long)

@@ -48,7 +48,7 @@ def run_case(name: str, level: str, validate: bool) -> dict:
                   mb=summary["et_bytes"] / 1e6, distinct=summary["distinct_rank_traces"],
                   nodes=[s["chakra_nodes"] for s in summary["stages"]])
     if validate:
-        from syntorch.validate import check_traces
+        from syntorch.chakra.validate import check_traces
         result["problems"] = len(check_traces(out)[0])
     shutil.rmtree(out.parent)
     return result

@@ -1,4 +1,6 @@
-__version__ = "0.1.0"
+from syntorch.version import __version__
+
+__all__ = ["__version__", "CommDebugMode"]
 
 
 def __getattr__(name):

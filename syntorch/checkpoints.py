@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from syntorch.config import ModelConfig
+from syntorch.config import ModelConfig, get_config, load_model_config
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
 from syntorch.models import build_model
 from syntorch.outdir import atomic_output_dir
 
@@ -344,17 +345,14 @@ def _vocab_index(vocab: Path, token: str, default: int) -> int:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
+    value = read_json(path, "checkpoint file")
     if not isinstance(value, dict):
         raise UserError(f"{path} must hold a JSON object")
     return value
 
 
-def read_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, our full state dict) from a HuggingFace directory; tensors are read one at a time."""
+def checkpoint_config(path) -> ModelConfig:
+    """The ModelConfig of a HuggingFace directory (its config.json), named after the folder."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"checkpoint folder not found: {path}")
@@ -364,6 +362,23 @@ def read_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfi
     config = hf_config_to_model_config(hf_config, name=path.resolve().name)
     if config.arch == "bert" and "mask_token_id" not in hf_config:
         config.mask_token_id = _vocab_index(path / "vocab.txt", "[MASK]", default=config.mask_token_id)
+    return config
+
+
+def resolve_model_config(model: str, model_config: str | None = None, checkpoint: str | None = None) -> ModelConfig:
+    """The one way every command finds its model: a checkpoint folder's config.json, else a --model_config
+    file (overriding the registry model `model`, or defining one), else the registry model."""
+    if checkpoint:
+        return checkpoint_config(checkpoint)
+    if model_config:
+        return load_model_config(model_config, base_name=model)
+    return get_config(model)
+
+
+def read_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, our full state dict) from a HuggingFace directory; tensors are read one at a time."""
+    config = checkpoint_config(path)
+    path = Path(path)
     hf_state = _LazyTensors(_open_weights(_weight_files(path)), device, dtype)
     return config, hf_to_syntorch_state_dict(hf_state, config)
 

@@ -5,6 +5,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
+
+# --dtype names -> torch dtype attribute names (strings: this module does not import torch)
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype name; one line naming the choices otherwise."""
+    if name not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    import torch  # only callers that build tensors need torch
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass
@@ -128,13 +140,7 @@ def config_from_dict(d: dict, base: ModelConfig | None = None, source: str = "mo
 
 def load_model_config(path: str | Path, base_name: str | None = None) -> ModelConfig:
     """--model_config FILE: a JSON object of ModelConfig fields. 'base' (or --model) names the model it overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"model config file not found: {path}")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"model config {path} is not valid JSON: {e}") from None
+    d = read_json(path, "model config")
     base = d.get("base", base_name) if isinstance(d, dict) else base_name
     return config_from_dict(d, get_config(base) if base else None, source=str(path))
 

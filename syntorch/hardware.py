@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,7 @@ def load_hw_config(name_or_path: str) -> HardwareConfig:
 
 
 def _load_json(path: Path) -> HardwareConfig:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"hw_config file {path} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"hw_config {path} is not readable JSON: {e}") from None
-    return config_from_dict(data, source=str(path))
+    return config_from_dict(read_json(path, "hw_config"), source=str(path))
 
 
 def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:

@@ -16,9 +16,9 @@ from syntorch.capture.repair import drop_forward_inter_thread_deps
 from syntorch.capture.traces import repair_host_trace
 from syntorch.cli import main
 from syntorch.errors import UserError
-from syntorch.validate import validate_traces
+from syntorch.chakra.validate import validate_traces
 from conftest import tiny_config
-from test_train import make_model, make_squad, make_tokenizer
+from train_data import make_model, make_squad, make_tokenizer
 
 RANKS = 2
 CAPTURE = ["--batch-size", "2", "--max-seq-length", "32", "--max-steps", "3", "--bucket-cap-mb", "0.1",

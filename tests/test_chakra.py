@@ -7,72 +7,17 @@ import pytest
 import torch
 from chakra.schema.protobuf import et_def_pb2 as et
 from chakra.src.jsonizer import jsonizer
-from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 from google.protobuf.json_format import MessageToDict
 
 from syntorch.errors import UserError
-from syntorch.export.chakra import chakra_nodes, scan_groups, to_json, to_proto, write_chakra
+from syntorch.chakra.groups import graph_group_ids
+from syntorch.chakra.nodes import chakra_nodes, to_json, to_proto
+from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
 from syntorch.trace.cost import fill_durations
-from syntorch.trace.graph import RankTraces, TraceGraph
-from syntorch.validate import validate_traces
-
-F32 = "torch.float32"
-
-
-def tp_rank(rank: int, world: int = 2) -> TraceGraph:
-    """A hand-built TP rank: mm -> view -> all_reduce -> gelu -> all_gather, then a broadcast and a barrier."""
-    group = list(range(world))
-    g = TraceGraph(model="toy", rank=rank, world_size=world, tp=world)
-    x = g.add_tensor([4, 8], F32, 128)
-    w = g.add_tensor([8, 8], F32, 256, is_param=True, name="fc.weight")
-    y = g.add_tensor([4, 8], F32, 128)
-    g.add_op("aten.mm", [x, w], [y], module="fc", flops=512, bytes_read=384, bytes_written=128)  # chakra 0
-    v = g.add_tensor([32], F32, 128)
-    g.add_op("aten.view", [y], [v], module="fc", is_view=True)  # folded
-    z = g.add_tensor([32], F32, 128)
-    g.add_collective("all_reduce", [v], [z], group=group, nbytes=128, reduce_op="sum")  # 1
-    a = g.add_tensor([32], F32, 128)
-    g.add_op("aten.gelu", [z], [a], module="act", flops=256, bytes_read=128, bytes_written=128)  # 2
-    gathered = g.add_tensor([32 * world], F32, 128 * world)
-    g.add_collective("all_gather", [a], [gathered], group=group, nbytes=128 * world)  # 3
-    token = g.add_tensor([1], "torch.int64", 8)
-    g.add_collective("broadcast", [token], [], group=group, nbytes=8, src=0)  # 4
-    g.add_collective("barrier", [], [], group=group, nbytes=0)  # 5
-    return g
-
-
-def pp_rank(rank: int) -> TraceGraph:
-    """Two pipeline stages: rank 0 computes and sends, rank 1 receives and computes."""
-    g = TraceGraph(model="pipe", rank=rank, world_size=2, pp=2)
-    x = g.add_tensor([4, 8], F32, 128)
-    if rank == 0:
-        y = g.add_tensor([4, 8], F32, 128)
-        g.add_op("aten.relu", [x], [y], flops=32, bytes_read=128, bytes_written=128)
-        g.add_collective("send", [y], [], group=[0, 1], nbytes=128, src=0, dst=1, tag=7)
-    else:
-        g.add_collective("recv", [], [x], group=[0, 1], nbytes=128, src=0, dst=1, tag=7)
-        y = g.add_tensor([4, 8], F32, 128)
-        g.add_op("aten.relu", [x], [y], flops=32, bytes_read=128, bytes_written=128)
-    return g
-
-
-def read_et(path):
-    """The official reader: protolib over openFileRd, as chakra_jsonizer and the feeder read."""
-    f = openFileRd(str(path))
-    header, nodes = et.GlobalMetadata(), []
-    assert decodeMessage(f, header)
-    node = et.Node()
-    while decodeMessage(f, node):
-        nodes.append(node)
-        node = et.Node()
-    f.close()
-    return header, nodes
-
-
-def attrs(node) -> dict:
-    return {a.name: a for a in node.attr}
-
+from syntorch.trace.graph import RankTraces
+from syntorch.chakra.validate import validate_traces
+from chakra_graphs import F32, attrs, pp_rank, read_et, tp_rank
 
 @pytest.fixture
 def tp_traces(tmp_path):
@@ -84,7 +29,7 @@ def test_official_reader_sees_every_rank(tp_traces):
     out, summary = tp_traces
     assert sorted(p.name for p in out.iterdir()) == ["comm_groups.json", "tensor_trace_chakra.json",
                                                      "toy.0.et", "toy.1.et"]
-    assert json.loads((out / "comm_groups.json").read_text()) == {"1": [0, 1]}
+    assert json.loads((out / "comm_groups.json").read_text()) == {"10": [0, 1]}  # ids of one width (groups.py)
     for rank in range(2):
         header, nodes = read_et(out / f"toy.{rank}.et")
         meta = attrs(header)
@@ -106,7 +51,7 @@ def test_nodes_carry_what_astra_sim_reads(tp_traces):
     # the view is folded: the all-reduce depends on the mm through it
     assert list(ar.data_deps) == [0] and list(gelu.data_deps) == [1]
     assert attrs(ar)["comm_type"].int64_val == et.ALL_REDUCE and attrs(ar)["comm_size"].int64_val == 128
-    assert attrs(ar)["pg_name"].string_val == "1"
+    assert attrs(ar)["pg_name"].string_val == "10"
     # all-gather: the graph counts the gathered buffer, ASTRA-sim each rank's part
     assert attrs(ag)["comm_type"].int64_val == et.ALL_GATHER and attrs(ag)["comm_size"].int64_val == 128
     assert attrs(bcast)["comm_type"].int64_val == et.ALL_GATHER and attrs(bcast)["comm_size"].int64_val == 4
@@ -119,8 +64,11 @@ def test_send_recv_pair(tmp_path):
     write_chakra({r: pp_rank(r) for r in range(2)}, tmp_path)
     (_, (relu, send)), (_, (recv, relu1)) = read_et(tmp_path / "pipe.0.et"), read_et(tmp_path / "pipe.1.et")
     assert send.type == et.COMM_SEND_NODE and list(send.data_deps) == [relu.id] and not send.ctrl_deps
-    assert {k: a.int64_val for k, a in attrs(send).items() if k.startswith("comm")} == \
+    # peers and tags as int32_val: mlcommons' feeder reads them with int32_val()
+    assert {k: getattr(a, a.WhichOneof("value")) for k, a in attrs(send).items() if k.startswith("comm")} == \
         {"comm_dst": 1, "comm_tag": 7, "comm_size": 128}
+    assert {k: a.WhichOneof("value") for k, a in attrs(send).items() if k.startswith("comm")} == \
+        {"comm_dst": "int32_val", "comm_tag": "int32_val", "comm_size": "int64_val"}
     assert recv.type == et.COMM_RECV_NODE and attrs(recv)["comm_src"].int64_val == 0
     assert list(relu1.data_deps) == [recv.id]
     assert validate_traces(tmp_path) == []
@@ -146,7 +94,7 @@ def test_chakra_jsonizer_reads_our_file_and_matches_the_json_form(tp_traces, tmp
 def test_json_form_equals_protobuf_json_format():
     graph = tp_rank(0)
     fill_durations(graph, load_hw_config("a100-80gb"))
-    groups, _ = scan_groups([graph])
+    groups = graph_group_ids([graph])
     for spec in chakra_nodes(graph, groups):
         assert to_json(spec) == MessageToDict(to_proto(spec))
 
@@ -196,7 +144,7 @@ def test_bad_input_is_one_line(tmp_path):
 @functools.cache  # traced once for the tests below, which only read it
 def symbolic_tp_traces(tp: int = 2):
     from conftest import tiny_config
-    from syntorch.parallel.symbolic import trace_tp_symbolic
+    from syntorch.trace.generation import trace_tp_symbolic
 
     return trace_tp_symbolic(tiny_config("gpt2"), torch.zeros(1, 5, dtype=torch.long), 2, tp)
 
@@ -299,10 +247,14 @@ def test_export_command_from_a_saved_graph(tmp_path, capsys):
     assert json.loads((tmp_path / "seed" / "model.json").read_text())["nodes"]
 
 
-def test_shared_ranks_get_durations_once():
-    from syntorch.trace.cost import fill_rank_durations
+def test_shared_ranks_get_durations_once(monkeypatch):
+    from syntorch.trace import cost
 
     ranks = RankTraces(4)
     ranks.put_shared(range(4), lambda: tp_rank(0, world=4))
-    fill_rank_durations(ranks, load_hw_config("h100-sxm"))
+    filled = []
+    fill_durations = cost.fill_durations
+    monkeypatch.setattr(cost, "fill_durations", lambda graph, hw: filled.append(graph) or fill_durations(graph, hw))
+    cost.fill_rank_durations(ranks, load_hw_config("h100-sxm"))
+    assert len(filled) == 1  # the four ranks share one graph: costed once
     assert all(d["duration_us"] > 0 for _, d in ranks[3].nodes(data=True) if d["kind"] == "collective")

@@ -23,7 +23,7 @@ def run_cli(tmp_path, *argv):
     (["--num_input_tokens", "2000"], "exceed the context"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--device", "tpu"], "--device"),
-    (["--checkpoint", "/nonexistent/ckpt"], "config.json"),
+    (["--checkpoint", "/nonexistent/ckpt"], "checkpoint folder not found"),
     (["--model_config", "/nonexistent.json"], "not found"),
     (["--input_ids", "1,2,99999999"], "outside the vocabulary"),
     (["--prompt", "hello"], "--tokenizer"),

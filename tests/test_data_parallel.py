@@ -94,10 +94,11 @@ def real_rank(out_dir: str) -> None:
 
     from syntorch.parallel import plans
     from syntorch.parallel.launch import init_distributed
+    from syntorch.parallel.mesh import init_groups
     from syntorch.trace.tracer import Tracer
 
     rank, world = init_distributed("cpu")
-    groups = plans.init_plan_groups(REAL.mesh, CONFIG.tied_head)
+    groups = init_groups(REAL.mesh, CONFIG.tied_head)
     results = {}
     for zero in ZEROS:
         plan = dataclasses.replace(REAL, zero=zero)

@@ -15,9 +15,9 @@ from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 from syntorch.parallel.launch import RankFailed, init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.symbolic import trace_tp_rank, trace_tp_symbolic
-from syntorch.parallel.tensor import (apply_tp, check_tp, padded_vocab, reduce_partial_grads, take_shard,
-                                     tp_inference_rank)
+from syntorch.trace.generation import trace_tp_rank, trace_tp_symbolic
+from syntorch.inference import RunOutputs, tp_inference_rank
+from syntorch.parallel.tensor import apply_tp, check_tp, padded_vocab, reduce_partial_grads, take_shard
 from syntorch.trace.generation import trace_generation
 
 BASES = ("gpt2", "gptj-6b", "bert-base-uncased")
@@ -180,7 +180,7 @@ def faulty_rank(spec, out_dir):
     rank, _ = init_distributed("cpu")
     if rank == 1:
         raise RuntimeError("injected fault")
-    tp_inference_rank(spec, out_dir)
+    tp_inference_rank(spec, out_dir, RunOutputs())
 
 
 def test_a_dying_rank_stops_all_ranks_and_is_named(tmp_path):

@@ -1,61 +1,23 @@
 """SQuAD pretraining: data, MLM masking, loss going down, HuggingFace checkpoints, bad input.
 
 Everything is made here: a word-level tokenizer trained on the test's own text (saved as a HuggingFace
-tokenizer folder), a tiny SQuAD v2.0 file and tiny models. test_capture.py reuses these helpers."""
+tokenizer folder), a tiny SQuAD v2.0 file and tiny models (train_data.py, shared with test_capture.py)."""
 import argparse
 import json
-import random
 import time
 
 import pytest
 import torch
 import transformers as hf
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.checkpoints import load_checkpoint
 from syntorch.cli import main
 from syntorch.errors import UserError
-from syntorch.models import build_model
 from syntorch.parallel.launch import RankFailed, init_distributed, spawn
 from syntorch.train import data as D
 from syntorch.train.loop import train_rank
 from syntorch.train.options import add_arguments, options_from_args
-from conftest import tiny_config
-
-WORDS = "the cat sat on a mat dog ran to park bird flew over tree red blue green house".split()
-SPECIALS = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                eos_token="[EOS]")
-
-
-def sentence(rng, n):
-    # a repeating pattern with noise, so a tiny model can learn it in a few steps
-    start = rng.randrange(len(WORDS))
-    return " ".join(WORDS[(start + i) % len(WORDS)] if rng.random() < 0.9 else rng.choice(WORDS) for i in range(n))
-
-
-def make_squad(path, articles=6, paragraphs=2, questions=4, seed=0):
-    rng = random.Random(seed)
-    data = [{"title": f"t{a}", "paragraphs": [
-        {"context": sentence(rng, 24), "qas": [
-            {"id": f"{a}-{p}-{q}", "question": sentence(rng, 5) + " ?", "answers": [], "is_impossible": True}
-            for q in range(questions)]} for p in range(paragraphs)]} for a in range(articles)]
-    path.write_text(json.dumps({"version": "v2.0", "data": data}))
-    return path
-
-
-def make_tokenizer(folder):
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS) + " ?"], trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values())))
-    hf.PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIALS).save_pretrained(str(folder))
-    return folder
-
-
-def make_model(folder, base):
-    torch.manual_seed(0)
-    save_checkpoint(build_model(tiny_config(base)), folder)
-    return folder
-
+from train_data import WORDS, make_model, make_squad, make_tokenizer
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):

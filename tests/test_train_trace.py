@@ -6,7 +6,8 @@ from conftest import tiny_config
 
 from syntorch.cli import main
 from syntorch.config import save_model_config
-from syntorch.validate import check_traces
+from syntorch.chakra.reader import read_trace
+from syntorch.chakra.validate import check_traces
 
 
 @pytest.fixture
@@ -25,7 +26,9 @@ def test_trace_command_writes_every_rank_and_a_summary(tmp_path, tiny, capsys):
     assert sorted(p.name for p in out.glob("*.et")) == [f"tiny-gpt2.{r}.et" for r in range(8)]
     assert check_traces(out)[0] == []
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["distinct_rank_traces"] == summary["traced_stages"] == 2 and summary["world_size"] == 8
+    # every rank's file names its own TP/DP groups and peers: 8 distinct traces, from 2 traced stages
+    assert summary["distinct_rank_traces"] == 8 and summary["traced_stages"] == 2 and summary["world_size"] == 8
+    assert summary["stages"][0]["chakra_nodes"] == len(read_trace(out / "tiny-gpt2.0.et")[1])  # as in the files
     first, last = summary["stages"]
     assert first["ranks"] == [0, 1, 4, 5] and last["ranks"] == [2, 3, 6, 7]
     assert first["schedule"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]

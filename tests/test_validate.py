@@ -4,13 +4,13 @@ import json
 import pytest
 from chakra.schema.protobuf import et_def_pb2 as et
 from chakra.src.third_party.utils.protolib import encodeMessage
-from test_chakra import attrs, pp_rank, read_et, tp_rank
+from chakra_graphs import attrs, pp_rank, read_et, tp_rank
 
 from syntorch.cli import main
 from syntorch.errors import UserError
-from syntorch.export.chakra import write_chakra
+from syntorch.chakra.writer import write_chakra
 from syntorch.trace.graph import TraceGraph
-from syntorch.validate import validate_traces
+from syntorch.chakra.validate import validate_traces
 
 
 def tp_pp_rank(rank: int) -> TraceGraph:
@@ -63,13 +63,13 @@ def first(nodes, node_type):
 
 
 def test_good_trace_is_clean(good, capsys):
-    assert json.loads((good / "comm_groups.json").read_text()) == {"1": [0, 1], "2": [0, 2], "3": [1, 3], "4": [2, 3]}
+    assert json.loads((good / "comm_groups.json").read_text()) == {"10": [0, 1], "11": [0, 2], "12": [1, 3], "13": [2, 3]}
     assert validate_traces(good) == []
     assert validate_traces(good / "mix") == []  # the prefix works too
     _, nodes = read_et(good / "mix.0.et")  # communication in program order, across groups
     comms = [n for n in nodes if n.type in (et.COMM_COLL_NODE, et.COMM_SEND_NODE, et.COMM_RECV_NODE)]
     assert [list(n.ctrl_deps) for n in comms] == [[]] + [[a.id] for a in comms[:-1]]
-    assert comms[-1].type == et.COMM_SEND_NODE and attrs(comms[-1])["pg_name"].string_val == "2"
+    assert comms[-1].type == et.COMM_SEND_NODE and attrs(comms[-1])["pg_name"].string_val == "11"
     assert main(["validate", str(good)]) == 0
     assert capsys.readouterr().out.strip() == "ok: 4 ranks, 32 nodes"  # 6 TP nodes + 2 pipeline nodes per rank
 
@@ -109,7 +109,7 @@ def _unknown_pg(h, nodes):
 
 
 def _not_member(h, nodes):
-    set_attr(first(nodes, et.COMM_COLL_NODE), "pg_name", string_val="4")  # group {2, 3}; this is rank 0
+    set_attr(first(nodes, et.COMM_COLL_NODE), "pg_name", string_val="13")  # group {2, 3}; this is rank 0
     return h, nodes
 
 
@@ -123,7 +123,7 @@ def _reorder(h, nodes):
 
 
 def _unmatched_send(h, nodes):
-    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_tag", int64_val=8)
+    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_tag", int32_val=8)
     return h, nodes
 
 
@@ -142,7 +142,12 @@ def _reduce(h, nodes):
 
 
 def _foreign_send(h, nodes):
-    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_src", int64_val=1)
+    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_src", int32_val=1)
+    return h, nodes
+
+
+def _int64_peer(h, nodes):
+    set_attr(first(nodes, et.COMM_SEND_NODE), "comm_dst", int64_val=2)
     return h, nodes
 
 
@@ -159,13 +164,14 @@ def _zero_size(h, nodes):
     (_string_comm_type, "attribute comm_type is string_val, must be an integer"),
     (_no_comm_size, "COMM_COLL_NODE needs attribute comm_size"),
     (_unknown_pg, "pg_name '42' is not a key of the comm-group JSON"),
-    (_not_member, "rank 0 issues a collective of group 4 [2, 3] without being in it"),
-    (_reorder, "mix.1.et: node 1: collective #0 of group 1 is ALL_REDUCE of 128 B but rank 0 issues ALL_GATHER of 128 B"),
+    (_not_member, "rank 0 issues a collective of group 13 [2, 3] without being in it"),
+    (_reorder, "mix.1.et: node 1: collective #0 of group 10 is ALL_REDUCE of 128 B but rank 0 issues ALL_GATHER of 128 B"),
     (_unmatched_send, "mix.0.et: node 7: send to rank 2 (tag 8, 128 B) has no matching recv on rank 2"),
     (_no_header, "mix.0.et: does not start with a GlobalMetadata message"),
     (_cpu_comm, "communication node with is_cpu_op true"),
     (_reduce, "comm_type REDUCE throws in ASTRA-sim"),
     (_zero_size, "comm_size is 0"),
+    (_int64_peer, "mix.0.et: node 7: attribute comm_dst is int64_val, must be an int32_val"),
     (_foreign_send, "mix.0.et: node 7: comm_src is 1 in rank 0's file; drop it or make it 0"),
 ])
 def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
@@ -189,7 +195,7 @@ def test_unmatched_recv_and_missing_rank(good):
     rewrite(good / "mix.3.et", lambda h, nodes: (h, [n for n in nodes if n.type != et.COMM_RECV_NODE]))
     assert any("mix.1.et: node" in p and "no matching recv on rank 3" in p for p in validate_traces(good))
     (good / "mix.3.et").unlink()
-    assert "comm_groups.json: group 4 lists rank(s) [3] that have no trace file" in validate_traces(good)
+    assert "comm_groups.json: group 13 lists rank(s) [3] that have no trace file" in validate_traces(good)
     (good / "mix.1.et").unlink()
     assert any("ranks [0, 2] are not 0..1" in p for p in validate_traces(good))
 

@@ -16,6 +16,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 
 from syntorch.capture import traces
 from syntorch.capture.repair import drop_forward_inter_thread_deps, fix_nodes
+from syntorch.chakra.reader import read_trace
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_file
 
@@ -84,8 +85,6 @@ def group_of_collectives(groups: dict[str, list[int]]) -> tuple[str, list[str]]:
 def convert_rank(host_path, device_path, rank: int, output, merged_output=None) -> dict:
     """Writes the ASTRA-sim-ready `output` (.et) for one rank, whole or not at all; with `merged_output`
     also the linked host + device JSON. Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
-    from syntorch.validate import read_trace
-
     host_path, device_path, output = Path(host_path), Path(device_path), Path(output)
     host, repairs = traces.read_host_trace(host_path)
     device = traces.read_device_trace(device_path)
@@ -99,7 +98,8 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
             host_path.write_text(json.dumps(host))
         merged, linked, raw, dropped = link_and_convert(rank, host_path, device_path, tmp)
         header, nodes = read_trace(raw)
-        nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, pg_name)
+        group_size = len(groups.get(pg_name) or max(groups.values(), key=len, default=[rank]))
+        nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, pg_name, group_size)
         with atomic_output_file(output) as out, open(out, "wb") as f:
             encodeMessage(f, header)
             for node in nodes:

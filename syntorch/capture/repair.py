@@ -7,8 +7,10 @@ nor let backward overlap with the gradient all-reduce. Here, on the converted no
 
 1. METADATA nodes (`## process_group:init ##`) are dropped (ASTRA-sim aborts on them); whoever depended
    on one depends on what it depended on.
-2. gloo collectives become COMM_COLL_NODEs: comm_type, comm_size (bytes of the op's input tensors),
-   pg_name, is_cpu_op false. Every other field the official tools wrote is kept.
+2. gloo collectives become COMM_COLL_NODEs written as syntorch writes a traced collective (chakra/nodes.py's
+   one table: comm_type, comm_size, pg_name; broadcast, reduce and barrier as collectives ASTRA-sim
+   simulates), from the bytes of the op's input tensors; is_cpu_op false. Every other field the official
+   tools wrote is kept.
 3. Dependencies: a collective depends on the op that launched it and on the group's previous
    collective (one queue per process group, as gloo and NCCL run them). It leaves the main thread's
    serial chain; the first later op that touches its tensors' storage (DDP's copy of the bucket back
@@ -30,17 +32,8 @@ from collections import defaultdict
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
 
-# gloo op -> (Chakra collective, note when rewritten). comm_size is the op's input bytes: the whole
-# buffer for all-reduce/all-to-all/broadcast, each rank's part for all-gather (ASTRA-sim's sizes).
-GLOO_COLLECTIVES = {
-    "gloo:all_reduce": (et.ALL_REDUCE, None),
-    "gloo:all_gather": (et.ALL_GATHER, None),
-    "gloo:all_to_all": (et.ALL_TO_ALL, None),
-    "gloo:broadcast": (et.BROADCAST, None),
-    "gloo:reduce": (et.ALL_REDUCE, "gloo:reduce written as an all-reduce of the same bytes (ASTRA-sim has no reduce)"),
-    "gloo:barrier": (et.ALL_REDUCE, "gloo:barrier written as a 4-byte all-reduce (ASTRA-sim has no barrier)"),
-}
-BARRIER_BYTES = 4
+from syntorch.chakra.nodes import COLLECTIVE_TYPES, collective_attrs
+
 THREAD_ROOTS = ("[pytorch|profiler|execution_graph|thread]", "[pytorch|profiler|execution_trace|thread]")
 
 
@@ -81,12 +74,13 @@ def drop_forward_inter_thread_deps(host_nodes: list[dict]) -> int:
     return dropped
 
 
-def fix_nodes(nodes: list, host_nodes: dict, pg_name: str = "0") -> tuple[list, dict]:
+def fix_nodes(nodes: list, host_nodes: dict, pg_name: str = "0", group_size: int = 1) -> tuple[list, dict]:
     """The converter's nodes made ASTRA-sim-ready, and a summary (collectives, bytes, notes).
-    `host_nodes` are the linked JSON nodes by id (the converter keeps their ids)."""
+    `host_nodes` are the linked JSON nodes by id (the converter keeps their ids); `group_size` is the
+    number of ranks in the group `pg_name`."""
     by_id = {n.id: n for n in nodes}
     _bypass(by_id, {i for i, n in by_id.items() if n.type == et.METADATA_NODE}, drop=True)
-    collectives, notes = _make_collectives(by_id, host_nodes, pg_name)
+    collectives, notes = _make_collectives(by_id, host_nodes, pg_name, group_size)
     _restore_dependencies(by_id, collectives, host_nodes)
     for node in by_id.values():  # the converter dropped some nodes that others still name (rule 4 above)
         for deps in (node.data_deps, node.ctrl_deps):
@@ -124,30 +118,29 @@ def _bypass(by_id: dict, skipped: set, drop: bool) -> None:
             by_id[i].data_deps[:], by_id[i].ctrl_deps[:] = originals[i]
 
 
-def _make_collectives(by_id: dict, host_nodes: dict, pg_name: str) -> tuple[list[int], set[str]]:
+def _make_collectives(by_id: dict, host_nodes: dict, pg_name: str, group_size: int) -> tuple[list[int], set[str]]:
     """gloo COMP_NODEs -> COMM_COLL_NODEs; returns their ids in issue order and the notes."""
     ids, notes = [], set()
     for node_id in sorted(by_id):
         node = by_id[node_id]
         if node.type != et.COMP_NODE or not node.name.startswith("gloo:"):
             continue
-        if node.name not in GLOO_COLLECTIVES:
+        kind = node.name.removeprefix("gloo:")
+        if kind not in COLLECTIVE_TYPES:
             notes.add(f"{node.name} left as a compute node (no ASTRA-sim collective for it)")
             continue
-        comm_type, note = GLOO_COLLECTIVES[node.name]
-        size = BARRIER_BYTES if node.name == "gloo:barrier" else sum(
-            b for _, b in tensor_refs(host_nodes.get(node_id, {}).get("inputs", {})))
-        if size <= 0:
+        size = sum(b for _, b in tensor_refs(host_nodes.get(node_id, {}).get("inputs", {})))
+        if size <= 0 and kind != "barrier":
             notes.add(f"{node.name} node {node_id} moves no bytes in the host trace; left as a compute node")
             continue
-        notes.update([note] if note else [])
+        # a gather's input is this rank's part; the graph's convention is the larger buffer
+        nbytes = size * group_size if kind in ("all_gather", "gather") else size
+        node.type, attrs = collective_attrs(kind, nbytes, group_size, pg_name)
+        notes.update(note for note in [COLLECTIVE_TYPES[kind][2]] if note)
         kept = [a for a in node.attr if a.name not in ("is_cpu_op", "comm_type", "comm_size", "pg_name")]
         del node.attr[:]
-        node.attr.extend(kept + [et.AttributeProto(name="is_cpu_op", bool_val=False),
-                                 et.AttributeProto(name="comm_type", int64_val=comm_type),
-                                 et.AttributeProto(name="comm_size", int64_val=size),
-                                 et.AttributeProto(name="pg_name", string_val=pg_name)])
-        node.type = et.COMM_COLL_NODE
+        node.attr.extend(kept + [et.AttributeProto(name="is_cpu_op", bool_val=False)] +
+                         [et.AttributeProto(name=name, **{field: value}) for name, field, value in attrs])
         ids.append(node_id)
     return ids, notes
 

@@ -56,66 +56,19 @@ def spec_from_args(args):
         prompt=args.prompt, tokenizer=args.tokenizer, tp=args.tp, sp=args.sp)
 
 
-def run(args) -> int:
-    from syntorch import inference
-    from syntorch.export.run_outputs import write_run_outputs
-    from syntorch.outdir import atomic_output_dir
-
-    spec = spec_from_args(args)
-    spec.check()
-    inference.sampling_of(spec)  # validates temperature/top_k/top_p before any work is done
-    config = inference.resolve_config(spec)
-    prompt = inference.make_prompt(spec, config)
-    outputs = outputs_from_args(args)
-    outputs.check()
-    if spec.tp > 1:
-        return run_tensor_parallel(spec, args, outputs)
-    with atomic_output_dir(args.out) as tmp:
-        model = inference.load_model(spec, config)
-        if outputs.any:
-            traces, result = trace_generation(spec, model, prompt)
-        else:
-            result = inference.generate_tokens(spec, model, prompt)
-        record = inference.run_record(spec, config, prompt, result)
-        if outputs.any:
-            record["trace"] = write_run_outputs(traces, tmp, outputs)
-        inference.write_run_json(record, tmp)
-    print_result(record, args.out)
-    return 0
-
-
 def outputs_from_args(args):
-    from syntorch.export.run_outputs import RunOutputs
+    from syntorch.inference import RunOutputs
     return RunOutputs(visualize=args.visualize_trace, chakra=args.chakra, hw_config=args.hw_config,
                       comm_debug=args.comm_debug, level=args.trace_level)
 
 
-def run_tensor_parallel(spec, args, outputs) -> int:
-    """--tp > 1: real ranks (spawned here, or torchrun's) on cpu/cuda; on meta one symbolic trace of rank 0
-    stands for every rank. Rank 0 writes run.json and the outputs asked for (write_run_outputs)."""
-    import torch
+def run(args) -> int:
+    from syntorch.inference import run_inference
 
-    from syntorch.outdir import atomic_output_dir
-    from syntorch.parallel.symbolic import run_tp_symbolic
-    from syntorch.parallel.tensor import run_tp_inference
-
-    run_tp = run_tp_symbolic if torch.device(spec.device).type == "meta" else run_tp_inference
-    with atomic_output_dir(args.out) as tmp:
-        record = run_tp(spec, tmp, outputs)
+    record = run_inference(spec_from_args(args), args.out, outputs_from_args(args))
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)
     return 0
-
-
-def trace_generation(spec, model, prompt):
-    """Generate under the tracer; returns (one-rank RankTraces, generation result)."""
-    from syntorch import inference
-    from syntorch.trace import RankTraces, trace_run
-
-    graph, result = trace_run(model, lambda m, scope: inference.generate_tokens(spec, m, prompt, phase_scope=scope))
-    traces = RankTraces(1)
-    traces.put_shared([0], lambda: graph)
-    return traces, result
 
 
 def print_result(record: dict, out_dir) -> None:

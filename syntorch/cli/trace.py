@@ -33,9 +33,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
 def plan_from_args(args, config):
     from syntorch.parallel.plans import TrainPlan
 
@@ -45,17 +42,16 @@ def plan_from_args(args, config):
 
 
 def run(args) -> int:
-    import torch
-
-    from syntorch.config import get_config, load_model_config
+    from syntorch.checkpoints import resolve_model_config
+    from syntorch.config import torch_dtype
     from syntorch.hardware import load_hw_config
     from syntorch.workload import trace_workload, write_workload
 
-    config = load_model_config(args.model_config, args.model) if args.model_config else get_config(args.model)
+    config = resolve_model_config(args.model, args.model_config)
     plan = plan_from_args(args, config)
     plan.check(config, args.world_size, args.global_batch)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
-    workload = trace_workload(config, plan, getattr(torch, DTYPES[args.dtype]), hw)
+    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw)
     summary = write_workload(workload, args.out, args.trace_level, args.force, progress=not args.no_progress)
     print_summary(summary)
     return 0

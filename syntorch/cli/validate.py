@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from syntorch.validate import check_traces
+    from syntorch.chakra.validate import check_traces
 
     problems, ranks, nodes = check_traces(args.path, args.comm_groups, args.roofline)
     for line in problems:

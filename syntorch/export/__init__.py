@@ -14,7 +14,7 @@ EXPORTERS = {
     "svg": "syntorch.export.image:export_svg",
     "graphml": "syntorch.export.graphml:export",
     "perfetto": "syntorch.export.perfetto:export",
-    "chakra": "syntorch.export.chakra:export",
+    "chakra": "syntorch.chakra.writer:export",
 }
 
 

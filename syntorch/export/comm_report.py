@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from syntorch.comm_debug import GLOBAL, SECTIONS, CommReport, ModuleInfo, OpRecord, check_noise_level
+from syntorch.trace.comm_report import GLOBAL, SECTIONS, CommReport, ModuleInfo, OpRecord, check_noise_level
 from syntorch.outdir import atomic_output_file
 
 SECTION_TITLES = {"forward": "FORWARD PASS", "backward": "BACKWARD PASS", "optimizer": "OPTIMIZER STEP"}

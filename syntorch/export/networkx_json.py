@@ -5,6 +5,7 @@ from pathlib import Path
 import networkx as nx
 
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
 from syntorch.outdir import atomic_output_file
 from syntorch.trace.graph import TraceGraph
 
@@ -23,14 +24,7 @@ def export(graph: TraceGraph, path, level: str | None = None) -> None:
 
 def load(path) -> TraceGraph:
     """A TraceGraph from a file `export` wrote; a clear UserError for anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"graph file {path} does not exist; give a tensor_trace_graph.json written by syntorch")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not JSON ({e}); give a tensor_trace_graph.json written by syntorch") from None
-    return from_node_link(data, path)
+    return from_node_link(read_json(path, "graph file (a tensor_trace_graph.json written by syntorch)"), Path(path))
 
 
 def from_node_link(data, source="input") -> TraceGraph:

@@ -1,11 +1,15 @@
-"""The (dp, pp, tp) device mesh: which global rank does what, and its process groups.
+"""The (dp, pp, tp) device mesh: which global rank does what, and every process group of a run.
 
 Rank layout (Megatron's order, TP innermost so a TP group sits on one node's fast links):
 
     rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank
 
 so with dp=2, pp=2, tp=2: ranks 0,1 are TP group (dp 0, stage 0); 2,3 (dp 0, stage 1); 4,5 (dp 1, stage 0) ...
-A TP group is tp consecutive ranks; a PP group strides by tp; a DP group strides by pp * tp.
+A TP group is tp consecutive ranks; a PP chain strides by tp; a DP group strides by pp * tp.
+
+The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
+report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), each pair of
+neighbouring stages (pipeline send/recv), and the first/last-stage pair that shares a tied embedding.
 """
 from dataclasses import dataclass
 
@@ -50,39 +54,78 @@ class Mesh:
         return [self.rank(*c[:axis], i, *c[axis + 1:]) for i in range(getattr(self, dim))]
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group along `dim`, in a fixed order (each rank must create all of them, in this order)."""
-        seen = {}
-        for r in range(self.world_size):
-            ranks = self.group_ranks(dim, r)
-            seen.setdefault(ranks[0], ranks)
-        return list(seen.values())
+        """Every group along `dim`, in a fixed order."""
+        if dim == "tp":
+            return [[self.rank(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.pp)]
+        if dim == "dp":
+            return [[self.rank(d, s, t) for d in range(self.dp)] for s in range(self.pp) for t in range(self.tp)]
+        return [[self.rank(d, s, t) for s in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def process_groups(self, tied: bool = False) -> list[tuple[str, list[int]]]:
+        """(kind, ranks) of every process group a run creates, in the order every rank must create them:
+        "tp", "dp", then per PP chain its "stage_pair"s and, for a model whose head is tied to its embedding
+        and pp > 1, the "embedding" pair of the first and last stage (Megatron's embedding group)."""
+        groups = [("tp", g) for g in self.groups("tp")] + [("dp", g) for g in self.groups("dp")]
+        for chain in self.groups("pp"):
+            groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
+            if tied and self.pp > 1:
+                groups.append(("embedding", [chain[0], chain[-1]]))
+        return groups
+
+    def translate(self, rank: int, to_rank: int) -> int:
+        """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative (dp 0,
+        tp 0): shifted along dp and tp by to_rank's coordinates, the stage kept. Ranks of a stage run the
+        same program over groups that are such translations of each other."""
+        d, s, t = self.coords(rank)
+        to_d, _, to_t = self.coords(to_rank)
+        return self.rank((d + to_d) % self.dp, s, (t + to_t) % self.tp)
+
+    def representative(self, stage: int) -> int:
+        return self.rank(0, stage, 0)
 
 
 @dataclass
 class MeshGroups:
-    """This rank's place in the mesh and its process groups, one per mesh dimension."""
+    """This rank's place in the mesh and its process groups (torch ProcessGroups; None where it has none)."""
     mesh: Mesh
     rank: int
-    tp: object  # torch ProcessGroup
-    pp: object
-    dp: object
+    tp: object = None
+    dp: object = None
+    prev: object = None  # the pair with the previous stage, and its global rank
+    prev_rank: int | None = None
+    next: object = None  # the pair with the next stage
+    next_rank: int | None = None
+    embedding: object = None  # the first/last-stage pair of a tied embedding, on those stages
 
     @property
     def tp_rank(self) -> int:
         return self.mesh.coords(self.rank)[2]
 
+    @property
+    def stage(self) -> int:
+        return self.mesh.coords(self.rank)[1]
 
-def init_groups(mesh: Mesh) -> MeshGroups:
-    """Create the process groups of every dimension (collective: every rank calls it) and return this rank's.
 
-    The default process group must be up (launch.init_distributed or comm.symbolic_world).
+def init_groups(mesh: Mesh, tied: bool = False, only_mine: bool = False) -> MeshGroups:
+    """Create every process group of `mesh` (collective: every rank calls it) and return this rank's.
+
+    The default process group must be up (launch.init_distributed or comm.symbolic_world). `only_mine`
+    (symbolic runs, no peers to agree with) creates just the groups this rank is in, so 8192 ranks cost
+    what one rank needs.
     """
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    mine = {}
-    for dim in DIMS:
-        for ranks in mesh.groups(dim):
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[dim] = group
-    return MeshGroups(mesh, rank, **mine)
+    mine = MeshGroups(mesh, rank)
+    for kind, ranks in mesh.process_groups(tied):
+        if rank not in ranks and only_mine:
+            continue
+        group = dist.new_group(ranks)
+        if rank not in ranks:
+            continue
+        if kind in ("tp", "dp", "embedding"):
+            setattr(mine, kind, group)
+        elif ranks[1] == rank:
+            mine.prev, mine.prev_rank = group, ranks[0]
+        else:
+            mine.next, mine.next_rank = group, ranks[1]
+    return mine

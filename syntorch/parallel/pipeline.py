@@ -152,34 +152,25 @@ def _head_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model.ln_f(x)
 
 
-@dataclass
-class StageLinks:
-    """The 2-rank process groups to the previous and next stage (None at the ends) and their global ranks."""
-    prev: object = None
-    next: object = None
-    prev_rank: int | None = None
-    next_rank: int | None = None
-
-
 def tag(microbatch: int, backward: bool) -> int:
     """Activations of micro-batch m travel with tag 2m, their gradients with 2m + 1."""
     return 2 * microbatch + int(backward)
 
 
-def send_forward(x: torch.Tensor, links: StageLinks, microbatch: int) -> None:
+def send_forward(x: torch.Tensor, links, microbatch: int) -> None:
     if links.next is not None:
         comm.send(x.detach(), links.next_rank, links.next, tag(microbatch, False))
 
 
-def recv_forward(shape, dtype, device, links: StageLinks, microbatch: int) -> torch.Tensor:
+def recv_forward(shape, dtype, device, links, microbatch: int) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype, device=device)
     return comm.recv(x, links.prev_rank, links.prev, tag(microbatch, False)).requires_grad_(torch.is_grad_enabled())
 
 
-def send_backward(grad: torch.Tensor, links: StageLinks, microbatch: int) -> None:
+def send_backward(grad: torch.Tensor, links, microbatch: int) -> None:
     if links.prev is not None:
         comm.send(grad, links.prev_rank, links.prev, tag(microbatch, True))
 
 
-def recv_backward(like: torch.Tensor, links: StageLinks, microbatch: int) -> torch.Tensor:
+def recv_backward(like: torch.Tensor, links, microbatch: int) -> torch.Tensor:
     return comm.recv(torch.empty_like(like), links.next_rank, links.next, tag(microbatch, True))

@@ -24,7 +24,7 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.data import GradSync
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.tensor import apply_tp, check_tp
 
 
@@ -81,71 +81,22 @@ class TrainPlan:
 
 
 @dataclass
-class PlanGroups:
-    """One rank's process groups: TP, DP, the 2-rank links to neighbouring stages, the tied-embedding pair."""
-    rank: int
-    tp: object
-    dp: object
-    links: pp_.StageLinks
-    embedding: object = None
-
-
-def plan_group_ranks(mesh: Mesh, tied: bool) -> list[list[int]]:
-    """Every process group of the plan in a fixed order (real ranks must all create them in this order):
-    TP groups, DP groups, neighbouring-stage pairs, then first/last-stage pairs for a tied embedding."""
-    tp_groups = [[mesh.rank(d, s, t) for t in range(mesh.tp)] for d in range(mesh.dp) for s in range(mesh.pp)]
-    dp_groups = [[mesh.rank(d, s, t) for d in range(mesh.dp)] for s in range(mesh.pp) for t in range(mesh.tp)]
-    groups = tp_groups + dp_groups  # Mesh.groups' order, built in one pass (it scans every rank's group)
-    for d in range(mesh.dp):
-        for t in range(mesh.tp):
-            chain = [mesh.rank(d, s, t) for s in range(mesh.pp)]
-            groups += [[a, b] for a, b in zip(chain, chain[1:])]
-            if tied and mesh.pp > 1:
-                groups.append([chain[0], chain[-1]])
-    return groups
-
-
-def init_plan_groups(mesh: Mesh, tied: bool, only_mine: bool = False) -> PlanGroups:
-    """Create the plan's process groups and return this rank's. `only_mine` (symbolic runs, no peers to
-    agree with) creates just the ones this rank belongs to, so 8192 ranks cost what one rank needs."""
-    rank = dist.get_rank()
-    _, stage, _ = mesh.coords(rank)
-    mine = {}
-    for ranks in plan_group_ranks(mesh, tied):
-        if rank in ranks or not only_mine:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[tuple(ranks)] = group
-    chain = mesh.group_ranks("pp", rank)
-    links = pp_.StageLinks()
-    if stage > 0:
-        links.prev_rank = chain[stage - 1]
-        links.prev = mine[(links.prev_rank, rank)]
-    if stage < mesh.pp - 1:
-        links.next_rank = chain[stage + 1]
-        links.next = mine[(rank, links.next_rank)]
-    embedding = mine.get((chain[0], chain[-1])) if tied and mesh.pp > 1 and stage in (0, mesh.pp - 1) else None
-    return PlanGroups(rank, mine[tuple(mesh.group_ranks("tp", rank))], mine[tuple(mesh.group_ranks("dp", rank))],
-                      links, embedding)
-
-
-@dataclass
 class StageRun:
     """Everything one rank needs to run its part of a training step."""
     model: nn.Module
     plan: TrainPlan
     stage: pp_.Stage
-    groups: PlanGroups
+    groups: MeshGroups
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
 
 
-def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device="meta",
+def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32) -> StageRun:
     """Build this rank's stage of `config` and apply TP, PP, DP/ZeRO and the optimizer in that order
     (the module docstring says why)."""
-    stage = plan.stage(config, plan.mesh.coords(groups.rank)[1])
+    stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
     pp_.split_stage(model, stage)
@@ -159,7 +110,7 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: PlanGroups, device
     return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
 
 
-def _partial_grads(model: nn.Module, tp_plan, groups: PlanGroups) -> list[tuple[list, object]]:
+def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:
     """Gradients other ranks hold parts of: the embedding tied across the first and last stage, and the
     parameters TP's sequence parallel applies to each rank's positions only (`partial_grads`, if reported)."""
     params = dict(model.named_parameters())
@@ -189,7 +140,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage (else None).
     In "infer" mode only the forwards run, in micro-batch order, without gradients."""
     phase = phase or (lambda name: nullcontext())
-    plan, stage, links = run.plan, run.stage, run.groups.links
+    plan, stage, links = run.plan, run.stage, run.groups
     if plan.mode == "infer":
         with torch.no_grad():
             for m, (tokens, _) in enumerate(batches):
@@ -228,7 +179,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
 
 def _forward(run: StageRun, tokens, m: int, phase, targets=None):
     """Micro-batch m through this stage: receive (or take the tokens), run, send on. Returns (input, output)."""
-    plan, stage, links = run.plan, run.stage, run.groups.links
+    plan, stage, links = run.plan, run.stage, run.groups
     with phase("forward"):
         if stage.first:
             x = tokens

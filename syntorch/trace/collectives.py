@@ -8,10 +8,12 @@ gathered (larger) tensor for all-gather and reduce-scatter, as nccl-tests count 
 """
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
-REDUCE_OPS = {0: "sum", 1: "avg", 2: "prod", 3: "min", 4: "max"}  # ReduceOp.RedOpType values
+from syntorch.parallel.comm import REDUCE_OPS
+from syntorch.trace.values import flat_tensors
+
+REDUCE_OP_NAMES = {op: name for name, op in REDUCE_OPS.items()}  # ReduceOp.RedOpType -> our name
 
 # c10d op -> (collective, argument holding the inputs, argument holding the outputs)
 C10D_OPS = {
@@ -61,12 +63,12 @@ def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
         kind, in_arg, out_arg = C10D_OPS[op]
         pg = dist.ProcessGroup.unbox(values["process_group"])
         call = CollectiveCall(f"c10d.{op}", kind, dist.get_process_group_ranks(pg),
-                              _tensors(values.get(in_arg)), _tensors(values.get(out_arg)))
+                              flat_tensors(values.get(in_arg)), flat_tensors(values.get(out_arg)))
         _peers(call, pg, values)
     elif func.namespace == "_c10d_functional" and op in FUNCTIONAL_OPS:
         pg = dist.distributed_c10d._resolve_process_group(values["group_name"])
         call = CollectiveCall(f"_c10d_functional.{op}", FUNCTIONAL_OPS[op], dist.get_process_group_ranks(pg),
-                              _tensors(values.get("input") or values.get("inputs")), _tensors(out))
+                              flat_tensors(values.get("input") or values.get("inputs")), flat_tensors(out))
         if "src" in values:
             call.src = dist.get_global_rank(pg, values["src"])
         reduce_op = values.get("reduce_op")
@@ -80,7 +82,7 @@ def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
 def _peers(call: CollectiveCall, pg, values: dict):
     """Reduce op, and src/dst/tag as global ranks (c10d ops carry group-local ones)."""
     if "reduce_op" in values:
-        call.reduce_op = REDUCE_OPS.get(values["reduce_op"].op(), "sum")
+        call.reduce_op = reduce_op_name(values["reduce_op"].op())
     if call.collective == "broadcast":
         call.src = dist.get_global_rank(pg, values["root_rank"])
     if call.collective == "send":
@@ -90,12 +92,10 @@ def _peers(call: CollectiveCall, pg, values: dict):
     call.tag = int(values.get("tag") or 0)
 
 
-def _tensors(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+def reduce_op_name(op) -> str:
+    """sum/avg/min/max/prod, or torch's own name for the others (band, bor, bxor, premul_sum): a bitwise
+    reduction is not a sum, and the graph says so rather than guess."""
+    return REDUCE_OP_NAMES.get(op) or str(op).rsplit(".", 1)[-1].lower()
 
 
 def _bytes(tensors) -> int:

@@ -1,10 +1,15 @@
-"""Tracing a whole run (generation: prefill + decode steps) in one call, as `syntorch infer` does."""
+"""Tracing a whole run (generation: prefill + decode steps) in one call, as `syntorch infer` does, on one
+rank or, symbolically, for every rank of a tensor-parallel generation."""
 from collections.abc import Callable
 
 import torch
 
 from syntorch import generate as gen
-from syntorch.trace.graph import TraceGraph
+from syntorch.models import build_model
+from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.trace.graph import RankTraces, TraceGraph
 from syntorch.trace.replicate import first_layer_only, replicate_layers
 from syntorch.trace.tracer import Tracer
 
@@ -42,3 +47,30 @@ def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_token
         return gen.generate(m, prompt, max_new_tokens, sampling or gen.Sampling(), phase_scope=phase_scope,
                             **generate_kwargs)
     return trace_run(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
+
+
+def trace_tp_rank(config, prompt: torch.Tensor, max_new_tokens: int, tp: int, rank: int,
+                  sequence_parallel: bool = False, device: str = "meta", dtype=torch.float32,
+                  sampling=None, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
+    """The trace (and generation result) of one TP rank's generation against the fake backend (no other
+    process). On `cpu` the weights are random and the collectives move nothing, so the numbers are
+    meaningless; the ops, shapes and collectives are the real ones. `prompt` is [B, T] token ids."""
+    check_tp(config, tp)
+    with symbolic_world(rank, tp):
+        model = build_model(config, device=device, dtype=dtype)
+        apply_tp(model, init_groups(Mesh(tp=tp)), sequence_parallel)
+        return trace_generation(model, prompt.to(device), max_new_tokens, sampling, rank=rank, world_size=tp,
+                                meta={"tp": tp, "sequence_parallel": sequence_parallel}, **generate_kwargs)
+
+
+def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int,
+                      sequence_parallel: bool = False, dtype=torch.float32) -> RankTraces:
+    """All `tp` ranks' graphs of a TP generation on meta. TP ranks are symmetric -- the same ops on
+    same-shaped shards and the same collectives over the same group -- so rank 0 is traced once (on first
+    access) and the others share its graph, differing only in the `rank` graph attribute (tests/test_tp.py
+    proves this against tracing each rank)."""
+    check_tp(config, tp)
+    ranks = RankTraces(tp)
+    ranks.put_shared(range(tp), lambda: trace_tp_rank(config, prompt, max_new_tokens, tp, 0, sequence_parallel,
+                                                      "meta", dtype)[0])
+    return ranks

@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import networkx as nx
 
-from syntorch import __version__
+from syntorch.version import __version__
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv", "barrier")
-REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
 LEVELS = ("op", "module", "layer")
 GRAPH_DEFAULTS = dict(model="", rank=0, world_size=1, tp=1, pp=1, dp=1, level="op", syntorch_version=__version__)
 

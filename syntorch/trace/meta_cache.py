@@ -12,6 +12,8 @@ import functools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from syntorch.trace.values import flat_tensors
+
 # argument values a result may depend on and that hash by value (their type is part of the key: 1 == True)
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -36,16 +38,10 @@ def _key(value):
     raise TypeError(f"not memoized: {type(value)}")
 
 
-def _tensors(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
-
-
 def _fresh_meta(out, args) -> bool:
     """Results a rebuild reproduces: meta tensors at offset 0 of storages of their own (none an argument's)."""
     storages = {t.untyped_storage()._cdata for t in out}
-    taken = {t.untyped_storage()._cdata for t in _tensors(args)}
+    taken = {t.untyped_storage()._cdata for t in flat_tensors(args)}
     return (len(storages) == len(out) and not storages & taken
             and all(t.device.type == "meta" and t.storage_offset() == 0 for t in out))
 

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.replicate import LayerCall
+from syntorch.trace.values import flat_tensors
 
 SDPA = "aten.scaled_dot_product_attention"
 
@@ -149,7 +150,7 @@ class Tracer:
     def tag_autograd_nodes(self, out):
         """Tag autograd nodes created by the call that just returned `out` with the current module."""
         module = self.modules[-1]
-        todo = [t.grad_fn for t in _flat_tensors(out) if t is not None and t.grad_fn is not None]
+        todo = [t.grad_fn for t in flat_tensors(out, keep_others=True) if t is not None and t.grad_fn is not None]
         while todo:
             node = todo.pop()
             if node is None or "module" in node.metadata:
@@ -241,7 +242,7 @@ class Tracer:
             if call is not None:
                 return self.record_collective(call)
         inputs, written = _schema_inputs(func, args, kwargs)
-        outputs = _flat_tensors(out)
+        outputs = flat_tensors(out, keep_others=True)
         flop_fn = flop_registry.get(func._overloadpacket)
         flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
         self.record_op(f"{func.namespace}.{func._overloadpacket.__name__}", inputs, outputs, flops,
@@ -362,15 +363,6 @@ def _storage_key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): their own identity
         return id(t)
-
-
-def _flat_tensors(out) -> list:
-    """An op's outputs in order: tensors, None for anything else (a faster tree_flatten for op results)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for item in out for t in _flat_tensors(item)]
-    return [None]
 
 
 def _unique_bytes(tensors) -> int:

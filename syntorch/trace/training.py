@@ -3,7 +3,7 @@
 Ranks that differ only in their DP and TP index run the same ops on same-shaped shards with the same
 collectives, over groups that are a translation of each other along the dp and tp axes of the mesh. So
 each stage is traced once, as its representative rank (dp 0, tp 0), and every other rank's trace is the
-representative's with global ranks mapped by `translate` (tests trace every rank and compare). The one other
+representative's with global ranks mapped by `Mesh.translate` (tests trace every rank and compare). The one other
 difference is which output of a split a TP rank reads under sequence parallel (its own part): same shapes,
 same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that simulators do not read.
 
@@ -28,23 +28,11 @@ import torch
 from syntorch.config import ModelConfig
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.meta_cache import MetaCache
 from syntorch.trace.tracer import Tracer
-
-
-def representative(mesh: Mesh, stage: int) -> int:
-    return mesh.rank(0, stage, 0)
-
-
-def translate(mesh: Mesh, rank: int, to_rank: int) -> int:
-    """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative: shifted
-    along dp and tp by to_rank's coordinates, the stage kept."""
-    d, s, t = mesh.coords(rank)
-    to_d, _, to_t = mesh.coords(to_rank)
-    return mesh.rank((d + to_d) % mesh.dp, s, (t + to_t) % mesh.tp)
 
 
 PROBE_MICROBATCHES = 4  # enough to see every kind of step: first, middle (after a middle), and last backward
@@ -71,11 +59,11 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None) -> tuple[Tr
 
 def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     mesh = plan.mesh
-    rank = representative(mesh, stage) if rank is None else rank
+    rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "stage": stage,
             "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
     with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
-        groups = plans.init_plan_groups(mesh, config.tied_head, only_mine=True)
+        groups = init_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
         batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
                    for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data

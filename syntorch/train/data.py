@@ -1,7 +1,6 @@
 """SQuAD (v1.1/v2.0 JSON) as pretraining text: causal LM on question + context for GPT-2, masked LM on
 `[CLS] question [SEP] context [SEP]` for BERT. Tokenizers are local HuggingFace folders; nothing is
 downloaded."""
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import torch
 
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
 
 IGNORE = -100  # label of positions the loss skips (padding, unmasked MLM tokens), as in torch's cross_entropy
 MLM_PROBABILITY = 0.15  # Devlin et al. 2019: 15% of tokens are predicted; of those 80% [MASK], 10% random, 10% kept
@@ -17,13 +17,7 @@ MLM_PROBABILITY = 0.15  # Devlin et al. 2019: 15% of tokens are predicted; of th
 def load_squad(path) -> list[tuple[str, str]]:
     """(question, context) pairs from a SQuAD JSON file. v2.0's unanswerable questions are kept: for
     pretraining only the text matters."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data file not found: {path}; give --data a SQuAD v1.1/v2.0 JSON file")
-    try:
-        squad = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"data file {path} is not valid JSON: {e}") from None
+    squad = read_json(path, "data file (--data, a SQuAD v1.1/v2.0 JSON file)")
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
         raise UserError(f"data file {path} is not SQuAD JSON: expected {{\"data\": [{{\"paragraphs\": ...}}]}}")
     pairs = []
@@ -103,10 +97,7 @@ class LocalTokenizer:
 
 
 def _json_or_empty(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
+    value = read_json(path, "tokenizer file") if path.is_file() else {}
     return value if isinstance(value, dict) else {}
 
 

@@ -55,14 +55,13 @@ class TrainOptions:
 def load_model(opts: TrainOptions, device):
     """(config, model): a local HuggingFace folder as from_pretrained reads it, or a registry name
     (random init), optionally overridden by --model_config."""
-    from syntorch.checkpoints import load_checkpoint
-    from syntorch.config import get_config, load_model_config
+    from syntorch.checkpoints import load_checkpoint, resolve_model_config
     from syntorch.models import build_model
 
     if Path(opts.model_name).is_dir():
         config, model = load_checkpoint(opts.model_name, device=device)
     else:
-        config = load_model_config(opts.model_config, opts.model_name) if opts.model_config else get_config(opts.model_name)
+        config = resolve_model_config(opts.model_name, opts.model_config)
         model = build_model(config, device=device)
     if config.arch != FAMILIES[opts.family]:
         raise UserError(f"model '{opts.model_name}' is a {config.arch} model, not {opts.family}; "
@@ -347,12 +346,12 @@ def report(summary: dict, opts: TrainOptions) -> None:
 
 def preflight(opts: TrainOptions) -> None:
     """Checks the inputs before ranks are spawned, so a user's mistake is one line, not a rank failure."""
-    from syntorch.config import get_config, load_model_config
+    from syntorch.checkpoints import resolve_model_config
 
     D.load_squad(opts.data)
     D.LocalTokenizer(tokenizer_dir(opts))
     if not Path(opts.model_name).is_dir():
-        load_model_config(opts.model_config, opts.model_name) if opts.model_config else get_config(opts.model_name)
+        resolve_model_config(opts.model_name, opts.model_config)
 
 
 def launch(opts: TrainOptions, nproc: int | None) -> None:

@@ -5,6 +5,13 @@ collective report (--comm_debug)."""
 from dataclasses import dataclass
 from pathlib import Path
 
+from syntorch.chakra.writer import write_chakra
+from syntorch.export import write_trace_outputs
+from syntorch.export.comm_report import write_comm_outputs
+from syntorch.hardware import load_hw_config
+from syntorch.trace.comm_report import check_noise_level
+from syntorch.trace.cost import fill_rank_durations, latency_us
+
 
 @dataclass
 class RunOutputs:
@@ -21,10 +28,8 @@ class RunOutputs:
     def check(self) -> None:
         """Reject bad options before any model is built."""
         if self.hw_config is not None:
-            from syntorch.hardware import load_hw_config
             load_hw_config(self.hw_config)
         if self.comm_debug is not None:
-            from syntorch.comm_debug import check_noise_level
             check_noise_level(self.comm_debug)
 
 
@@ -35,23 +40,18 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
     graph = traces[0]
     record = {"nodes": len(graph), "flops": graph.total_flops(), "ranks": len(traces)}
     if outputs.hw_config is not None:
-        from syntorch.hardware import load_hw_config
-        from syntorch.trace.cost import fill_rank_durations, latency_us
         hw = load_hw_config(outputs.hw_config)
         fill_rank_durations(traces, hw)
         record["hw_config"] = hw.name
         record["predicted_latency_us"] = latency_us(graph)
     if outputs.visualize:
-        from syntorch.export import write_trace_outputs
         record["files"] = write_trace_outputs(graph, out_dir, outputs.level)
     if outputs.chakra or (outputs.visualize and len(traces) > 1):
-        from syntorch.export.chakra import write_chakra
         level = outputs.level if outputs.level in ("op", "module") else "op"
         chakra = write_chakra(traces, out_dir / "chakra", level=level)
         record["chakra"] = {k: chakra[k] for k in ("ranks", "distinct_traces", "nodes", "et_bytes", "notes")}
         record["chakra"].update(dir="chakra", level=level)
     if outputs.comm_debug is not None:
-        from syntorch.export.comm_report import write_comm_outputs
         write_comm_outputs(graph, out_dir, noise_level=outputs.comm_debug)
         record["comm_debug"] = {"noise_level": outputs.comm_debug,
                                 "files": ["comm_debug_log.txt", "comm_debug.json", "comm_debug.html"]}

@@ -1,33 +1,27 @@
-"""Chakra execution traces that ASTRA-sim runs: `<prefix>.<rank>.et` per rank, `comm_groups.json`, and
-`tensor_trace_chakra.json` (rank 0 in protobuf's JSON form, as `chakra_jsonizer` prints it).
+"""A TraceGraph as Chakra nodes: the one mapping every Chakra writer uses (chakra/writer.py).
 
-Written with the official mlc-chakra schema and protolib. The rules followed here are DESIGN.md's
-"ASTRA-sim rules"; `syntorch.validate` checks them on the files.
+Built on the official mlc-chakra schema. The rules followed here are DESIGN.md's "ASTRA-sim rules";
+chakra/validate.py checks them on the files.
 
 Graph -> Chakra:
 - op -> COMP_NODE (num_ops, tensor_size, duration_micros, is_cpu_op=false); views and ops that move no
   bytes are folded away: their consumers depend on whatever they depended on.
-- collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE.
+- collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE with
+  comm_src/comm_dst/comm_tag as int32_val: mlcommons' et_feeder_node.cpp reads them with int32_val() (any
+  other integer kind reads as 0 there).
 - data_deps: op -> tensor -> op in the graph; ctrl_deps: the rank's previous communication node, so a
   rank issues its communication in traced (program) order. ASTRA-sim runs one communication at a time
   per NPU and otherwise starts the ready node with the lowest id, so without this chain two ranks could
   each hold their slot for a collective the other has not reached yet, and hang.
 """
-import io
-import json
 import math
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NamedTuple
 
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
-from chakra.src.third_party.utils.protolib import encodeMessage
-from google.protobuf.json_format import MessageToDict
 
 from syntorch.errors import UserError
-from syntorch.trace.cost import shared_key
 
 
 def _part(nbytes: int, n: int) -> int:
@@ -51,23 +45,14 @@ COLLECTIVE_TYPES = {
     "scatter": (et.ALL_GATHER, _part, "scatter written as all_gather of each rank's part"),
 }
 P2P = {"send": et.COMM_SEND_NODE, "recv": et.COMM_RECV_NODE}
-JSON_FORM = "tensor_trace_chakra.json"
-TRACE_FILES = ("comm_groups.json", JSON_FORM)
 SCHEMA_VERSION = "0.0.4"  # the Chakra part of the ET schema tag mlc-chakra 1.0.0 reads ("1.0.2-chakra.0.0.4")
 
 
-def scan_groups(graphs) -> tuple[dict[tuple[int, ...], int], list[str]]:
-    """Every process group of every rank -> its comm-group id (1, 2, ...; "0" means all ranks to
-    ASTRA-sim, so it is never used) in order of first appearance, and the notes on rewritten collectives."""
-    ids, notes = {}, set()
-    for graph in graphs:
-        for _, data in graph.nodes(data=True):
-            if data["kind"] == "collective":
-                ids.setdefault(tuple(sorted(data["group"])), len(ids) + 1)
-                note = COLLECTIVE_TYPES.get(data["collective"], (None, None, None))[2]
-                if note:
-                    notes.add(note)
-    return ids, sorted(notes)
+def rewrite_notes(graphs) -> list[str]:
+    """What the files say about collectives written as others (e.g. broadcast as all_gather)."""
+    notes = {COLLECTIVE_TYPES[d["collective"]][2] for g in graphs for _, d in g.collectives()
+             if d["collective"] in COLLECTIVE_TYPES}
+    return sorted(n for n in notes if n)
 
 
 def _folded(data: dict) -> bool:
@@ -97,21 +82,32 @@ def to_proto(spec: NodeSpec) -> et.Node:
                    attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
 
 
-_JSON_FIELD = {"int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
+_JSON_FIELD = {"int32_val": "int32Val", "int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
 
 
 def to_json(spec: NodeSpec) -> dict:
     """What google.protobuf.json_format.MessageToDict gives for to_proto(spec) (tested): defaults left out,
-    64-bit integers as strings, enums by name."""
+    64-bit integers as strings (32-bit ones as numbers), enums by name."""
     def io(values):
         return {k: v for k, v in zip(("values", "shapes", "types"), values) if v}
 
     out = {"id": str(spec.id), "name": spec.name, "type": et.NodeType.Name(spec.type),
            "ctrlDeps": [str(d) for d in spec.ctrl_deps], "dataDeps": [str(d) for d in spec.data_deps],
            "durationMicros": str(spec.duration_micros), "inputs": io(spec.inputs), "outputs": io(spec.outputs),
-           "attr": [{"name": name, _JSON_FIELD[field]: value if field in ("bool_val", "string_val") else str(value)}
+           "attr": [{"name": name, _JSON_FIELD[field]: str(value) if field in ("int64_val", "uint64_val") else value}
                     for name, field, value in spec.attrs]}
     return {k: v for k, v in out.items() if v not in ("0", "", [])}
+
+
+def collective_attrs(kind: str, nbytes: int, group_size: int, pg_name: str) -> tuple[int, list]:
+    """(node type, attributes) of a collective `kind` over `group_size` ranks; `nbytes` as the graph counts
+    them (the larger buffer, nccl-tests' size). Real captures go through here too (capture/repair.py)."""
+    if kind not in COLLECTIVE_TYPES:
+        raise UserError(f"collective {kind!r} has no Chakra form; use one of {', '.join([*COLLECTIVE_TYPES, *P2P])}")
+    comm_type, size_of, _ = COLLECTIVE_TYPES[kind]
+    return et.COMM_COLL_NODE, [("comm_type", "int64_val", comm_type),
+                               ("comm_size", "int64_val", max(size_of(nbytes, group_size), 1)),
+                               ("pg_name", "string_val", pg_name)]
 
 
 def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
@@ -120,18 +116,14 @@ def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
         peer = ("comm_dst", data["dst"]) if kind == "send" else ("comm_src", data["src"])
         if peer[1] is None:
             raise UserError(f"a {kind} in the graph has no {'dst' if kind == 'send' else 'src'} rank; Chakra needs its peer")
-        return P2P[kind], [(peer[0], "int64_val", peer[1]), ("comm_tag", "int64_val", data["tag"]),
+        return P2P[kind], [(peer[0], "int32_val", peer[1]), ("comm_tag", "int32_val", data["tag"]),
                            ("comm_size", "int64_val", max(data["bytes"], 1)), ("pg_name", "string_val", pg_name)]
-    if kind not in COLLECTIVE_TYPES:
-        raise UserError(f"collective {kind!r} has no Chakra form; use one of {', '.join([*COLLECTIVE_TYPES, *P2P])}")
-    comm_type, size_of, _ = COLLECTIVE_TYPES[kind]
-    size = size_of(data["bytes"], len(data["group"]))
-    return et.COMM_COLL_NODE, [("comm_type", "int64_val", comm_type), ("comm_size", "int64_val", max(size, 1)),
-                               ("pg_name", "string_val", pg_name)]
+    return collective_attrs(kind, data["bytes"], len(data["group"]), pg_name)
 
 
 def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpec]:
-    """The Chakra nodes of one rank's graph, ids 0.. in traced order; `groups` from scan_groups."""
+    """The Chakra nodes of one rank's graph, ids 0.. in traced order; `groups` maps each process group
+    (sorted ranks) to its comm-group id (chakra/groups.py)."""
     return _chakra_nodes(graph, graph if _in_traced_order(graph) else list(nx.topological_sort(graph)), groups)
 
 
@@ -214,104 +206,3 @@ def global_metadata(graph: nx.DiGraph, model: str, level: str, notes: list[str],
         _attr("durations", string_val="from hw_config" if durations else "none (no --hw_config): 0 us"),
         _attr("notes", string_list=et.StringList(values=notes)),
     ])
-
-
-def _serialize(specs: list[NodeSpec]) -> bytes:
-    buf = io.BytesIO()
-    for spec in specs:
-        encodeMessage(buf, to_proto(spec))
-    return buf.getvalue()
-
-
-def _level_graph(graph, level: str):
-    if level == "op":
-        return graph
-    if level != "module":
-        raise UserError(f"Chakra traces are written at level op or module, not {level!r}")
-    try:
-        from syntorch.trace.levels import level_view
-    except ImportError:
-        raise UserError("--trace_level module needs syntorch.trace.levels, which this build lacks; use op") from None
-    return level_view(graph, "module")
-
-
-def _check_out_dir(out_dir: Path, prefix: str, world: int, json_name: str, force: bool) -> list[Path]:
-    """Trace files already in `out_dir` that this run would not overwrite (they would mix with ours)."""
-    if not out_dir.is_dir():
-        return []
-    ours = {f"{prefix}.{r}.et" for r in range(world)} | {*TRACE_FILES, json_name}
-    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in ours]
-    if found and not force:
-        raise UserError(f"{out_dir} already holds Chakra traces ({found[0].name}, ...); pass --force to replace them")
-    return [p for p in found if p.name not in ours]
-
-
-def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
-                 level: str = "op", force: bool = False, json_name: str = JSON_FORM) -> dict:
-    """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and the JSON form of rank 0
-    (`json_name`) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
-    from syntorch.outdir import atomic_output_dir
-
-    ranks = sorted(graphs_by_rank)
-    if ranks != list(range(len(ranks))) or not ranks:
-        raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
-    out_dir = Path(out_dir)
-    model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
-    stale = _check_out_dir(out_dir, model, len(ranks), json_name, force)
-    graphs = {r: graphs_by_rank[r] for r in ranks}
-    # one level view per distinct graph: the ranks sharing it share its encoding too
-    distinct = {}
-    for graph in graphs.values():
-        if shared_key(graph) not in distinct:
-            distinct[shared_key(graph)] = _level_graph(graph, level)
-    groups, notes = scan_groups(distinct.values())
-    encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
-    with atomic_output_dir(out_dir) as tmp:
-        for rank in ranks:
-            graph, key = graphs[rank], shared_key(graphs[rank])
-            if key not in encoded:
-                specs = chakra_nodes(distinct[key], groups)
-                encoded[key] = (_serialize(specs), len(specs), any(s.duration_micros for s in specs))
-                if rank == 0:
-                    _write_json_form(tmp / json_name,
-                                     global_metadata(graph, model, level, notes, encoded[key][2]), specs)
-                del specs
-            body, _, durations = encoded[key]
-            path = tmp / f"{model}.{rank}.et"
-            with open(path, "wb") as f:
-                encodeMessage(f, global_metadata(graph, model, level, notes, durations))
-                f.write(body)
-            total += path.stat().st_size
-        (tmp / "comm_groups.json").write_text(json.dumps({str(i): list(g) for g, i in groups.items()}))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return {"dir": str(out_dir), "prefix": str(out_dir / model), "ranks": len(ranks),
-            "distinct_traces": len(encoded), "nodes": sum(n for _, n, _ in encoded.values()),
-            "et_bytes": total, "groups": len(groups), "notes": notes}
-
-
-def _write_json_form(path: Path, header: et.GlobalMetadata, specs: list[NodeSpec]) -> None:
-    # chakra_jsonizer prints MessageToJson of each message back to back, which is not one JSON
-    # document; we write the same objects as one: {"global_metadata": ..., "nodes": [...]}.
-    with open(path, "w") as f:
-        f.write('{"global_metadata": ' + json.dumps(MessageToDict(header)) + ',\n"nodes": [\n')
-        f.write(",\n".join(json.dumps(to_json(spec), separators=(",", ":")) for spec in specs))
-        f.write("\n]}\n")
-
-
-def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> dict:
-    """`syntorch export --format chakra`: a saved graph into the folder `path`, or, for `path` ending in
-    .json (seed 000: `--output model.json`), the JSON form there and the .et files beside it. A
-    tensor-parallel graph stands for every rank (TP ranks run the same ops), so it is written per rank."""
-    from syntorch.trace.graph import RankTraces
-
-    world, tp = graph.graph.get("world_size", 1), graph.graph.get("tp", 1)
-    if world != tp:
-        raise UserError(f"this graph is one rank of a {world}-rank run that is not pure TP; "
-                        "write per-rank traces with `syntorch trace` instead")
-    ranks = RankTraces(world)
-    ranks.put_shared(range(world), lambda: graph)
-    path = Path(path)
-    if path.suffix == ".json":
-        return write_chakra(ranks, path.parent, level=level, force=force, json_name=path.name)
-    return write_chakra(ranks, path, level=level, force=force)

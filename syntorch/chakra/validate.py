@@ -4,7 +4,6 @@ across ranks. Each problem is one line: `file: node N: what to fix`.
 Reads any `.et` (ours, or mlc-chakra's converter output from real captures); a file that does not
 decode is a UserError (exit 2), a trace that decodes but breaks a rule is a problem (exit 1).
 """
-import json
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -12,17 +11,18 @@ from pathlib import Path
 
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
-from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
 
+from syntorch.chakra.reader import find_traces, parse_nodes, read_bytes, split_messages
 from syntorch.errors import UserError
+from syntorch.userfiles import read_json
 
 SIMULATED = {et.ALL_REDUCE, et.ALL_GATHER, et.ALL_TO_ALL, et.REDUCE_SCATTER, et.BROADCAST}
 INT_FIELDS = {"int32_val", "int64_val", "uint32_val", "uint64_val", "sint32_val", "sint64_val",
               "fixed32_val", "fixed64_val", "sfixed32_val", "sfixed64_val"}
 # attribute -> the value kinds ASTRA-sim's feeder accepts for it
-ATTR_KINDS = {name: INT_FIELDS for name in ("comm_type", "comm_size", "comm_src", "comm_dst", "comm_tag",
-                                            "num_ops", "tensor_size", "comm_priority")}
+ATTR_KINDS = {name: INT_FIELDS for name in ("comm_type", "comm_size", "num_ops", "tensor_size", "comm_priority")}
+# mlcommons' et_feeder_node.cpp reads these with int32_val(): any other integer kind reads as 0 there
+ATTR_KINDS.update(comm_src={"int32_val"}, comm_dst={"int32_val"}, comm_tag={"int32_val"})
 ATTR_KINDS.update(pg_name={"string_val"}, is_cpu_op={"bool_val"} | INT_FIELDS, involved_dim={"bool_list"})
 REQUIRED = {et.COMM_COLL_NODE: ("comm_type", "comm_size", "pg_name"),
             et.COMM_SEND_NODE: ("comm_dst", "comm_tag", "comm_size"),
@@ -38,83 +38,6 @@ class RankTrace:
 
     def where(self, node=None) -> str:
         return f"{self.path.name}: node {node.id}" if node is not None else self.path.name
-
-
-def find_traces(path) -> list[tuple[int, Path]]:
-    """DIR (one prefix of `<prefix>.<rank>.et` files in it) or PREFIX -> [(rank, file)] sorted by rank."""
-    path = Path(path)
-    folder, prefix = (path, None) if path.is_dir() else (path.parent, path.name)
-    pattern = re.compile(r"(.*)\.(\d+)\.et$")
-    found = defaultdict(list)
-    for f in folder.glob("*.et") if folder.is_dir() else []:
-        m = pattern.match(f.name)
-        if m and (prefix is None or m.group(1) == prefix):
-            found[m.group(1)].append((int(m.group(2)), f))
-    if not found:
-        raise UserError(f"no <prefix>.<rank>.et files at {path}; give the trace folder or its prefix")
-    if len(found) > 1:
-        raise UserError(f"{path} holds traces of several prefixes ({', '.join(sorted(found))}); give one prefix")
-    return sorted(next(iter(found.values())))
-
-
-def read_trace(path: Path) -> tuple[et.GlobalMetadata | None, list[et.Node]]:
-    """Decodes one length-delimited .et file (header None when it starts with a node instead);
-    UserError when it is not a Chakra trace at all."""
-    header, body = _split(_read(path), path)
-    return header, _parse_nodes(body, path)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-
-
-def _split(data: bytes, path) -> tuple[et.GlobalMetadata | None, list[bytes]]:
-    """The GlobalMetadata header (None if the file starts with a node) and the node messages."""
-    messages, pos = [], 0
-    while pos < len(data):
-        size, pos = _varint(data, pos, path)
-        if pos + size > len(data):
-            raise UserError(f"{path}: corrupt .et (a message runs past the end of the file)")
-        messages.append(data[pos:pos + size])
-        pos += size
-    if not messages:
-        raise UserError(f"{path}: empty .et file (no GlobalMetadata, no nodes)")
-    header = _parse(et.GlobalMetadata, messages[0])
-    first = _parse(et.Node, messages[0])
-    if header is None or (UnknownFieldSet(header) and first is not None and first.type):
-        if first is None:
-            raise UserError(f"{path}: corrupt .et (the first message is neither GlobalMetadata nor a node)")
-        return None, messages
-    return header, messages[1:]
-
-
-def _parse_nodes(messages: list[bytes], path) -> list[et.Node]:
-    nodes = [_parse(et.Node, m) for m in messages]
-    if any(n is None or UnknownFieldSet(n) for n in nodes):
-        raise UserError(f"{path}: corrupt .et (a message does not decode as a Chakra node)")
-    return nodes
-
-
-def _parse(message_type, data: bytes):
-    try:
-        return message_type.FromString(data)
-    except DecodeError:
-        return None
-
-
-def _varint(data: bytes, pos: int, path) -> tuple[int, int]:
-    result = shift = 0
-    while pos < len(data) and shift < 64:
-        byte = data[pos]
-        result |= (byte & 0x7F) << shift
-        pos += 1
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-    raise UserError(f"{path}: corrupt .et (a length prefix is cut off)")
 
 
 def validate_traces(path, comm_groups=None, roofline: bool = False) -> list[str]:
@@ -139,10 +62,10 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     traces, checked = [], {}  # node bytes -> (nodes, problems): identical ranks are decoded and checked once
     node_checks = {}  # one node's bytes -> its problems: ranks of a stage share most nodes byte for byte
     for rank, f in files:
-        header, body = _split(_read(f), f)
+        header, body = split_messages(read_bytes(f), f)
         key = b"".join(body)
         if key not in checked:
-            nodes = _parse_nodes(body, f)
+            nodes = parse_nodes(body, f)
             checked[key] = (nodes, check_nodes(nodes, groups, len(files), roofline, body, node_checks))
         nodes, local = checked[key]
         trace = RankTrace(f, rank, nodes)
@@ -162,10 +85,7 @@ def _load_groups(path: Path, explicit: bool) -> dict[str, list[int]]:
         if explicit:
             raise UserError(f"comm groups file {path} not found")
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not readable JSON: {e}") from None
+    data = read_json(path, "comm groups file")
     if not isinstance(data, dict) or not all(
             re.fullmatch(r"\d+", k) and isinstance(v, list) and all(isinstance(r, int) for r in v)
             for k, v in data.items()):
@@ -233,7 +153,9 @@ def _check_node(node, groups, world, roofline) -> list[str]:
     for name, attr in attrs.items():
         kind = attr.WhichOneof("value")
         if name in ATTR_KINDS and kind not in ATTR_KINDS[name]:
-            want = "a bool_list" if name == "involved_dim" else "a string_val" if name == "pg_name" else "an integer"
+            want = ("a bool_list" if name == "involved_dim" else "a string_val" if name == "pg_name" else
+                    "an int32_val (mlcommons' feeder reads it with int32_val(); other kinds read as 0)"
+                    if ATTR_KINDS[name] == {"int32_val"} else "an integer")
             problems.append(f"attribute {name} is {kind}, must be {want}")
     if node.type == et.COMP_NODE and roofline:
         for name, why in (("num_ops", "its time would be 0/0"), ("tensor_size", "the node would be skipped")):

@@ -1,7 +1,7 @@
-"""The main job as a library: pick a model, make a prompt, generate, report.
+"""What one inference run is (InferenceSpec) and its steps: find the model, make the prompt, generate, record.
 
-`syntorch infer` only parses options into an InferenceSpec and calls these functions, so scripts and the
-tensor-parallel ranks run exactly the same steps.
+Every way of running (one rank, real ranks, symbolic; inference/run.py) goes through these, so scripts and
+the tensor-parallel ranks run exactly the same steps.
 """
 import json
 from dataclasses import dataclass, field
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from syntorch.config import ModelConfig, get_config, load_model_config
+from syntorch.checkpoints import load_checkpoint, resolve_model_config
+from syntorch.config import DTYPES, ModelConfig, torch_dtype
 from syntorch.errors import UserError
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from syntorch.generate import Sampling, check_context, generate
+from syntorch.models import build_model
 
 
 @dataclass
@@ -71,30 +72,15 @@ def check_device(device: str) -> None:
 
 
 def resolve_config(spec: InferenceSpec) -> ModelConfig:
-    """The model's config, from a checkpoint's config.json, a --model_config file or the registry."""
-    if spec.checkpoint:
-        from syntorch.checkpoints import hf_config_to_model_config
-        path = Path(spec.checkpoint) / "config.json"
-        if not path.is_file():
-            raise UserError(f"no config.json in checkpoint folder {spec.checkpoint}; give a HuggingFace model folder")
-        try:
-            return hf_config_to_model_config(json.loads(path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
-    if spec.model_config:
-        return load_model_config(spec.model_config, base_name=spec.model)
-    return get_config(spec.model)
+    return resolve_model_config(spec.model, spec.model_config, spec.checkpoint)
 
 
 def load_model(spec: InferenceSpec, config: ModelConfig):
     """The full (unsharded) model: loaded from --checkpoint, or random with the seed."""
-    dtype = DTYPES[spec.dtype]
     if spec.checkpoint:
-        from syntorch.checkpoints import load_checkpoint
-        return load_checkpoint(spec.checkpoint, device=spec.device, dtype=dtype)[1]
-    from syntorch.models import build_model
+        return load_checkpoint(spec.checkpoint, device=spec.device, dtype=torch_dtype(spec.dtype))[1]
     torch.manual_seed(spec.seed)
-    return build_model(config, device=spec.device, dtype=dtype)
+    return build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
 
 
 def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
@@ -111,7 +97,6 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary of {config.name} (0..{config.vocab_size - 1})")
-    from syntorch.generate import check_context
     check_context(config, len(ids), spec.num_output_tokens, spec.device)
     return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
 
@@ -135,13 +120,11 @@ def decode(folder: str, ids: list[int]) -> str:
     return load_tokenizer(folder).decode(ids)
 
 
-def sampling_of(spec: InferenceSpec):
-    from syntorch.generate import Sampling
+def sampling_of(spec: InferenceSpec) -> Sampling:
     return Sampling(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
 
 
 def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scope=None):
-    from syntorch.generate import generate
     return generate(model, prompt.to(spec.device), spec.num_output_tokens, sampling_of(spec),
                     stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width, phase_scope=phase_scope)
 

@@ -1,0 +1,203 @@
+"""The one Chakra writer: `<prefix>.<rank>.et` per rank, `comm_groups.json`, and `tensor_trace_chakra.json`
+(rank 0 in protobuf's JSON form, as `chakra_jsonizer` prints it). Messages are written with the official
+mlc-chakra schema and protolib (length-delimited: one GlobalMetadata, then the nodes).
+
+Two paths, one encoding:
+- `write_chakra`: a graph per rank (ranks may share one graph, and then its encoding).
+- `StageTemplate`: one stage's nodes serialized once as its representative rank's; any other rank of the
+  stage is that with, in a copy, the group id of each communication node and the peer of each send/recv
+  overwritten in place (the cluster-scale workload writes thousands of ranks this way).
+"""
+import io
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+from chakra.schema.protobuf import et_def_pb2 as et
+from chakra.src.third_party.utils.protolib import encodeMessage
+from google.protobuf.json_format import MessageToDict
+
+from syntorch.chakra.groups import comm_groups_json, graph_group_ids
+from syntorch.chakra.nodes import NodeSpec, chakra_nodes, global_metadata, rewrite_notes, to_json, to_proto
+from syntorch.errors import UserError
+from syntorch.outdir import atomic_output_dir
+from syntorch.parallel.mesh import Mesh
+from syntorch.trace.cost import shared_key
+from syntorch.trace.graph import RankTraces
+from syntorch.trace import levels
+
+JSON_FORM = "tensor_trace_chakra.json"
+TRACE_FILES = ("comm_groups.json", JSON_FORM)
+PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
+
+
+def varint(n: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative integer (the length prefix of each message)."""
+    out = bytearray()
+    while True:
+        out.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def serialize(specs: list[NodeSpec]) -> bytes:
+    buf = io.BytesIO()
+    for spec in specs:
+        encodeMessage(buf, to_proto(spec))
+    return buf.getvalue()
+
+
+def write_json_form(path: Path, header: et.GlobalMetadata, specs: list[NodeSpec]) -> None:
+    # chakra_jsonizer prints MessageToJson of each message back to back, which is not one JSON
+    # document; we write the same objects as one: {"global_metadata": ..., "nodes": [...]}.
+    with open(path, "w") as f:
+        f.write('{"global_metadata": ' + json.dumps(MessageToDict(header)) + ',\n"nodes": [\n')
+        f.write(",\n".join(json.dumps(to_json(spec), separators=(",", ":")) for spec in specs))
+        f.write("\n]}\n")
+
+
+def chakra_level(graph, level: str):
+    """The graph at a level Chakra takes: every op, or one node per module."""
+    if level not in ("op", "module"):
+        raise UserError(f"Chakra traces are written at level op or module, not {level!r}")
+    return graph if level == "op" else levels.level_view(graph, "module")
+
+
+def _check_out_dir(out_dir: Path, prefix: str, world: int, json_name: str, force: bool) -> list[Path]:
+    """Trace files already in `out_dir` that this run would not overwrite (they would mix with ours)."""
+    if not out_dir.is_dir():
+        return []
+    ours = {f"{prefix}.{r}.et" for r in range(world)} | {*TRACE_FILES, json_name}
+    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in ours]
+    if found and not force:
+        raise UserError(f"{out_dir} already holds Chakra traces ({found[0].name}, ...); pass --force to replace them")
+    return [p for p in found if p.name not in ours]
+
+
+def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
+                 level: str = "op", force: bool = False, json_name: str = JSON_FORM) -> dict:
+    """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and the JSON form of rank 0
+    (`json_name`) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
+    ranks = sorted(graphs_by_rank)
+    if ranks != list(range(len(ranks))) or not ranks:
+        raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
+    out_dir = Path(out_dir)
+    model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
+    stale = _check_out_dir(out_dir, model, len(ranks), json_name, force)
+    graphs = {r: graphs_by_rank[r] for r in ranks}
+    # one level view per distinct graph: the ranks sharing it share its encoding too
+    distinct = {}
+    for graph in graphs.values():
+        if shared_key(graph) not in distinct:
+            distinct[shared_key(graph)] = chakra_level(graph, level)
+    groups, notes = graph_group_ids(distinct.values()), rewrite_notes(distinct.values())
+    encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
+    with atomic_output_dir(out_dir) as tmp:
+        for rank in ranks:
+            graph, key = graphs[rank], shared_key(graphs[rank])
+            if key not in encoded:
+                specs = chakra_nodes(distinct[key], groups)
+                encoded[key] = (serialize(specs), len(specs), any(s.duration_micros for s in specs))
+                if rank == 0:
+                    write_json_form(tmp / json_name, global_metadata(graph, model, level, notes, encoded[key][2]), specs)
+                del specs
+            body, _, durations = encoded[key]
+            path = tmp / f"{model}.{rank}.et"
+            with open(path, "wb") as f:
+                encodeMessage(f, global_metadata(graph, model, level, notes, durations))
+                f.write(body)
+            total += path.stat().st_size
+        (tmp / "comm_groups.json").write_text(comm_groups_json(groups))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return {"dir": str(out_dir), "prefix": str(out_dir / model), "ranks": len(ranks),
+            "distinct_traces": len(encoded), "nodes": sum(n for _, n, _ in encoded.values()),
+            "et_bytes": total, "groups": len(groups), "notes": notes}
+
+
+def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> dict:
+    """`syntorch export --format chakra`: a saved graph into the folder `path`, or, for `path` ending in
+    .json (seed 000: `--output model.json`), the JSON form there and the .et files beside it. A
+    tensor-parallel graph stands for every rank (TP ranks run the same ops), so it is written per rank."""
+    world, tp = graph.graph.get("world_size", 1), graph.graph.get("tp", 1)
+    if world != tp:
+        raise UserError(f"this graph is one rank of a {world}-rank run that is not pure TP; "
+                        "write per-rank traces with `syntorch trace` instead")
+    ranks = RankTraces(world)
+    ranks.put_shared(range(world), lambda: graph)
+    path = Path(path)
+    if path.suffix == ".json":
+        return write_chakra(ranks, path.parent, level=level, force=force, json_name=path.name)
+    return write_chakra(ranks, path, level=level, force=force)
+
+
+# -- the fast per-rank path ------------------------------------------------------------------------------
+
+_ATTR_FIELD = et.Node.DESCRIPTOR.fields_by_name["attr"].number
+_INT32_FIELD = et.AttributeProto.DESCRIPTOR.fields_by_name["int32_val"].number
+PEER_BYTES = 5  # a rank as a 5-byte varint: protobuf reads non-minimal varints, so every rank fits the same bytes
+
+
+def _padded_varint(n: int) -> bytes:
+    return bytes([(n >> 7 * i) & 0x7F | 0x80 for i in range(PEER_BYTES - 1)] + [n >> 7 * (PEER_BYTES - 1)])
+
+
+def _attr_piece(name: str, value) -> bytes:
+    """A Node holding only this attribute, serialized (a repeated `attr` may come in pieces); a peer's
+    int32_val is padded to PEER_BYTES, last in the piece."""
+    if name == "pg_name":
+        return et.Node(attr=[et.AttributeProto(name=name, string_val=value)]).SerializeToString()
+    attr = et.AttributeProto(name=name).SerializeToString() + varint(_INT32_FIELD << 3) + _padded_varint(value)
+    return varint(_ATTR_FIELD << 3 | 2) + varint(len(attr)) + attr
+
+
+class StageTemplate:
+    """One stage's Chakra nodes serialized once, as its representative's (dp 0, tp 0); `write(f, rank)`
+    writes any of the stage's ranks by overwriting, in a copy, what differs: the group id in each
+    communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
+    Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
+
+    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh):
+        self.ids, self.mesh = ids, mesh
+        self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
+        group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
+        self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
+        group_of_id = {str(i): g for g, i in ids.items()}
+        chunks, size = [], 0
+        for spec in specs:
+            fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
+            per_rank = [(name, value) for name, _, value in spec.attrs if name in PER_RANK]
+            node = to_proto(spec._replace(attrs=fixed)).SerializeToString()
+            tail = [_attr_piece(name, value) for name, value in per_rank]
+            data = b"".join([node, *tail])
+            size += len(varint(len(data))) + len(node)
+            for (name, value), piece in zip(per_rank, tail):
+                size += len(piece)
+                if name == "pg_name":
+                    group_at.setdefault(group_of_id[value], []).append(size - len(value))
+                else:
+                    self.peer_at.append((size - PEER_BYTES, value))
+            chunks += (varint(len(data)), data)
+        self.body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        width = len(str(next(iter(ids.values())))) if ids else 0
+        self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
+
+    def write(self, f, rank: int) -> tuple[int, tuple]:
+        """Writes rank's file to `f`; returns the bytes written and what its nodes hold that another rank's
+        may not (its group ids and peers): ranks with equal ones have equal nodes."""
+        rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
+        head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
+        body = self.body.copy()
+        ids = [self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in g))] for g in self.group_at]
+        for at, group_id in zip(self.group_at.values(), ids):
+            body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
+        peers = [self.mesh.translate(peer, rank) for _, peer in self.peer_at]
+        for (at, _), peer in zip(self.peer_at, peers):
+            body[at:at + PEER_BYTES] = np.frombuffer(_padded_varint(peer), dtype=np.uint8)
+        f.write(head)
+        f.write(body.data)
+        return len(head) + body.nbytes, (id(self), *ids, *peers)

@@ -1,0 +1,137 @@
+"""run_inference(spec, outputs): the one entry of `syntorch infer`, and the only place that decides how a run
+is carried out:
+
+- one rank (cpu/cuda, --tp 1): generate in this process, traced when outputs are asked for;
+- real ranks (cpu/cuda, --tp N): N local processes spawned torchrun-style (gloo on CPU, NCCL on CUDA), or
+  the ranks torchrun started; each loads the model, keeps its shard and generates; rank 0 writes;
+- symbolic (meta): rank 0 traced against the fake backend, every other TP rank sharing its graph.
+
+Each writes run.json and what `outputs` asks for into a folder that appears whole or not at all.
+"""
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from syntorch.config import torch_dtype
+from syntorch.errors import UserError
+from syntorch.inference.outputs import RunOutputs, write_run_outputs
+from syntorch.inference.spec import (InferenceSpec, generate_tokens, load_model, make_prompt, resolve_config,
+                                     run_record, sampling_of, write_run_json)
+from syntorch.outdir import atomic_output_dir
+from syntorch.parallel.launch import RankFailed, check_devices, init_distributed, spawn, under_torchrun
+from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.trace.generation import trace_run, trace_tp_rank
+from syntorch.trace.graph import RankTraces
+from syntorch.userfiles import read_json
+
+
+def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = None) -> dict | None:
+    """Checks everything it can before any model is built or process started, runs, and returns run.json's
+    record (None on torchrun's ranks other than 0)."""
+    outputs = outputs or RunOutputs()
+    spec.check()
+    sampling_of(spec)  # validates temperature/top_k/top_p
+    config = resolve_config(spec)
+    make_prompt(spec, config)
+    check_tp(config, spec.tp)
+    outputs.check()
+    if torch.device(spec.device).type == "meta":
+        return _in_output_dir(out_dir, lambda tmp: _symbolic(spec, tmp, outputs))
+    if spec.tp > 1 or under_torchrun():
+        return _real_ranks(spec, out_dir, outputs)
+    return _in_output_dir(out_dir, lambda tmp: _one_rank(spec, tmp, outputs))
+
+
+def _in_output_dir(out_dir, run) -> dict:
+    with atomic_output_dir(out_dir) as tmp:
+        return run(tmp)
+
+
+def _traces(graph, world: int) -> RankTraces:
+    # TP ranks run the same ops on same-shaped shards (trace/generation.py's trace_tp_symbolic)
+    traces = RankTraces(world)
+    traces.put_shared(range(world), lambda: graph)
+    return traces
+
+
+def _finish(spec, config, prompt, result, graph, out_dir, outputs) -> dict:
+    """run.json (and the outputs asked for, from `graph` standing for every rank) into out_dir."""
+    record = run_record(spec, config, prompt, result)
+    if outputs.any:
+        record["trace"] = write_run_outputs(_traces(graph, spec.tp), out_dir, outputs)
+    write_run_json(record, out_dir)
+    return record
+
+
+def _one_rank(spec, out_dir, outputs) -> dict:
+    config = resolve_config(spec)
+    prompt = make_prompt(spec, config)
+    model = load_model(spec, config)
+    graph = None
+    if outputs.any:
+        graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope))
+    else:
+        result = generate_tokens(spec, model, prompt)
+    return _finish(spec, config, prompt, result, graph, out_dir, outputs)
+
+
+def _symbolic(spec, out_dir, outputs) -> dict:
+    config = resolve_config(spec)
+    prompt = make_prompt(spec, config)
+    graph, result = trace_tp_rank(config, prompt, spec.num_output_tokens, spec.tp, 0, spec.sp, "meta",
+                                  torch_dtype(spec.dtype),
+                                  sampling_of(spec), stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
+    return _finish(spec, config, prompt, result, graph, out_dir, outputs)
+
+
+def _real_ranks(spec, out_dir, outputs) -> dict | None:
+    """Spawn spec.tp local ranks (or join torchrun's); rank 0 writes into the output folder. A failing rank
+    becomes one line naming the rank and its error."""
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != spec.tp:
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp is {spec.tp}; "
+                            "make --nproc_per_node equal --tp")
+        if int(os.environ["RANK"]) != 0:  # only rank 0 writes, into a folder made whole at the end
+            tp_inference_rank(spec, "", outputs)
+            return None
+        with atomic_output_dir(out_dir) as tmp:
+            tp_inference_rank(spec, str(tmp), outputs)
+            return read_json(Path(tmp) / "run.json", "run record")
+    check_devices(spec.device, spec.tp)
+    with atomic_output_dir(out_dir) as tmp:
+        try:
+            spawn(tp_inference_rank, spec.tp, (spec, str(tmp), outputs))
+        except RankFailed as e:
+            raise UserError(str(e)) from None
+        return read_json(Path(tmp) / "run.json", "run record")
+
+
+def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
+    """One rank of a TP generation: load the model, keep this rank's shard, generate; rank 0 writes."""
+    rank, world = init_distributed(spec.device)
+    groups = init_groups(Mesh(tp=world))
+    config = resolve_config(spec)
+    prompt = make_prompt(spec, config)
+    model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
+    apply_tp(model, groups, spec.sp)
+    graph = None
+    if outputs.any:
+        graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope),
+                                  rank=rank, world_size=world, meta={"tp": world, "sequence_parallel": spec.sp})
+    else:
+        result = generate_tokens(spec, model, prompt)
+    _check_same_tokens(result.tokens, groups.tp)
+    if rank == 0:
+        _finish(spec, config, prompt, result, graph, out_dir, outputs)
+
+
+def _check_same_tokens(tokens: list[list[int]], group) -> None:
+    """Every rank must have chosen the same tokens (they see the same gathered logits and seed)."""
+    mine = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(mine, other) for other in everyone):
+        raise RuntimeError("TP ranks generated different tokens; their logits diverged")
