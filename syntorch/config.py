@@ -11,6 +11,13 @@ from syntorch.userfiles import read_json
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def from_args(cls, args, **overrides):
+    """A config dataclass from parsed options: each field from the option of the same name (argparse's
+    dest), `overrides` for those spelled otherwise. Checks are the dataclass's own (__post_init__)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})
+
+
 def torch_dtype(name: str):
     """The torch dtype of a --dtype name; one line naming the choices otherwise."""
     if name not in DTYPES:

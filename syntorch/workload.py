@@ -110,8 +110,8 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
     kind, op and Chakra node counts (as in the files), the schedule, its ranks."""
     plan, mesh = workload.plan, workload.plan.mesh
     stages = []
-    for s, (graph, chakra_nodes) in enumerate(zip(workload.stages, node_counts)):
-        nodes = graph._node.values()  # networkx's own dict: 10^5 nodes, several passes
+    for s, (graph, node_count) in enumerate(zip(workload.stages, node_counts)):
+        nodes = graph.node_attrs.values()
         ops = [d for d in nodes if d["kind"] == "op"]
         comms = [d for d in nodes if d["kind"] == "collective"]
         flops = dict.fromkeys(("forward", "backward", "optimizer"), 0)
@@ -131,7 +131,7 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),
             "comm_bytes": sum(d["bytes"] for d in comms),
             "comm": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(by_kind.items())},
-            "ops": len(ops), "chakra_nodes": chakra_nodes,
+            "ops": len(ops), "chakra_nodes": node_count,
             "compute_us": sum(d.get("duration_us", 0.0) for d in ops),
             "comm_us": sum(d.get("duration_us", 0.0) for d in comms),
             "schedule": graph.graph["pipeline_schedule"],

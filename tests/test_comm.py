@@ -128,3 +128,13 @@ def test_mesh_rejects_bad_degrees_in_one_line():
         Mesh(dp=2, tp=4).check_world_size(6)
     with pytest.raises(UserError, match="--tp must be a positive integer, got 0"):
         Mesh(tp=0)
+
+
+def test_reduce_ops_beyond_the_five_are_named_not_labelled_sum():
+    import torch.distributed as dist
+
+    from syntorch.trace.collectives import reduce_op_name
+    assert [reduce_op_name(op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT)] == \
+        ["sum", "avg", "prod"]
+    assert [reduce_op_name(op) for op in (dist.ReduceOp.BAND, dist.ReduceOp.BXOR, dist.ReduceOp.PREMUL_SUM)] == \
+        ["band", "bxor", "premul_sum"]

@@ -1,5 +1,6 @@
 """`syntorch trace`: per-rank Chakra of a training step (or pipelined prefill), its summary, and bad input."""
 import json
+import re
 
 import pytest
 from conftest import tiny_config
@@ -71,3 +72,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny, capsys, args, message)
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(zero=1), "--zero 1 shards over the data-parallel group; it needs --dp > 1"),
+    (dict(dp=2, zero=1, mode="infer"), "drop --zero"),
+    (dict(sp=True), "--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1"),
+    (dict(tp=2, sp=True, seq=33), "--sp needs --seq (33) divisible by --tp (2)"),
+    (dict(schedule="zigzag"), "unknown --schedule 'zigzag'"),
+])
+def test_a_plan_checks_its_own_options_when_made(fields, message):
+    from syntorch.errors import UserError
+    from syntorch.parallel.plans import TrainPlan
+    with pytest.raises(UserError, match=re.escape(message)):
+        TrainPlan(**fields)

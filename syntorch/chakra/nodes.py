@@ -129,7 +129,7 @@ def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpe
 
 def _in_traced_order(graph: nx.DiGraph) -> bool:
     """Does every op come after the ops that produce its inputs, in node order (the tracer's order)?"""
-    seen, pred = set(), graph._pred  # networkx's adjacency dicts: its views cost microseconds per lookup
+    seen, pred = set(), graph.preds
     for n, kind in graph.nodes(data="kind"):
         if kind != "tensor":
             if any(p not in seen for t in pred[n] for p in pred[t]):
@@ -139,7 +139,7 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
 
 
 def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
-    nodes, pred, succ, out = graph.nodes, graph._pred, graph._succ, []  # raw adjacency dicts, as above
+    nodes, pred, succ, out = graph.nodes, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = []  # the previous communication node's Chakra id, once there is one
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once

@@ -46,26 +46,12 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def spec_from_args(args):
-    from syntorch.inference import InferenceSpec
-    return InferenceSpec(
-        model=args.model, model_config=args.model_config, checkpoint=args.checkpoint, device=args.device,
-        dtype=args.dtype, num_input_tokens=args.num_input_tokens, num_output_tokens=args.num_output_tokens,
-        batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, beam_width=args.beam_width, stop_tokens=args.stop_tokens, input_ids=args.input_ids,
-        prompt=args.prompt, tokenizer=args.tokenizer, tp=args.tp, sp=args.sp)
-
-
-def outputs_from_args(args):
-    from syntorch.inference import RunOutputs
-    return RunOutputs(visualize=args.visualize_trace, chakra=args.chakra, hw_config=args.hw_config,
-                      comm_debug=args.comm_debug, level=args.trace_level)
-
-
 def run(args) -> int:
-    from syntorch.inference import run_inference
+    from syntorch.config import from_args
+    from syntorch.inference import InferenceSpec, RunOutputs, run_inference
 
-    record = run_inference(spec_from_args(args), args.out, outputs_from_args(args))
+    outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
+    record = run_inference(from_args(InferenceSpec, args), args.out, outputs)
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)
     return 0

@@ -33,22 +33,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plan_from_args(args, config):
-    from syntorch.parallel.plans import TrainPlan
-
-    return TrainPlan(dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp, zero=args.zero, bucket_mb=args.bucket_mb,
-                     schedule=args.schedule, microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
-                     seq=args.seq or config.n_positions, mode=args.mode)
-
-
 def run(args) -> int:
     from syntorch.checkpoints import resolve_model_config
-    from syntorch.config import torch_dtype
+    from syntorch.config import from_args, torch_dtype
     from syntorch.hardware import load_hw_config
+    from syntorch.parallel.plans import TrainPlan
     from syntorch.workload import trace_workload, write_workload
 
     config = resolve_model_config(args.model, args.model_config)
-    plan = plan_from_args(args, config)
+    plan = from_args(TrainPlan, args, seq=args.seq or config.n_positions)
     plan.check(config, args.world_size, args.global_batch)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw)

@@ -25,7 +25,7 @@ class RunOutputs:
     def any(self) -> bool:
         return self.visualize or self.chakra or self.hw_config is not None or self.comm_debug is not None
 
-    def check(self) -> None:
+    def __post_init__(self):
         """Reject bad options before any model is built."""
         if self.hw_config is not None:
             load_hw_config(self.hw_config)

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from syntorch.checkpoints import load_checkpoint, resolve_model_config
-from syntorch.config import DTYPES, ModelConfig, torch_dtype
+from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
 from syntorch.generate import Sampling, check_context, generate
 from syntorch.models import build_model
+from syntorch.parallel.tensor import check_sp
 
 
 @dataclass
@@ -38,7 +39,8 @@ class InferenceSpec:
     tp: int = 1
     sp: bool = False
 
-    def check(self) -> None:
+    def __post_init__(self):
+        """Every option's own check, once, when the spec is made."""
         if self.num_input_tokens <= 0 and not self.input_ids and not self.prompt:
             raise UserError(f"--num_input_tokens must be positive, got {self.num_input_tokens}")
         if self.num_output_tokens <= 0:
@@ -49,10 +51,8 @@ class InferenceSpec:
             raise UserError(f"--beam_width must be positive, got {self.beam_width}")
         if self.tp <= 0:
             raise UserError(f"--tp must be positive, got {self.tp}")
-        if self.sp and self.tp == 1:
-            raise UserError("--sp (sequence parallel) needs --tp > 1")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_sp(self.sp, self.tp)
+        torch_dtype(self.dtype)
         if self.prompt is not None and self.tokenizer is None:
             raise UserError("--prompt needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
         if self.input_ids is not None and self.prompt is not None:

@@ -1,10 +1,23 @@
-"""Plain PyTorch models. Nothing here knows about tracing or parallelism."""
+"""Plain PyTorch models. Nothing here knows about tracing or parallelism.
+
+Every family keeps its transformer blocks in a ModuleDict named `layers`, so block i's modules are
+`layers.{i}.…` in every model, stage, trace and checkpoint map; LAYER_PATH and layer_path say so once.
+"""
+import re
+
 import torch
 
 from syntorch.config import ModelConfig
 from syntorch.models.bert import Bert
 from syntorch.models.gpt import GPT
 from syntorch.models.layers import init_weights
+
+
+LAYER_PATH = re.compile(r"^layers\.(\d+)(?=\.|$)")  # a module path inside block i; group 1 is i
+
+
+def layer_path(index: int) -> str:
+    return f"layers.{index}"
 
 
 def build_model(config: ModelConfig, device="cpu", dtype=torch.float32):

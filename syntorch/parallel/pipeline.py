@@ -42,12 +42,16 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
+def check_schedule(kind: str) -> None:
+    if kind not in SCHEDULES:
+        raise UserError(f"unknown --schedule {kind!r}; choose one of: {', '.join(SCHEDULES)}")
+
+
 def schedule(kind: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
     """The (step, micro-batch) order one stage runs: ("F", 0), ("F", 1), ..., ("B", 0), ..."""
+    check_schedule(kind)
     if kind == "gpipe":
         return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
-    if kind != "1f1b":
-        raise UserError(f"unknown --schedule {kind!r}; choose one of: {', '.join(SCHEDULES)}")
     warmup = min(pp - stage - 1, microbatches)
     steps = [("F", m) for m in range(warmup)]
     for i in range(microbatches - warmup):

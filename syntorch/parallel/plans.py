@@ -17,7 +17,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
@@ -25,7 +24,7 @@ from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.data import GradSync
 from syntorch.parallel.mesh import Mesh, MeshGroups
-from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
 
 @dataclass(frozen=True)
@@ -47,32 +46,37 @@ class TrainPlan:
     def mesh(self) -> Mesh:
         return Mesh(self.dp, self.pp, self.tp)
 
-    def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
-        """Every mistake in one line, with the values in it."""
-        mesh = self.mesh  # checks the degrees are positive
-        if world_size is not None:
-            mesh.check_world_size(world_size)
-        if self.sp and self.tp == 1:
-            raise UserError("--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1")
-        if self.sp and self.seq % self.tp:
-            raise UserError(f"--sp needs --seq ({self.seq}) divisible by --tp ({self.tp})")
-        if self.seq > config.n_positions or self.seq < 1:
-            raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+    def __post_init__(self):
+        """Every option's own check, once, when the plan is made: one line with the values in it."""
+        self.mesh  # checks the degrees are positive
+        check_sp(self.sp, self.tp, self.seq)
+        if self.seq < 1:
+            raise UserError(f"--seq must be at least 1, got {self.seq}")
         if self.zero not in (0, 1, 2):
             raise UserError(f"--zero must be 0 (DDP), 1 or 2, got {self.zero}")
+        if self.zero and self.dp == 1:
+            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1")
+        if self.zero and self.mode == "infer":
+            raise UserError("--zero shards optimizer state and gradients, which --mode infer has none of; drop --zero")
         if self.bucket_mb <= 0:
             raise UserError(f"--bucket_mb must be positive, got {self.bucket_mb}")
         for name in ("microbatches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.mode not in ("train", "infer"):
+            raise UserError(f"--mode must be train or infer, got {self.mode!r}")
+        pp_.check_schedule(self.schedule)
+
+    def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
+        """What depends on the model and the run: the context, the layers and heads to split, the counts."""
+        if world_size is not None:
+            self.mesh.check_world_size(world_size)
+        if self.seq > config.n_positions:
+            raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
         if global_batch is not None and global_batch != self.dp * self.microbatches * self.micro_batch_size:
             raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
                             f" * micro_batch_size({self.micro_batch_size}) = "
                             f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
-        if self.mode not in ("train", "infer"):
-            raise UserError(f"--mode must be train or infer, got {self.mode!r}")
-        if self.schedule not in pp_.SCHEDULES:
-            raise UserError(f"unknown --schedule {self.schedule!r}; choose one of: {', '.join(pp_.SCHEDULES)}")
         pp_.stage_layers(config.n_layer, self.pp)
         check_tp(config, self.tp)
 

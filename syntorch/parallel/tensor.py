@@ -77,6 +77,15 @@ def check_tp(config: ModelConfig, tp: int) -> None:
                             f"choose --tp from {', '.join(map(str, fits))}")
 
 
+def check_sp(sp: bool, tp: int, seq: int | None = None) -> None:
+    """Sequence parallelism splits TP regions along the sequence: it needs a TP group (and, for a fixed
+    sequence length, one that divides it)."""
+    if sp and tp == 1:
+        raise UserError("--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1")
+    if sp and seq is not None and seq % tp:
+        raise UserError(f"--sp needs --seq ({seq}) divisible by --tp ({tp})")
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
     step = VOCAB_MULTIPLE * tp
     return -(-vocab_size // step) * step

@@ -46,10 +46,9 @@ def collective_us(collective: str, nbytes: int, ranks: list[int], hw: HardwareCo
     return steps * latency + 1e6 * fraction * nbytes / (bw * 1e9)
 
 
-# graph._node, _succ, _pred below are networkx's own dicts: its views cost microseconds per lookup
 
 def node_us(graph: nx.DiGraph, node, hw: HardwareConfig) -> float:
-    data = graph._node[node]
+    data = graph.node_attrs[node]
     if data["kind"] == "collective":
         return collective_us(data["collective"], data["bytes"], _peers(graph, data), hw)
     if data.get("is_view"):
@@ -59,14 +58,14 @@ def node_us(graph: nx.DiGraph, node, hw: HardwareConfig) -> float:
 
 def fill_durations(graph: nx.DiGraph, hw: HardwareConfig) -> None:
     """Sets `duration_us` on every op and collective node of `graph` (in place)."""
-    for node, data in graph._node.items():
+    for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
             data["duration_us"] = node_us(graph, node, hw)
 
 
 def op_dtype(graph: nx.DiGraph, node) -> str:
     """The dtype an op computes in: its first floating-point output, else input, else float32."""
-    dtypes = (graph._node[t]["dtype"].removeprefix("torch.") for t in (*graph._succ[node], *graph._pred[node]))
+    dtypes = (graph.node_attrs[t]["dtype"].removeprefix("torch.") for t in (*graph.succs[node], *graph.preds[node]))
     return next((d for d in dtypes if d.startswith(("float", "bfloat"))), "float32")
 
 

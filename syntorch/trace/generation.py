@@ -5,7 +5,7 @@ from collections.abc import Callable
 import torch
 
 from syntorch import generate as gen
-from syntorch.models import build_model
+from syntorch.models import build_model, layer_path
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import apply_tp, check_tp
@@ -34,7 +34,7 @@ def trace_run(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_siz
         result = run(traced, tracer.phase)
     if not replicate:
         return tracer.graph, result
-    return replicate_layers(tracer.graph, tracer.layer_calls, [f"layers.{k}" for k in layers]), result
+    return replicate_layers(tracer.graph, tracer.layer_calls, [layer_path(k) for k in layers]), result
 
 
 def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int,

@@ -51,6 +51,23 @@ class TraceGraph(nx.DiGraph):
         for key, value in GRAPH_DEFAULTS.items():
             self.graph.setdefault(key, value)
 
+    # --- fast reads ----------------------------------------------------------------------------
+    # networkx's own dicts, to read and never write: its views cost microseconds per lookup, and the hot
+    # paths (levels, costs, schedules, Chakra nodes) read 10^5 nodes several times.
+    @property
+    def node_attrs(self) -> dict[int, dict]:
+        return self._node
+
+    @property
+    def preds(self) -> dict[int, dict[int, dict]]:
+        """node -> {predecessor: edge attributes}"""
+        return self._pred
+
+    @property
+    def succs(self) -> dict[int, dict[int, dict]]:
+        """node -> {successor: edge attributes}"""
+        return self._succ
+
     # --- building -------------------------------------------------------------------------------
     def _new_id(self) -> int:
         return len(self)  # ids are dense and in traced order; nodes are never removed

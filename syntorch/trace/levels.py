@@ -7,17 +7,14 @@ shows the communication. Only tensors that cross a group boundary are kept, and 
 (their bytes are in the group's `bytes_read`). Group nodes are `op` nodes named by their key, with
 summed `flops`, `bytes_read`, `bytes_written`, `duration_us` (when every member has one) and `num_ops`.
 """
-import re
-
+from syntorch.models import LAYER_PATH
 from syntorch.trace.graph import LEVELS, TraceGraph
-
-_LAYER = re.compile(r"^(layers\.\d+)(\.|$)")
 
 
 def layer_of(module: str) -> str:
     """layers.3.attn.qkv -> layers.3; lm_head -> lm_head; the root ("") stays ""."""
-    match = _LAYER.match(module)
-    return match.group(1) if match else module.split(".")[0]
+    match = LAYER_PATH.match(module)
+    return match.group(0) if match else module.split(".")[0]
 
 
 def level_view(graph: TraceGraph, level: str) -> TraceGraph:
@@ -49,17 +46,16 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
         inputs = _boundary_inputs(graph, members, run_of, i)
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = _copy_tensor(out, graph._node[t])
+                new_tensor[t] = _copy_tensor(out, graph.node_attrs[t])
         node = _add_group(out, graph, members, [new_tensor[t] for t in inputs])
         for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
-            new_tensor[t] = _copy_tensor(out, graph._node[t], (node, {"arg": arg}))
+            new_tensor[t] = _copy_tensor(out, graph.node_attrs[t], (node, {"arg": arg}))
     return out
 
 
-# networkx's own dicts below (graph._node, _pred, _succ): its views cost microseconds per lookup
 
 def _boundary_inputs(graph, members, run_of, i) -> list[int]:
-    pred, nodes = graph._pred, graph._node
+    pred, nodes = graph.preds, graph.node_attrs
     seen = {}  # ordered set
     for node in members:
         for t in pred[node]:
@@ -71,7 +67,7 @@ def _boundary_inputs(graph, members, run_of, i) -> list[int]:
 
 def _boundary_outputs(graph, members, run_of, i) -> list[int]:
     """Outputs read outside the run, and the run's final result if nobody reads it (e.g. logits)."""
-    succ, last = graph._succ, members[-1]
+    succ, last = graph.succs, members[-1]
     found = []
     for node in members:
         for t, edge in succ[node].items():
@@ -91,11 +87,11 @@ def _copy_tensor(out: TraceGraph, d: dict, producer: tuple | None = None) -> int
 
 
 def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: list[int]) -> int:
-    first = graph._node[members[0]]
+    first = graph.node_attrs[members[0]]
     if first["kind"] == "collective":
         fields = {k: v for k, v in first.items() if k not in ("kind", "collective", "group", "bytes", "order")}
         return out.add_collective(first["collective"], inputs, group=first["group"], nbytes=first["bytes"], **fields)
-    ops = [graph._node[n] for n in members]
+    ops = [graph.node_attrs[n] for n in members]
     durations = [d.get("duration_us") for d in ops]
     extra = {"duration_us": sum(durations)} if None not in durations else {}
     key = layer_of(first["module"]) if out.graph["level"] == "layer" else first["module"]

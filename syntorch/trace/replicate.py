@@ -94,7 +94,7 @@ class _Copies:
         if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
             attrs["name"] = f"t{new}"
         self.nodes.append(attrs)
-        self.edges.extend((find(u), new, edge) for u, edge in self.source._pred[old].items())
+        self.edges.extend((find(u), new, edge) for u, edge in self.source.preds[old].items())
         return new
 
     def graph(self) -> TraceGraph:

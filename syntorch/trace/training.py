@@ -21,11 +21,11 @@ step before, through a 0-byte `schedule` tensor (kept by every level and exporte
 """
 import bisect
 import dataclasses
-import re
 
 import torch
 
 from syntorch.config import ModelConfig
+from syntorch.models import LAYER_PATH, layer_path
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
@@ -104,8 +104,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
         return _finish(probe, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
-    out.append((probe._node[n] for n in range(prefix)),
-            ((u, v, e) for u in range(prefix) for v, e in probe._succ[u].items() if v < prefix))
+    out.append((probe.node_attrs[n] for n in range(prefix)),
+            ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix))
     placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
 
     def source(kind, m):
@@ -140,7 +140,7 @@ class _Step:
 
     def __init__(self, probe: TraceGraph, a: int, b: int):
         self.a, self.nodes, self.moving, self.edges = a, [], {}, []
-        nodes, pred = probe._node, probe._pred  # networkx's own dicts: its views cost microseconds per lookup
+        nodes, pred = probe.node_attrs, probe.preds
         for n in range(a, b):
             data = nodes[n]
             self.nodes.append(data)
@@ -200,12 +200,11 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
     tensor names, global ranks (groups, peers) moved by the stage difference along pp."""
     shift = (to_stage - graph.graph["stage"]) * mesh.tp
-    pattern = re.compile(r"^layers\.(\d+)")
     renamed = {}
 
     def rename(name: str) -> str:
         if name not in renamed:
-            renamed[name] = pattern.sub(lambda m: f"layers.{int(m.group(1)) + layer_offset}", name)
+            renamed[name] = LAYER_PATH.sub(lambda m: layer_path(int(m.group(1)) + layer_offset), name)
         return renamed[name]
 
     def moved(d: dict) -> dict:
@@ -219,8 +218,8 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
 
     out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": graph.graph["rank"] + shift})
     # edges in graph.copy()'s order: by source node, then by target
-    out.append(map(moved, graph._node.values()),
-            ((u, v, e) for u, targets in graph._succ.items() for v, e in targets.items()))
+    out.append(map(moved, graph.node_attrs.values()),
+            ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()))
     return out
 
 
@@ -228,8 +227,8 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
     """Step k (nodes from starts[k] to starts[k+1]) runs after step k-1: its first nodes (those with no
     producer inside the step) read a 0-byte tensor written by step k-1's last node."""
     bounds = [*starts, len(graph)]
-    pred = graph._pred  # networkx's own dict: its views cost microseconds per lookup
-    work = {n for n, d in graph._node.items() if d["kind"] != "tensor"}
+    pred = graph.preds
+    work = {n for n, d in graph.node_attrs.items() if d["kind"] != "tensor"}
     for k in range(1, len(starts)):
         start, end = bounds[k], bounds[k + 1]
         before = [n for n in range(bounds[k - 1], start) if n in work]

@@ -17,7 +17,9 @@ MLM_PROBABILITY = 0.15  # Devlin et al. 2019: 15% of tokens are predicted; of th
 def load_squad(path) -> list[tuple[str, str]]:
     """(question, context) pairs from a SQuAD JSON file. v2.0's unanswerable questions are kept: for
     pretraining only the text matters."""
-    squad = read_json(path, "data file (--data, a SQuAD v1.1/v2.0 JSON file)")
+    if not Path(path).is_file():
+        raise UserError(f"data file not found: {path}; give --data a SQuAD v1.1/v2.0 JSON file")
+    squad = read_json(path, "data file")
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
         raise UserError(f"data file {path} is not SQuAD JSON: expected {{\"data\": [{{\"paragraphs\": ...}}]}}")
     pairs = []
