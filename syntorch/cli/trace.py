@@ -41,7 +41,7 @@ def run(args) -> int:
     from syntorch.workload import trace_workload, write_workload
 
     config = resolve_model_config(args.model, args.model_config)
-    plan = from_args(TrainPlan, args, seq=args.seq or config.n_positions)
+    plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw)

@@ -47,7 +47,8 @@ def options_from_args(args: argparse.Namespace):
     from syntorch.train.loop import DEFAULT_MODEL, TrainOptions
 
     positive = {"--batch-size": args.batch_size, "--num-epochs": args.num_epochs, "--logging-steps": args.logging_steps,
-                "--gradient-accumulation-steps": args.gradient_accumulation_steps, "--nproc": args.nproc or 1}
+                "--gradient-accumulation-steps": args.gradient_accumulation_steps,
+                "--nproc": 1 if args.nproc is None else args.nproc}
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
