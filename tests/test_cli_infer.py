@@ -74,6 +74,24 @@ def test_checkpoint_prompt_greedy_matches_hf(tmp_path, capsys):
     for key in ("model", "device", "dtype", "tp", "prefill_ms", "decode_ms_per_token", "tokens_per_s"):
         assert key in record
     assert record["prefill_ms"] > 0 and record["tokens_per_s"] > 0
+    assert record["model"] == "ckpt"  # named after its folder
+
+
+@pytest.mark.parametrize("hw", [None, "h100-sxm"])
+def test_symbolic_run_reports_a_prediction_not_the_tracers_speed(tmp_path, capsys, hw):
+    code, out = run_cli(tmp_path, "--model", "gpt2", "--device", "meta", "--num_input_tokens", "8",
+                        "--num_output_tokens", "3", *(["--hw_config", hw] if hw else []))
+    assert code == 0
+    record = json.loads((out / "run.json").read_text())
+    assert record["symbolic"] and record["output_tokens_traced"] == 3
+    assert not {"output_ids", "prefill_ms", "decode_ms_per_token", "tokens_per_s"} & set(record)
+    printed = capsys.readouterr().out
+    assert "tokens/s" not in printed and "generated" not in printed
+    if hw:
+        predicted = record["trace"]["predicted_latency_us"]["critical_path_us"] / 1e3
+        assert f"predicted latency {predicted:.1f} ms on h100-sxm" in printed
+    else:
+        assert "give --hw_config for a predicted latency" in printed
 
 
 def test_model_config_run_is_reproducible_with_seed(tmp_path):

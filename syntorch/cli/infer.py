@@ -59,8 +59,16 @@ def run(args) -> int:
 
 def print_result(record: dict, out_dir) -> None:
     from rich.console import Console
-    console = Console()
+    console = Console(soft_wrap=True)  # piped output keeps whole lines (paths, numbers) unbroken
     prompt_len = len(record["input_ids"][0])
+    if record.get("symbolic"):
+        predicted = record.get("trace", {}).get("predicted_latency_us")
+        latency = (f"predicted latency {predicted['critical_path_us'] / 1e3:.1f} ms on {record['trace']['hw_config']} "
+                   f"(serial {predicted['serial_us'] / 1e3:.1f} ms)" if predicted else
+                   "no values on meta; give --hw_config for a predicted latency")
+        console.print(f"symbolic run: {prompt_len} prompt tokens, {record['output_tokens_traced']} output tokens "
+                      f"traced; {latency} -> {out_dir}/run.json")
+        return
     for i, ids in enumerate(record["output_ids"]):
         console.print(f"[bold]sequence {i}[/bold] ({prompt_len} prompt tokens) generated: {ids[prompt_len:]}")
         if "output_text" in record:

@@ -130,21 +130,24 @@ def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scop
 
 
 def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result) -> dict:
-    """What run.json holds: the run's identity, its tokens and its timings."""
-    # the prompt from our side (on meta the generator cannot know its values), then the generated ids
-    outputs = [row + list(map(int, new)) for row, new in zip(prompt.tolist(), result.new_tokens)]
-    decode_ms = [s * 1e3 for s in result.decode_s]
+    """What run.json holds: the run's identity, its tokens and its measured timings. A symbolic run (meta)
+    has neither token values nor a speed worth reporting (its wall time is the tracer's): it records the
+    prompt and the number of steps traced; its latency is predicted from --hw_config (run.json's trace)."""
     record = {
         "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp,
         "batch_size": spec.batch_size, "seed": spec.seed,
         "sampling": {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
                      "beam_width": spec.beam_width, "stop_tokens": spec.stop_tokens},
-        "input_ids": prompt.tolist(), "output_ids": outputs,
-        "prefill_ms": result.prefill_s * 1e3,
-        "decode_ms_per_token": sum(decode_ms) / len(decode_ms) if decode_ms else 0.0,
-        "tokens_per_s": result.tokens_per_s,
-        "model_config": config.to_dict(),
+        "input_ids": prompt.tolist(), "model_config": config.to_dict(),
     }
+    if torch.device(spec.device).type == "meta":
+        return {**record, "symbolic": True, "output_tokens_traced": len(result.decode_s) + 1}
+    # the prompt from our side, then the generated ids
+    outputs = [row + list(map(int, new)) for row, new in zip(prompt.tolist(), result.new_tokens)]
+    decode_ms = [s * 1e3 for s in result.decode_s]
+    record.update(output_ids=outputs, prefill_ms=result.prefill_s * 1e3,
+                  decode_ms_per_token=sum(decode_ms) / len(decode_ms) if decode_ms else 0.0,
+                  tokens_per_s=result.tokens_per_s)
     if spec.tokenizer:
         record["output_text"] = [decode(spec.tokenizer, seq) for seq in outputs]
     return record
