@@ -6,6 +6,7 @@ model.safetensors or pytorch_model.bin, optionally sharded with an index.json) a
 family, used in both directions; TP shard loading reuses `hf_to_syntorch_state_dict`.
 """
 import json
+import os
 import re
 import zipfile
 from collections.abc import Mapping
@@ -404,3 +405,5 @@ def save_checkpoint(model, path) -> None:
     with atomic_output_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes its file 0600; give it the mode the folder's other files got (umask applied)
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)

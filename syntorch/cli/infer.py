@@ -58,8 +58,8 @@ def run(args) -> int:
 
 
 def print_result(record: dict, out_dir) -> None:
-    from rich.console import Console
-    console = Console(soft_wrap=True)  # piped output keeps whole lines (paths, numbers) unbroken
+    from syntorch.console import console as make_console
+    console = make_console()
     prompt_len = len(record["input_ids"][0])
     if record.get("symbolic"):
         predicted = record.get("trace", {}).get("predicted_latency_us")

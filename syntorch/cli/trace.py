@@ -51,7 +51,7 @@ def run(args) -> int:
 
 
 def print_summary(summary: dict) -> None:
-    from rich.console import Console
+    from syntorch.console import console as make_console
     from rich.table import Table
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
@@ -63,7 +63,7 @@ def print_summary(summary: dict) -> None:
                       f"{sum(s['flops'].values()) / 1e12:.1f}", f"{s['compute_bytes'] / 1e9:.1f}",
                       f"{s['comm_bytes'] / 1e9:.2f}", str(s["chakra_nodes"]),
                       f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}")
-    console = Console()
+    console = make_console()
     console.print(table)
     console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "
                   f"(check with: syntorch validate {summary['dir']})")

@@ -9,6 +9,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def run(args) -> int:
     from syntorch.chakra.validate import check_traces
 
@@ -16,7 +20,7 @@ def run(args) -> int:
     for line in problems:
         print(line)
     if problems:
-        print(f"{len(problems)} problem(s) in {ranks} ranks")
+        print(f"{plural(len(problems), 'problem')} in {plural(ranks, 'rank')}")
         return 1
-    print(f"ok: {ranks} ranks, {nodes} nodes")
+    print(f"ok: {plural(ranks, 'rank')}, {plural(nodes, 'node')}")
     return 0

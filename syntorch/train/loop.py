@@ -324,16 +324,18 @@ def train_rank(opts: TrainOptions) -> dict:
 
 
 def report(summary: dict, opts: TrainOptions) -> None:
-    from rich.console import Console
-
+    from syntorch.console import console as make_console
     from syntorch.outdir import atomic_output_file
 
     if opts.save_dir:
         with atomic_output_file(Path(opts.save_dir) / "train_log.json") as out:
             Path(out).write_text(json.dumps(summary["history"], indent=1) + "\n")
-    console = Console()
-    console.print(f"{opts.family}: {summary['steps']} steps on {summary['world']} rank(s), loss "
-                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, best eval loss {summary['best_eval_loss']:.4f}")
+    console = make_console()
+    logged = sum(1 for h in summary["history"] if "loss" in h)
+    loss = (f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {logged} logged steps" if logged > 1
+            else f"loss {summary['last_loss']:.4f} (one logged step)")
+    console.print(f"{opts.family}: {summary['steps']} steps on {summary['world']} rank(s), {loss}, "
+                  f"best eval loss {summary['best_eval_loss']:.4f}")
     if opts.save_dir:
         console.print(f"checkpoints: {Path(opts.save_dir) / 'best_model'}, {Path(opts.save_dir) / 'last_model'}")
     if summary["trace"]:
