@@ -11,6 +11,9 @@ from syntorch.errors import UserError
 from syntorch.generate import (Sampling, choose_tokens, generate, stream_friendly_weights, top_k_filter,
                                 top_p_filter)
 from syntorch.models import build_model
+from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.tensor import apply_tp
 
 GREEDY = Sampling(temperature=0)
 PAD = 127  # HF needs a pad id; prompts below never contain it
@@ -244,3 +247,17 @@ def test_bad_request_is_a_user_error():
         generate(model, prompt, 0)
     with pytest.raises(UserError, match="beam_width"):
         generate(model, prompt, 1, beam_width=0)
+
+
+@pytest.mark.parametrize("seq", [2, 4, 6])
+def test_last_only_is_one_position_under_sequence_parallel(seq):
+    """Under --sp each of the 2 TP ranks holds seq/2 positions; with one each (a prompt as long as the TP
+    degree) the head returned every position instead of the last."""
+    config = tiny_config()
+    with symbolic_world(0, 2):
+        model = build_model(config, device="meta")
+        apply_tp(model, init_groups(Mesh(tp=2)), sequence_parallel=True)
+        idx = torch.zeros(3, seq, dtype=torch.long, device="meta")
+        assert model(idx, last_only=True).shape == (3, 1, config.vocab_size)
+        assert model(idx).shape == (3, seq, config.vocab_size)
+

@@ -63,4 +63,7 @@ class GPT(nn.Module):
             return x
         if last_only:  # the head's work for one position only
             x = x[:, -1:]
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        # a head that gathers a stream split along T gets each part's last position and cannot tell, when every
+        # part holds one, whether it was sliced: keep the last here, where last_only is known
+        return logits[:, -1:] if last_only and logits.shape[1] > 1 else logits
