@@ -118,8 +118,9 @@ def test_cached_decode_equals_full_recompute(pair):
     with torch.no_grad():
         full = model(tokens[:, :-1])  # no cache: every position recomputed
     assert len(step_logits) == 12
+    # logits reach ~8 here: either way is ~1.5e-5 from a float64 run (one-row and many-row products round apart)
     for i, logits in enumerate(step_logits):
-        torch.testing.assert_close(logits, full[:, 5 + i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, full[:, 5 + i], rtol=1e-5, atol=5e-5)
 
 
 def test_stream_friendly_weights_keep_values_shapes_and_tying():
@@ -261,3 +262,15 @@ def test_last_only_is_one_position_under_sequence_parallel(seq):
         assert model(idx, last_only=True).shape == (3, 1, config.vocab_size)
         assert model(idx).shape == (3, seq, config.vocab_size)
 
+
+def test_generate_leaves_the_callers_weights_alone():
+    """Not their values, nor their memory (a training loop, an optimizer or a flat buffer may hold it)."""
+    model = build_model(tiny_config())
+    before = {name: (p.data_ptr(), p.stride(), p.detach().clone()) for name, p in model.named_parameters()}
+    generate(model, prompts(1), 3, GREEDY)
+    generate(model, prompts(2), 3, GREEDY, beam_width=2)
+    for name, p in model.named_parameters():
+        ptr, stride, value = before[name]
+        assert (p.data_ptr(), p.stride()) == (ptr, stride), name
+        torch.testing.assert_close(p.detach(), value, rtol=0, atol=0)
+    assert model.lm_head.weight is model.tok_emb.weight
