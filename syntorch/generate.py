@@ -71,7 +71,10 @@ def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
 def stream_friendly_weights(model: torch.nn.Module) -> None:
     """Keep each CPU Linear weight [out, in] as a transposed view of [in, out] memory: same shapes and values,
     but `x @ weight.t()` then runs MKL's non-transposed product, which streams the weights ~1.3x faster when
-    decoding one row (bench/infer_speed.py), like HF GPT-2's Conv1D layout. Idempotent."""
+    decoding one row (bench/infer_speed.py), like HF GPT-2's Conv1D layout. Idempotent.
+
+    It moves the parameters' memory, so only the owner of a model calls it, once, after loading it for
+    inference; `generate` never does (an optimizer, a training loop or a flat buffer may hold that memory)."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.is_contiguous():
@@ -154,12 +157,12 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
     it is deterministic, so temperature, top-k and top-p do not apply.
 
     On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
-    On CPU the model's Linear weights are first given the faster memory layout (`stream_friendly_weights`).
+    The model's parameters are left as they are (values and memory); KV caches are attached for the run and
+    removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster.
     """
     _check_request(model, prompt, max_new_tokens, beam_width)
     run = _Run(model, phase_scope or _no_scope)
     stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
-    stream_friendly_weights(model)
     with torch.inference_mode():
         setup_caches(model, prompt.shape[0] * beam_width, prompt.shape[1] + max_new_tokens)
         try:

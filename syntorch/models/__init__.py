@@ -21,11 +21,12 @@ def layer_path(index: int) -> str:
 
 
 def build_model(config: ModelConfig, device="cpu", dtype=torch.float32):
-    """A randomly initialised model; on `meta` it takes no memory and no init time."""
+    """A randomly initialised model (GPT-2's scheme for the GPT family, BERT's for BERT: see init_weights);
+    on `meta` it takes no memory and no init time."""
     with torch.device("meta"):  # skips torch's default init, which we would overwrite anyway
         model = (GPT if config.arch == "gpt" else Bert)(config)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
-        init_weights(model)
+        init_weights(model, residual_layers=config.n_layer if config.arch == "gpt" else 0)
         model.tie_weights()
     return model.to(dtype).eval()

@@ -40,14 +40,22 @@ class Bert(nn.Module):
         if self.config.tied_head:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor, token_type_ids=None, attention_mask=None) -> torch.Tensor:
-        """idx: [B, T]; attention_mask: [B, T] with 1 for real tokens. Returns MLM logits [B, T, V]."""
-        T = idx.shape[1]
-        positions = torch.arange(T, device=idx.device)
-        types = token_type_ids if token_type_ids is not None else torch.zeros_like(idx)
-        x = self.ln_emb(self.tok_emb(idx) + self.pos_emb(positions) + self.type_emb(types))
+    def forward(self, x: torch.Tensor, token_type_ids=None, attention_mask=None) -> torch.Tensor:
+        """x: token ids [B, T], or, on a pipeline stage without the embeddings, the residual stream [B, T, d]
+        the stage before sent; token_type_ids: [B, T] (the first stage reads them); attention_mask: [B, T]
+        with 1 for real tokens (every stage needs it). Returns MLM logits [B, T, V], or the stream [B, T, d]
+        on a stage without the head."""
+        if self.tok_emb is not None:
+            x = self._embed(x, token_type_ids)
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
-        for layer in self.layers.values():
+        for layer in self.layers.values():  # only the layers this stage holds
             x = layer(x, mask)
+        if self.lm_head is None:
+            return x
         x = self.head_ln(F.gelu(self.head_dense(x)))
         return self.lm_head(x)
+
+    def _embed(self, idx: torch.Tensor, token_type_ids) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(idx)
+        return self.ln_emb(self.tok_emb(idx) + self.pos_emb(positions) + self.type_emb(types))  # [B, T, d]

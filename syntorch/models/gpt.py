@@ -42,18 +42,28 @@ class GPT(nn.Module):
         if self.config.tied_head:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
-        """idx: [B, T] token ids at positions start..start+T. Returns logits [B, T, V] ([B, 1, V] if last_only)."""
-        T = idx.shape[1]
-        positions = torch.arange(start, start + T, device=idx.device)
-        x = self.tok_emb(idx)  # [B, T, d]
-        rope = None
-        if self.pos_emb is not None:
+    def forward(self, x: torch.Tensor, start: int = 0, last_only: bool = False,
+                seq_len: int | None = None) -> torch.Tensor:
+        """x: token ids [B, T] at positions start..start+T, or, on a pipeline stage without the embeddings,
+        the residual stream [B, T, d] the stage before sent. `seq_len`: the sequence's length when x holds
+        only part of it (a stream split along T); positions come from it. Returns logits [B, T, V]
+        ([B, 1, V] if last_only), or the stream [B, T, d] on a stage without the head."""
+        learned = self.pos_emb is not None  # a later pipeline stage has none: the stream it gets holds them
+        rotary = self.config.pos == "rotary"  # every stage needs the tables, for its own layers
+        T = seq_len or x.shape[1]
+        positions = torch.arange(start, start + T, device=x.device) if learned or rotary else None
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)  # [B, T, d]
+        if learned:
             x = x + self.pos_emb(positions)
-        else:
-            rope = rotary_tables(positions, self.config.rotary_dim)
-        for block in self.layers.values():
+        rope = rotary_tables(positions, self.config.rotary_dim) if rotary else None
+        for block in self.layers.values():  # only the layers this stage holds
             x = block(x, start, rope)
-        if last_only:
+        if self.lm_head is None:
+            return x
+        if last_only:  # the head's work for one position only
             x = x[:, -1:]
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        # a head that gathers a stream split along T gets each part's last position and cannot tell, when every
+        # part holds one, whether it was sliced: keep the last here, where last_only is known
+        return logits[:, -1:] if last_only and logits.shape[1] > 1 else logits

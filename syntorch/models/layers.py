@@ -1,4 +1,6 @@
 """Transformer building blocks shared by the GPT and BERT families. Plain PyTorch."""
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -89,8 +91,11 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
-def init_weights(module: nn.Module, std: float = 0.02):
-    """GPT-2/BERT initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms."""
+def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0):
+    """GPT-2/BERT initialisation: N(0, std) weights, zero biases, unit LayerNorms. With `residual_layers`
+    = n_layer, GPT-2's scaling too (Radford et al. 2019, section 2.3; GPT-3 keeps it; nanoGPT's c_proj): the
+    projections that add into the residual stream (attn.proj, mlp.fc2) get std / sqrt(2 * n_layer), as the
+    stream sums two of them per layer. BERT has no such scaling (HF's BertPreTrainedModel)."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
@@ -99,3 +104,9 @@ def init_weights(module: nn.Module, std: float = 0.02):
         if isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+    if not residual_layers:
+        return
+    for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it
+        out = m.proj if isinstance(m, Attention) else m.fc2 if isinstance(m, MLP) else None
+        if out is not None:
+            nn.init.normal_(out.weight, std=std / math.sqrt(2 * residual_layers))

@@ -2,7 +2,8 @@
 
 A stage is the plain model with the parts it does not own removed (layers are a ModuleDict, so the kept
 ones keep their names `layers.{i}`): the first stage keeps the embeddings, the last the final norm, the head
-and the loss. `stage_forward` runs whatever a stage holds; the model itself knows nothing of stages.
+and the loss. The model's own forward skips what its stage lacks (as torchtitan's does); `stage_forward` adds
+only what the model must not know: the TP group's sequence state on stages without the embedding, the loss.
 
 Schedules are lists of steps ("F" or "B", micro-batch), the order one stage runs them:
 - GPipe: every forward, then every backward (Huang et al. 2019).
@@ -17,12 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model
-from syntorch.models.layers import rotary_tables
 from syntorch.parallel import comm
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -116,44 +115,29 @@ def activation_shape(config: ModelConfig, micro_batch_size: int, seq: int, tp: i
     return (micro_batch_size, seq // tp if sp else seq, config.d_model)
 
 
-def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None,
+                  **inputs) -> torch.Tensor:
     """One micro-batch through a stage: token ids [B, T] on the first stage, else the residual stream
-    received from the previous stage. Returns the loss on the last stage (the logits without targets),
-    else the stream to send on."""
-    c = model.config
+    received from the previous stage; `inputs` are the model's other arguments (BERT's attention_mask,
+    which every stage needs, and token_type_ids). Returns the loss on the last stage (the logits without
+    targets), else the stream to send on. The model runs whatever part it holds."""
+    if model.tok_emb is None:
+        inputs = {**inputs, **_received_stream(model, x)}
+    out = model(x, **inputs)
+    return out if targets is None else model.loss(out.flatten(0, 1).float(), targets.flatten())
+
+
+def _received_stream(model: nn.Module, x: torch.Tensor) -> dict:
+    """Before a stage without the embedding runs the stream [B, T', d] it received: set the TP group's
+    sequence state for this forward (on the first stage the vocab-parallel embedding sets it; the model
+    knows nothing of TP), and return what the model needs to know of the whole sequence: GPT's positions
+    (rotary tables) come from its length, which a sequence-split stream does not show."""
     tp = tp_group_of(model)
-    if getattr(model, "tok_emb", None) is not None:
-        T = x.shape[1]
-        x = _embed(model, x)  # the vocab-parallel embedding decides whether this forward is sequence-split
-    else:
-        split = tp is not None and tp.sequence_parallel  # the plan checked that T divides by tp
-        T = x.shape[1] * (tp.size if split else 1)
-        if tp is not None:
-            tp.seq_split, tp.seq_len = split, T
-    rope = rotary_tables(torch.arange(T, device=x.device), c.rotary_dim) if c.pos == "rotary" else None
-    for block in model.layers.values():
-        x = block(x) if c.arch == "bert" else block(x, 0, rope)
-    if getattr(model, "lm_head", None) is None:
-        return x
-    logits = model.lm_head(_head_input(model, x))  # [B, T, V]
-    return logits if targets is None else model.loss(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _embed(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    # the same steps as the model's own forward up to its first layer
-    positions = torch.arange(idx.shape[1], device=idx.device)
-    x = model.tok_emb(idx)
-    if model.pos_emb is not None:
-        x = x + model.pos_emb(positions)
-    if model.config.arch == "bert":
-        x = model.ln_emb(x + model.type_emb(torch.zeros_like(idx)))
-    return x
-
-
-def _head_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if model.config.arch == "bert":  # MLM transform before the tied decoder
-        return model.head_ln(F.gelu(model.head_dense(x)))
-    return model.ln_f(x)
+    split = tp is not None and tp.sequence_parallel  # the plan checked that T divides by tp
+    T = x.shape[1] * (tp.size if split else 1)
+    if tp is not None:
+        tp.seq_split, tp.seq_len = split, T
+    return {"seq_len": T} if model.config.arch == "gpt" else {}
 
 
 def tag(microbatch: int, backward: bool) -> int:

@@ -199,8 +199,10 @@ class VocabParallelHead(nn.Module):
         tp = self.tp
         if tp.seq_split:
             x = comm.gather_from_sp(x, 1, tp.group)
-            if x.shape[1] != tp.seq_len:  # the model kept each shard's last position (last_only): the true last
-                x = x[:, -1:]             # is the last shard's
+            # the model kept each shard's last position (last_only): the true last is the last shard's. With one
+            # position per shard (T == tp) the two look alike: all come through and the model keeps the last
+            if x.shape[1] != tp.seq_len:
+                x = x[:, -1:]
         else:
             x = comm.copy_to_tp(x, tp.group)
         logits = F.linear(x, self.weight, self.bias)  # [B, T, V_pad/tp]
