@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from syntorch.checkpoints import load_checkpoint
-from syntorch.generate import Sampling, generate
+from syntorch.generate import Sampling, generate, stream_friendly_weights
 
 
 def build_pair():
@@ -29,6 +29,7 @@ def build_pair():
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         _, ours = load_checkpoint(folder)
+        stream_friendly_weights(ours)  # as `syntorch infer` does with the model it loads
     return hf, ours
 
 

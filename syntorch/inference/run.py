@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from syntorch.config import torch_dtype
 from syntorch.errors import UserError
+from syntorch.generate import stream_friendly_weights
 from syntorch.inference.outputs import RunOutputs, write_run_outputs
 from syntorch.inference.spec import (InferenceSpec, generate_tokens, load_model, make_prompt, resolve_config,
                                      run_record, sampling_of, write_run_json)
@@ -68,6 +69,7 @@ def _one_rank(spec, out_dir, outputs) -> dict:
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
     model = load_model(spec, config)
+    stream_friendly_weights(model)  # this run owns the model: the decode-friendly weight layout is ours to pick
     graph = None
     if outputs.any:
         graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope))
@@ -115,6 +117,7 @@ def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
     prompt = make_prompt(spec, config)
     model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
     apply_tp(model, groups, spec.sp)
+    stream_friendly_weights(model)
     graph = None
     if outputs.any:
         graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope),
