@@ -173,7 +173,7 @@ def _write_workload(workload, out_dir, level, force, progress) -> dict:
         del header.attr[[a.name for a in header.attr].index("rank")]
         templates.append(StageTemplate(specs, header, table))
     total = 0
-    with atomic_output_dir(out_dir, force=force, allow_existing=False) as tmp:
+    with atomic_output_dir(out_dir, force=force) as tmp:
         chakra._write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
         for rank in _ranks(world, progress):
             with open(tmp / f"{config.name}.{rank}.et", "wb") as f:

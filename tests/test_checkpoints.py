@@ -117,7 +117,7 @@ def test_save_round_trip_through_transformers(saved, family, tmp_path):
     model, st, _ = saved[family]
     _, ours = load_checkpoint(st)
     save_checkpoint(ours, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".syntorch.json", "config.json", "model.safetensors"]
     auto = hf.AutoModelForMaskedLM if family == "bert" else hf.AutoModelForCausalLM
     reloaded = auto.from_pretrained(tmp_path / "out").eval()
     assert type(reloaded) is type(model)
