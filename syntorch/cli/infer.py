@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
     par.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     out = p.add_argument_group("outputs")
     out.add_argument("--out", default="runs/infer", help="output folder (run.json, traces, images)")
+    out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--visualize_trace", action="store_true", help="write tensor_trace_graph.png/.json")
     out.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                      help="graph level for images and exports (default: op, or coarser when too big to draw)")
@@ -70,7 +71,7 @@ def run(args) -> int:
     outputs.check()
     if spec.tp > 1:
         return run_tensor_parallel(spec, args, outputs)
-    with atomic_output_dir(args.out) as tmp:
+    with atomic_output_dir(args.out, args.force, "--out") as tmp:
         model = inference.load_model(spec, config)
         if outputs.any:
             traces, result = trace_generation(spec, model, prompt)
@@ -93,6 +94,9 @@ def outputs_from_args(args):
 def run_tensor_parallel(spec, args, outputs) -> int:
     """--tp > 1: real ranks (spawned here, or torchrun's) on cpu/cuda; on meta one symbolic trace of rank 0
     stands for every rank. Rank 0 writes run.json and the outputs asked for (write_run_outputs)."""
+    import contextlib
+    import os
+
     import torch
 
     from syntorch.outdir import atomic_output_dir
@@ -100,7 +104,8 @@ def run_tensor_parallel(spec, args, outputs) -> int:
     from syntorch.parallel.tensor import run_tp_inference
 
     run_tp = run_tp_symbolic if torch.device(spec.device).type == "meta" else run_tp_inference
-    with atomic_output_dir(args.out) as tmp:
+    writer = os.environ.get("RANK", "0") == "0"  # torchrun's other ranks write nothing: rank 0 owns --out
+    with atomic_output_dir(args.out, args.force, "--out") if writer else contextlib.nullcontext(args.out) as tmp:
         record = run_tp(spec, tmp, outputs)
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)
