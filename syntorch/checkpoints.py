@@ -394,16 +394,20 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32):
     return config, model.eval()
 
 
-def save_checkpoint(model, path) -> None:
-    """Write `model` as a HuggingFace folder (config.json + model.safetensors) that from_pretrained loads."""
+def save_checkpoint(model, path, tokenizer=None, flag: str = "checkpoint folder") -> None:
+    """Write `model` as a HuggingFace folder (config.json + model.safetensors) that from_pretrained loads, with
+    `tokenizer.save(folder)`'s files when given. It replaces a checkpoint syntorch saved there (a run saves
+    best_model many times) but, by syntorch.outdir's policy, never a folder holding anything else."""
     from safetensors.torch import save_file
 
     if any(p.is_meta for p in model.parameters()):
         raise UserError("cannot save a model on the meta device: it has no weights")
     hf_config = model_config_to_hf_config(model.config)
     tensors = syntorch_to_hf_state_dict(model)
-    with atomic_output_dir(path) as tmp:
+    with atomic_output_dir(path, force=True, flag=flag) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # safetensors writes its file 0600; give it the mode the folder's other files got (umask applied)
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
+        if tokenizer is not None:
+            tokenizer.save(tmp)

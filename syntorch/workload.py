@@ -84,7 +84,7 @@ def _write_workload(workload, out_dir, level, force, progress) -> dict:
         templates.append(StageTemplate(specs, header, ids, mesh))
         node_counts.append(len(specs))
     total, variants = 0, set()
-    with atomic_output_dir(out_dir, force=force, allow_existing=False) as tmp:
+    with atomic_output_dir(out_dir, force=force) as tmp:
         write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
         for rank in _ranks(world, progress):
             with open(tmp / f"{config.name}.{rank}.et", "wb") as f:

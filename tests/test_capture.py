@@ -38,13 +38,17 @@ def runs(tmp_path_factory):
     make_tokenizer(ws / "tok")
     for family, base in (("gpt2", "gpt2"), ("bert", "bert-base-uncased")):
         make_model(ws / family, base)
-    out = ws / "outputs"
-    out.mkdir()
-    for stale in ("gpt2.2.et", "gpt2_host.3.json"):  # left by an earlier 4-rank run with the same name
-        (out / stale).write_text("old")
-    assert main(["train", *train_command(ws, "gpt2", out), "--nproc", str(RANKS)]) == 0
+    out = ws / "outputs"  # one folder per run: a folder holds one run's outputs
+    (out / "gpt2").mkdir(parents=True)
+    stale = ["gpt2.2.et", "gpt2_host.3.json"]  # left by an earlier 4-rank run with the same name
+    for name in stale:
+        (out / "gpt2" / name).write_text("old")
+    (out / "gpt2" / ".syntorch.json").write_text(json.dumps({"files": stale}))
+    gpt2 = ["train", *train_command(ws, "gpt2", out / "gpt2"), "--nproc", str(RANKS)]
+    assert main(gpt2) == 2  # refused before any rank starts: it holds an earlier run's traces
+    assert main([*gpt2, "--force"]) == 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                "-m", "syntorch.train", *train_command(ws, "bert", out)]
+                "-m", "syntorch.train", *train_command(ws, "bert", out / "bert")]
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return out
@@ -84,21 +88,22 @@ FAMILIES = pytest.mark.parametrize("family, base", [("gpt2", "gpt2"), ("bert", "
 
 @FAMILIES
 def test_every_rank_leaves_host_device_stacks_linked_and_et(runs, family, base):
+    folder = runs / family
     for rank in range(RANKS):
         for name in (f"{family}_host.{rank}.json", f"{family}_device.{rank}.json", f"{family}_merged.{rank}.json",
                      f"{family}_stacks.{rank}.txt", f"{family}.{rank}.et"):
-            assert (runs / name).stat().st_size > 0, name
-        assert "ProfilerStep#2" in (runs / f"{family}_host.{rank}.json").read_text()  # the active step, on both traces
-        assert "ProfilerStep#2" in (runs / f"{family}_device.{rank}.json").read_text()
-    assert not (runs / "gpt2.2.et").exists() and not (runs / "gpt2_host.3.json").exists()
-    assert json.loads((runs / "comm_groups.json").read_text()) == {}  # DDP uses the default group "0" only
-    assert not [p for p in runs.parent.iterdir() if p.name.startswith(".")]  # no temporary folders left
+            assert (folder / name).stat().st_size > 0, name
+        assert "ProfilerStep#2" in (folder / f"{family}_host.{rank}.json").read_text()  # the active step, on both traces
+        assert "ProfilerStep#2" in (folder / f"{family}_device.{rank}.json").read_text()
+    assert not (runs / "gpt2" / "gpt2.2.et").exists() and not (runs / "gpt2" / "gpt2_host.3.json").exists()
+    assert json.loads((folder / "comm_groups.json").read_text()) == {}  # DDP uses the default group "0" only
+    assert not [*runs.glob(".syntorch-tmp.*"), *folder.glob(".syntorch-tmp.*")]  # no temporary folders left
 
 
 @FAMILIES
 def test_traces_have_forward_backward_and_optimizer_compute(runs, family, base):
     for rank in range(RANKS):
-        header, nodes = read_et(runs / f"{family}.{rank}.et")
+        header, nodes = read_et(runs / family / f"{family}.{rank}.et")
         assert {a.name for a in header.attr} >= {"schema", "pid"}
         compute = [n.name for n in nodes if n.type == et.COMP_NODE]
         assert "DistributedDataParallel.forward" in compute and "aten::addmm" in compute
@@ -111,7 +116,7 @@ def test_traces_have_forward_backward_and_optimizer_compute(runs, family, base):
 def test_gradient_all_reduces_are_collectives_of_the_models_gradient_bytes(runs, family, base):
     sizes = {}
     for rank in range(RANKS):
-        _, nodes = read_et(runs / f"{family}.{rank}.et")
+        _, nodes = read_et(runs / family / f"{family}.{rank}.et")
         colls = [attrs(n) for n in nodes if n.type == et.COMM_COLL_NODE and attrs(n)["comm_type"] == et.ALL_REDUCE]
         assert len(colls) >= 2  # several DDP buckets at --bucket-cap-mb 0.1
         assert all(c["is_cpu_op"] is False and c["pg_name"] == "0" for c in colls)
@@ -123,7 +128,7 @@ def test_gradient_all_reduces_are_collectives_of_the_models_gradient_bytes(runs,
 
 @FAMILIES
 def test_backward_overlaps_the_all_reduce_and_the_optimizer_waits_for_it(runs, family, base):
-    _, nodes = read_et(runs / f"{family}.0.et")
+    _, nodes = read_et(runs / family / f"{family}.0.et")
     graph, by_id = dependency_graph(nodes), {n.id: n for n in nodes}
     colls = [n.id for n in nodes if n.type == et.COMM_COLL_NODE and attrs(n)["comm_type"] == et.ALL_REDUCE]
     first = colls[0]
@@ -136,13 +141,13 @@ def test_backward_overlaps_the_all_reduce_and_the_optimizer_waits_for_it(runs, f
 
 @FAMILIES
 def test_astra_sim_validator_accepts_the_traces(runs, family, base):
-    assert validate_traces(runs / family) == []
+    assert validate_traces(runs / family / family) == []
 
 
 def test_the_official_converter_alone_leaves_gloo_all_reduce_a_compute_node(runs, tmp_path):
     # the fact our repair exists for (mlc-chakra 1.0.0): if this fails, a newer converter does it itself
     _, converter = official_tools()
-    converter().convert(str(runs / "gpt2_merged.0.json"), str(tmp_path / "official.et"), False)
+    converter().convert(str(runs / "gpt2" / "gpt2_merged.0.json"), str(tmp_path / "official.et"), False)
     _, nodes = read_et(tmp_path / "official.et")
     gloo = [n for n in nodes if n.name == "gloo:all_reduce"]
     assert gloo and all(n.type == et.COMP_NODE for n in gloo)
@@ -153,7 +158,7 @@ def test_the_official_converter_alone_leaves_gloo_all_reduce_a_compute_node(runs
 def test_forward_inter_thread_dependency_is_dropped_before_the_converter_sees_a_cycle(runs, tmp_path):
     # seen in a real run: the linker made gloo:all_reduce depend on a later main-thread op, and
     # chakra_converter stopped with "Cyclic dependency detected"
-    linked = json.loads((runs / "gpt2_merged.0.json").read_text())
+    linked = json.loads((runs / "gpt2" / "gpt2_merged.0.json").read_text())
     gloo = next(n for n in linked["nodes"] if n["name"] == "gloo:all_reduce")
     later = next(n for n in linked["nodes"] if n["name"].startswith("Optimizer.step#AdamW"))
     gloo["inter_thread_dep"] = later["id"]
@@ -169,16 +174,16 @@ def test_forward_inter_thread_dependency_is_dropped_before_the_converter_sees_a_
 
 
 def test_convert_repairs_a_host_trace_written_twice(runs, tmp_path, capsys, monkeypatch):
-    text = (runs / "gpt2_host.1.json").read_text()
+    text = (runs / "gpt2" / "gpt2_host.1.json").read_text()
     (tmp_path / "host.json").write_text(text + "\n" + text)
     (tmp_path / "traces").mkdir()
-    (tmp_path / "traces" / "device.json").write_text((runs / "gpt2_device.1.json").read_text())
+    (tmp_path / "traces" / "device.json").write_text((runs / "gpt2" / "gpt2_device.1.json").read_text())
     monkeypatch.chdir(tmp_path)  # relative paths: the linker alone would double the device trace's folder
     code = main(["convert", "--host", "host.json", "--device", "traces/device.json", "--rank", "1",
                  "--output", "g.1.et"])
     assert code == 0 and "kept the largest of 2 JSON documents" in capsys.readouterr().out
     _, ours = read_et(tmp_path / "g.1.et")
-    _, theirs = read_et(runs / "gpt2.1.et")
+    _, theirs = read_et(runs / "gpt2" / "gpt2.1.et")
     assert [(n.name, n.type, list(n.data_deps)) for n in ours] == [(n.name, n.type, list(n.data_deps)) for n in theirs]
 
 
@@ -200,12 +205,12 @@ def test_repair_drops_duplicated_node_ids():
     ("missing", "gpt2_device.0.json", 0, "host trace not found"),
 ])
 def test_convert_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys, host, device, rank, message):
-    made = {"cut": (runs / "gpt2_host.0.json").read_text()[:50000], "notjson": "{", "noevents": '{"x": 1}'}
+    made = {"cut": (runs / "gpt2" / "gpt2_host.0.json").read_text()[:50000], "notjson": "{", "noevents": '{"x": 1}'}
     for name, text in made.items():
         (tmp_path / name).write_text(text)
 
     def where(name):
-        return tmp_path / name if name in made or name == "missing" else runs / name
+        return tmp_path / name if name in made or name == "missing" else runs / "gpt2" / name
 
     out = tmp_path / "out" / f"x.{rank}.et"
     code = main(["convert", "--host", str(where(host)), "--device", str(where(device)), "--rank", str(rank),

@@ -27,7 +27,7 @@ def tp_traces(tmp_path):
 
 def test_official_reader_sees_every_rank(tp_traces):
     out, summary = tp_traces
-    assert sorted(p.name for p in out.iterdir()) == ["comm_groups.json", "tensor_trace_chakra.json",
+    assert sorted(p.name for p in out.iterdir()) == [".syntorch.json", "comm_groups.json", "tensor_trace_chakra.json",
                                                      "toy.0.et", "toy.1.et"]
     assert json.loads((out / "comm_groups.json").read_text()) == {"10": [0, 1]}  # ids of one width (groups.py)
     for rank in range(2):
@@ -123,7 +123,7 @@ def test_identical_ranks_are_encoded_once(tmp_path):
 
 def test_refuses_a_folder_with_other_traces_unless_forced(tmp_path):
     write_chakra({r: tp_rank(r, world=3) for r in range(3)}, tmp_path)
-    with pytest.raises(UserError, match="already holds Chakra traces"):
+    with pytest.raises(UserError, match="holds the outputs of an earlier syntorch run; pass --force"):
         write_chakra({r: tp_rank(r) for r in range(2)}, tmp_path)
     assert (tmp_path / "toy.2.et").exists()  # nothing touched
     write_chakra({r: tp_rank(r) for r in range(2)}, tmp_path, force=True)
@@ -243,7 +243,7 @@ def test_export_command_from_a_saved_graph(tmp_path, capsys):
     assert "pass --force" in capsys.readouterr().err
     assert main([*argv, str(tmp_path / "seed" / "model.json")]) == 0  # seed 000: --output model.json
     assert sorted(p.name for p in (tmp_path / "seed").iterdir()) == [
-        "comm_groups.json", "model.json", "tiny-gpt2.0.et", "tiny-gpt2.1.et"]
+        ".syntorch.json", "comm_groups.json", "model.json", "tiny-gpt2.0.et", "tiny-gpt2.1.et"]
     assert json.loads((tmp_path / "seed" / "model.json").read_text())["nodes"]
 
 

@@ -117,7 +117,7 @@ def test_save_round_trip_through_transformers(saved, family, tmp_path):
     model, st, _ = saved[family]
     _, ours = load_checkpoint(st)
     save_checkpoint(ours, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".syntorch.json", "config.json", "model.safetensors"]
     modes = {(tmp_path / "out" / name).stat().st_mode & 0o777 for name in ("config.json", "model.safetensors")}
     assert len(modes) == 1 and modes.pop() & 0o044  # the weights readable as the config is (safetensors made 0600)
     auto = hf.AutoModelForMaskedLM if family == "bert" else hf.AutoModelForCausalLM

@@ -35,7 +35,7 @@ def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys, argv, mess
     assert code == 2
     assert message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
-    assert not any(tmp_path.glob(".out.*")), "a temporary output folder was left behind"
+    assert not any(tmp_path.glob(".syntorch-tmp.*")), "a temporary output folder was left behind"
 
 
 def test_corrupt_model_config(tmp_path, capsys):
@@ -114,9 +114,11 @@ def test_seed_example_script_runs_verbatim(tmp_path):
     script = Path(__file__).resolve().parents[1] / "examples" / "gpt3" / "inference.py"
     cfg = tmp_path / "m.json"
     cfg.write_text(json.dumps({"base": "gpt3-125m", "n_layer": 1, "d_model": 64, "n_head": 4}))
+    work = tmp_path / "work"  # outputs go to the current folder, which must hold nothing of the user's
+    work.mkdir()
     proc = subprocess.run([sys.executable, str(script), "--num_input_tokens", "10", "--num_output_tokens", "20",
                            "--tp", "1", "--device", "cpu", "--model_config", str(cfg)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=work, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    record = json.loads((tmp_path / "run.json").read_text())
+    record = json.loads((work / "run.json").read_text())
     assert len(record["input_ids"][0]) == 10 and len(record["output_ids"][0]) == 30

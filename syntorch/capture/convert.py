@@ -105,7 +105,7 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
             for node in nodes:
                 encodeMessage(f, node)
         if merged_output:
-            with atomic_output_file(merged_output) as out:
+            with atomic_output_file(merged_output, "--merged") as out:
                 shutil.copyfile(merged, out)
     if dropped:
         repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter would stop on a cycle)")
@@ -113,9 +113,9 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
             "notes": summary["notes"] + notes, "groups": groups}
 
 
-def write_comm_groups(groups: dict[str, list[int]], path) -> None:
+def write_comm_groups(groups: dict[str, list[int]], path, flag: str = "--comm_groups") -> None:
     """comm_groups.json for ASTRA-sim's --comm-group-configuration: every group but the default one
     ("0" means all ranks to ASTRA-sim and is not listed)."""
     listed = {k: v for k, v in sorted(groups.items()) if k != "0" and k.isdigit()}
-    with atomic_output_file(path) as out:
+    with atomic_output_file(path, flag) as out:
         Path(out).write_text(json.dumps(listed) + "\n")

@@ -5,7 +5,6 @@ The observer is passed to the profiler (`execution_trace_observer=`), so it star
 active window and both traces hold the same `ProfilerStep#N`. The schedule runs one cycle: a second
 cycle would write a second trace over the first (the seed's duplicated-JSON host traces).
 """
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,15 +41,6 @@ class TraceFiles:
     @property
     def et(self) -> Path:
         return self.folder / f"{self.name}.{self.rank}.et"
-
-
-def stale_rank_files(folder, name: str, world: int) -> list[Path]:
-    """Files of ranks >= world left by an earlier, larger run with the same name: with them, the folder
-    would look like a bigger job to ASTRA-sim and the validator."""
-    pattern = re.compile(rf"{re.escape(name)}(_host|_device|_stacks|_merged)?\.(\d+)\.(json|txt|et)")
-    folder = Path(folder)
-    return [p for p in folder.iterdir() if (m := pattern.fullmatch(p.name)) and int(m.group(2)) >= world] \
-        if folder.is_dir() else []
 
 
 @dataclass(frozen=True)

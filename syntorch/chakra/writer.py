@@ -30,7 +30,6 @@ from syntorch.trace.graph import RankTraces
 from syntorch.trace import levels
 
 JSON_FORM = "tensor_trace_chakra.json"
-TRACE_FILES = ("comm_groups.json", JSON_FORM)
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
 
@@ -67,27 +66,16 @@ def chakra_level(graph, level: str):
     return graph if level == "op" else levels.level_view(graph, "module")
 
 
-def _check_out_dir(out_dir: Path, prefix: str, world: int, json_name: str, force: bool) -> list[Path]:
-    """Trace files already in `out_dir` that this run would not overwrite (they would mix with ours)."""
-    if not out_dir.is_dir():
-        return []
-    ours = {f"{prefix}.{r}.et" for r in range(world)} | {*TRACE_FILES, json_name}
-    found = [p for p in out_dir.iterdir() if p.name.endswith(".et") or p.name in ours]
-    if found and not force:
-        raise UserError(f"{out_dir} already holds Chakra traces ({found[0].name}, ...); pass --force to replace them")
-    return [p for p in found if p.name not in ours]
-
-
 def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
-                 level: str = "op", force: bool = False, json_name: str = JSON_FORM) -> dict:
+                 level: str = "op", force: bool = False, json_name: str = JSON_FORM, flag: str = "--output") -> dict:
     """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and the JSON form of rank 0
-    (`json_name`) into `out_dir`, whole or not at all. Returns a summary (files, nodes, bytes, notes)."""
+    (`json_name`) into `out_dir`, whole or not at all, by syntorch.outdir's policy (`flag` names the folder
+    in its messages). Returns a summary (files, nodes, bytes, notes)."""
     ranks = sorted(graphs_by_rank)
     if ranks != list(range(len(ranks))) or not ranks:
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
     out_dir = Path(out_dir)
     model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
-    stale = _check_out_dir(out_dir, model, len(ranks), json_name, force)
     graphs = {r: graphs_by_rank[r] for r in ranks}
     # one level view per distinct graph: the ranks sharing it share its encoding too
     distinct = {}
@@ -96,7 +84,7 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
             distinct[shared_key(graph)] = chakra_level(graph, level)
     groups, notes = graph_group_ids(distinct.values()), rewrite_notes(distinct.values())
     encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
-    with atomic_output_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, force, flag) as tmp:
         for rank in ranks:
             graph, key = graphs[rank], shared_key(graphs[rank])
             if key not in encoded:
@@ -112,8 +100,6 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
                 f.write(body)
             total += path.stat().st_size
         (tmp / "comm_groups.json").write_text(comm_groups_json(groups))
-    for path in stale:
-        path.unlink(missing_ok=True)
     return {"dir": str(out_dir), "prefix": str(out_dir / model), "ranks": len(ranks),
             "distinct_traces": len(encoded), "nodes": sum(n for _, n, _ in encoded.values()),
             "et_bytes": total, "groups": len(groups), "notes": notes}
@@ -131,7 +117,7 @@ def export(graph: nx.DiGraph, path, level: str = "op", force: bool = False) -> d
     ranks.put_shared(range(world), lambda: graph)
     path = Path(path)
     if path.suffix == ".json":
-        return write_chakra(ranks, path.parent, level=level, force=force, json_name=path.name)
+        return write_chakra(ranks, path.parent, level=level, force=force, json_name=path.name, flag="--output's folder")
     return write_chakra(ranks, path, level=level, force=force)
 
 

@@ -8,6 +8,8 @@ def add_parser(sub) -> None:
     p.add_argument("--input", required=True, help="a tensor_trace_graph.json written by syntorch")
     p.add_argument("--output", required=True, help="output file (a folder for chakra)")
     p.add_argument("--format", required=True, help=f"one of {', '.join(EXPORTERS)}")
+    p.add_argument("--force", action="store_true",
+                   help="chakra: replace an earlier syntorch run's traces in --output (a file --output is always replaced)")
     p.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                    help="collapse to one node per op, module or layer (images default to the finest readable)")
     p.set_defaults(func=run)
@@ -19,6 +21,9 @@ def run(args) -> int:
 
     write = exporter(args.format)  # an unknown format fails before the input is read
     graph = load(args.input)
-    write(graph, args.output, **({"level": args.trace_level} if args.trace_level else {}))
+    options = {"level": args.trace_level} if args.trace_level else {}
+    if args.format == "chakra":  # the one format written as a folder (syntorch.outdir)
+        options["force"] = args.force
+    write(graph, args.output, **options)
     print(f"{args.input} -> {args.output} ({args.format})")
     return 0

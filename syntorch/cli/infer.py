@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
     par.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     out = p.add_argument_group("outputs")
     out.add_argument("--out", default="runs/infer", help="output folder (run.json, traces, images)")
+    out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--visualize_trace", action="store_true", help="write tensor_trace_graph.png/.json")
     out.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                      help="graph level for images and exports (default: op, or coarser when too big to draw)")
@@ -51,7 +52,7 @@ def run(args) -> int:
     from syntorch.inference import InferenceSpec, RunOutputs, run_inference
 
     outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
-    record = run_inference(from_args(InferenceSpec, args), args.out, outputs)
+    record = run_inference(from_args(InferenceSpec, args), args.out, outputs, force=args.force)
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)
     return 0

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
     out.add_argument("--out", default="runs/trace", help="output folder")
-    out.add_argument("--force", action="store_true", help="replace an output folder that already holds files")
+    out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -37,9 +37,11 @@ def run(args) -> int:
     from syntorch.checkpoints import resolve_model_config
     from syntorch.config import from_args, torch_dtype
     from syntorch.hardware import load_hw_config
+    from syntorch.outdir import check_output_dir
     from syntorch.parallel.plans import TrainPlan
     from syntorch.workload import trace_workload, write_workload
 
+    check_output_dir(args.out, args.force, "--out")  # before the work, not after it
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)

@@ -29,23 +29,25 @@ from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
 
 
-def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = None) -> dict | None:
+def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = None,
+                  force: bool = False) -> dict | None:
     """Checks everything it can before any model is built or process started, runs, and returns run.json's
-    record (None on torchrun's ranks other than 0)."""
+    record (None on torchrun's ranks other than 0). `out_dir` follows syntorch.outdir's policy: an earlier
+    run's folder is replaced only with `force`."""
     outputs = outputs or RunOutputs()
     sampling_of(spec)  # validates temperature/top_k/top_p
     config = resolve_config(spec)
     make_prompt(spec, config)
     check_tp(config, spec.tp)
     if torch.device(spec.device).type == "meta":
-        return _in_output_dir(out_dir, lambda tmp: _symbolic(spec, tmp, outputs))
+        return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, tmp, outputs))
     if spec.tp > 1 or under_torchrun():
-        return _real_ranks(spec, out_dir, outputs)
-    return _in_output_dir(out_dir, lambda tmp: _one_rank(spec, tmp, outputs))
+        return _real_ranks(spec, out_dir, force, outputs)
+    return _in_output_dir(out_dir, force, lambda tmp: _one_rank(spec, tmp, outputs))
 
 
-def _in_output_dir(out_dir, run) -> dict:
-    with atomic_output_dir(out_dir) as tmp:
+def _in_output_dir(out_dir, force: bool, run) -> dict:
+    with atomic_output_dir(out_dir, force, "--out") as tmp:
         return run(tmp)
 
 
@@ -87,7 +89,7 @@ def _symbolic(spec, out_dir, outputs) -> dict:
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
 
 
-def _real_ranks(spec, out_dir, outputs) -> dict | None:
+def _real_ranks(spec, out_dir, force, outputs) -> dict | None:
     """Spawn spec.tp local ranks (or join torchrun's); rank 0 writes into the output folder. A failing rank
     becomes one line naming the rank and its error."""
     if under_torchrun():
@@ -97,16 +99,19 @@ def _real_ranks(spec, out_dir, outputs) -> dict | None:
         if int(os.environ["RANK"]) != 0:  # only rank 0 writes, into a folder made whole at the end
             tp_inference_rank(spec, "", outputs)
             return None
-        with atomic_output_dir(out_dir) as tmp:
-            tp_inference_rank(spec, str(tmp), outputs)
-            return read_json(Path(tmp) / "run.json", "run record")
+        return _in_output_dir(out_dir, force, lambda tmp: _rank0_record(spec, tmp, outputs))
     check_devices(spec.device, spec.tp)
-    with atomic_output_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, force, "--out") as tmp:
         try:
             spawn(tp_inference_rank, spec.tp, (spec, str(tmp), outputs))
         except RankFailed as e:
             raise UserError(str(e)) from None
         return read_json(Path(tmp) / "run.json", "run record")
+
+
+def _rank0_record(spec, out_dir, outputs) -> dict:
+    tp_inference_rank(spec, str(out_dir), outputs)
+    return read_json(Path(out_dir) / "run.json", "run record")
 
 
 def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:

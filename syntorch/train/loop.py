@@ -14,12 +14,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from syntorch.capture.profile import Schedule, TraceFiles, stale_rank_files
+from syntorch.capture.profile import Schedule, TraceFiles
 from syntorch.errors import UserError
 from syntorch.train import data as D
 
 FAMILIES = {"gpt2": "gpt", "bert": "bert"}  # command-line family -> ModelConfig.arch
 DEFAULT_MODEL = {"gpt2": "gpt2", "bert": "bert-base-uncased"}
+CHECKPOINTS = ("best_model", "last_model")  # the folders a run saves into --save-dir
+TRACE_FLAG = "--trace-output-dir"
 
 
 @dataclass
@@ -49,6 +51,7 @@ class TrainOptions:
     tracing: bool = False
     trace_output_dir: str = "outputs"
     trace_name: str | None = None  # default: <family>_<world>rank
+    force: bool = False  # replace an earlier run's traces in trace_output_dir
     schedule: Schedule = field(default_factory=Schedule)
 
 
@@ -243,9 +246,8 @@ class Trainer:
 
         if self.rank != 0 or not self.opts.save_dir:
             return
-        path = Path(self.opts.save_dir) / kind
-        save_checkpoint(self.model, path)
-        self.tokenizer.save(path)  # so `--model-name path` finds its tokenizer
+        # the tokenizer too, so `--model-name <save-dir>/<kind>` finds it
+        save_checkpoint(self.model, Path(self.opts.save_dir) / kind, self.tokenizer, "--save-dir")
 
     def summary(self) -> dict:
         train = [h["loss"] for h in self.history if "loss" in h]
@@ -285,23 +287,33 @@ def capture(trainer: Trainer, opts: TrainOptions) -> dict:
     in --trace-output-dir together, after all ranks converted theirs."""
     from syntorch.capture.convert import convert_rank, write_comm_groups
     from syntorch.capture.profile import make_profiler
-    from syntorch.outdir import atomic_output_dir
 
     name = opts.trace_name or f"{opts.family}_{trainer.world}rank"
-    with atomic_output_dir(opts.trace_output_dir) as tmp:
+    with trace_folder(opts, trainer.rank, trainer.world) as tmp:
         files = TraceFiles(tmp, name, trainer.rank)
         with make_profiler(files, opts.schedule, opts.device) as profiler:
             trainer.fit(profiler)
         result = convert_rank(files.host, files.device, trainer.rank, files.et, files.merged)
         if trainer.rank == 0:
             write_comm_groups(result["groups"], tmp / "comm_groups.json")
-        if trainer.world > 1:
-            dist.barrier()
-    if trainer.rank == 0:
-        for path in stale_rank_files(opts.trace_output_dir, name, trainer.world):
-            path.unlink()
     prefix = Path(opts.trace_output_dir) / name
     return {**{k: result[k] for k in ("nodes", "collectives", "comm_bytes", "repairs", "notes")}, "prefix": str(prefix)}
+
+
+@contextlib.contextmanager
+def trace_folder(opts: TrainOptions, rank: int, world: int):
+    """--trace-output-dir's temporary folder, one for all ranks: rank 0 owns it (syntorch.outdir's policy),
+    every rank writes its files into it, and rank 0 moves them into place once every rank is done."""
+    from syntorch.outdir import atomic_output_dir
+
+    owner = atomic_output_dir(opts.trace_output_dir, opts.force, TRACE_FLAG) if rank == 0 else contextlib.nullcontext()
+    with owner as tmp:
+        where = [str(tmp)]
+        if world > 1:
+            dist.broadcast_object_list(where, src=0)
+        yield Path(where[0])
+        if world > 1:
+            dist.barrier()
 
 
 def train_rank(opts: TrainOptions) -> dict:
@@ -354,6 +366,21 @@ def preflight(opts: TrainOptions) -> None:
     D.LocalTokenizer(tokenizer_dir(opts))
     if not Path(opts.model_name).is_dir():
         resolve_model_config(opts.model_name, opts.model_config)
+    check_outputs(opts)
+
+
+def check_outputs(opts: TrainOptions) -> None:
+    """The output folders, by syntorch.outdir's policy, before any training: a refusal is one line, not a
+    lost run. Checkpoints replace earlier ones (see save_checkpoint); traces need --force to."""
+    from syntorch.outdir import check_output_dir
+
+    if opts.tracing:
+        check_output_dir(opts.trace_output_dir, opts.force, TRACE_FLAG)
+        if opts.save_dir and Path(opts.save_dir).resolve().is_relative_to(Path(opts.trace_output_dir).resolve()):
+            raise UserError(f"--save-dir {opts.save_dir} is inside {TRACE_FLAG} {opts.trace_output_dir}, "
+                            "which holds the traces only; give them separate folders")
+    for kind in CHECKPOINTS if opts.save_dir else ():
+        check_output_dir(Path(opts.save_dir) / kind, True, "--save-dir")
 
 
 def launch(opts: TrainOptions, nproc: int | None) -> None:
@@ -364,6 +391,7 @@ def launch(opts: TrainOptions, nproc: int | None) -> None:
         world = int(os.environ["WORLD_SIZE"])
         if nproc not in (None, world):
             raise UserError(f"--nproc {nproc} but torchrun started {world} ranks; drop --nproc under torchrun")
+        check_outputs(opts)
         train_rank(opts)
         return
     preflight(opts)

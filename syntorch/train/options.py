@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-tracing", action="store_true", help="profile and write Chakra traces per rank")
     p.add_argument("--trace-output-dir", default="outputs")
     p.add_argument("--trace-name", help="file prefix (default <family>_<N>rank)")
+    p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's traces in --trace-output-dir")
     p.add_argument("--trace-wait-steps", type=int, default=1)
     p.add_argument("--trace-warmup-steps", type=int, default=1)
     p.add_argument("--trace-active-steps", type=int, default=1)
@@ -68,6 +69,6 @@ def options_from_args(args: argparse.Namespace):
         logging_steps=args.logging_steps, save_steps=args.save_steps, eval_steps=args.eval_steps,
         max_steps=args.max_steps, eval_fraction=args.eval_fraction,
         save_dir=args.save_dir or f"checkpoints/{args.family}", seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
-        tracing=args.enable_tracing, trace_output_dir=args.trace_output_dir, trace_name=args.trace_name,
+        tracing=args.enable_tracing, trace_output_dir=args.trace_output_dir, trace_name=args.trace_name, force=args.force,
         schedule=Schedule(args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps))
     return opts, args.nproc
