@@ -8,7 +8,7 @@ import os
 import pkgutil
 import sys
 
-from syntorch.errors import UserError
+from syntorch.errors import RankFailed, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except UserError as e:
+    except (UserError, RankFailed) as e:  # a rank that raised, died or stopped reads like a user's error
         print(f"syntorch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

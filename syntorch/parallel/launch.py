@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from syntorch.errors import UserError
+from syntorch.errors import RankFailed, UserError
 
 
 def under_torchrun() -> bool:
@@ -65,10 +65,6 @@ def _entry(rank, world_size, port, error_dir, fn, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class RankFailed(RuntimeError):
-    """One rank raised or died; the others were stopped. The message names the rank and the cause."""
 
 
 def spawn(fn, world_size: int, args: tuple = ()) -> None:
