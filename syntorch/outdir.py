@@ -7,6 +7,17 @@ from pathlib import Path
 
 from syntorch.errors import UserError
 
+TEMP_LOG_ENV = "SYNTORCH_TEMP_LOG"  # set in each rank by parallel.launch.spawn
+
+
+def _note_temporary(tmp) -> None:
+    """A killed rank runs no `finally`: under spawn, each temporary path is noted (NUL-separated) in the file
+    TEMP_LOG_ENV names, and the launcher removes what is left once every rank is gone."""
+    log = os.environ.get(TEMP_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.path.abspath(tmp)}\0")
+
 
 @contextlib.contextmanager
 def atomic_output_dir(path: str | Path, force: bool = False, allow_existing: bool = True):
@@ -23,6 +34,7 @@ def atomic_output_dir(path: str | Path, force: bool = False, allow_existing: boo
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        _note_temporary(tmp)
     except OSError as e:
         raise UserError(f"cannot write output folder {path}: {e.strerror}") from None
     try:
@@ -58,6 +70,7 @@ def atomic_output_file(path: str | Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
+        _note_temporary(tmp)
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror}") from None
     try:
