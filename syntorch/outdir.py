@@ -31,11 +31,21 @@ import socket
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from syntorch import __version__
+from syntorch.version import __version__
 from syntorch.errors import UserError
 
 MANIFEST = ".syntorch.json"
 _TMP = re.compile(r"\.syntorch-tmp\.([^.]+)\.(\d+)\.")  # host, pid
+TEMP_LOG_ENV = "SYNTORCH_TEMP_LOG"  # set in each rank by parallel.launch.spawn
+
+
+def _note_temporary(tmp) -> None:
+    """A killed rank runs no `finally`: under spawn, each temporary path is noted (NUL-separated) in the file
+    TEMP_LOG_ENV names, and the launcher removes what is left once every rank is gone."""
+    log = os.environ.get(TEMP_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.path.abspath(tmp)}\0")
 
 
 @contextlib.contextmanager
@@ -85,6 +95,7 @@ def atomic_output_file(path: str | Path, flag: str = "--output"):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=path.parent)
         os.close(fd)
+        _note_temporary(tmp)
     except OSError as e:
         raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None
     try:
@@ -194,7 +205,9 @@ def _move_into(src: Path, dst: Path) -> None:
 def _make_tmp(home: Path, path: Path, flag: str) -> Path:
     try:
         home.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=home))
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=home))
+        _note_temporary(tmp)
+        return tmp
     except OSError as e:
         raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None
 

@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node=N -m syntorch.train gpt2|bert ...` (or plain `python -m syntorch.train`)."""
 import sys
 
-from syntorch.errors import UserError
+from syntorch.errors import RankFailed, UserError
 from syntorch.train.loop import launch
 from syntorch.train.options import add_arguments, options_from_args
 
@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         launch(*options_from_args(args))
-    except UserError as e:
+    except (UserError, RankFailed) as e:
         print(f"syntorch.train: error: {e}", file=sys.stderr)
         return 2
     return 0
