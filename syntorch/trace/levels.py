@@ -6,6 +6,9 @@ module called once per phase becomes one node; collectives stay nodes of their o
 shows the communication. Only tensors that cross a group boundary are kept, and parameters are dropped
 (their bytes are in the group's `bytes_read`). Group nodes are `op` nodes named by their key, with
 summed `flops`, `bytes_read`, `bytes_written`, `duration_us` (when every member has one) and `num_ops`.
+
+For drawing, `fold_repeated_layers` keeps one copy of each run of identical consecutive layers (a view
+too: the traced graph is never changed).
 """
 import re
 
@@ -103,3 +106,96 @@ def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: l
                       flops=sum(d["flops"] for d in ops), bytes_read=sum(d["bytes_read"] for d in ops),
                       bytes_written=sum(d["bytes_written"] for d in ops),
                       is_view=all(d["is_view"] for d in ops), num_ops=len(ops), **extra)
+
+
+# --- repeated layers, folded for drawing --------------------------------------------------------------
+
+def layer_blocks(graph: TraceGraph) -> list[tuple[str, str, list[int]]]:
+    """(phase, layer, nodes) for each contiguous run of ops and collectives of one layer_of() key and
+    phase, in traced order. A tensor belongs to its producer's block, or its first reader's if nothing
+    produced it (parameters, caches); a tensor that nothing touches is in no block."""
+    blocks, block_of, last, layers = [], {}, None, {}
+    pred, succ, attrs = graph._pred, graph._succ, graph._node
+    for node, d in attrs.items():
+        if d["kind"] != "tensor":
+            module = d["module"]
+            if module not in layers:
+                layers[module] = layer_of(module)
+            here = (d["phase"], layers[module])
+            if here != last:
+                blocks.append((*here, []))
+                last = here
+            block_of[node] = len(blocks) - 1
+    for node, d in attrs.items():
+        if d["kind"] == "tensor":
+            near = pred[node] or succ[node]
+            if not near:
+                continue
+            block_of[node] = block_of[next(iter(pred[node]))] if pred[node] else min(block_of[r] for r in near)
+        blocks[block_of[node]][2].append(node)
+    return blocks
+
+
+def fold_repeated_layers(graph: TraceGraph) -> tuple[TraceGraph, dict[tuple[str, str], list[str]]]:
+    """The graph with each run of identical consecutive layers (within a phase) kept once, and
+    {(phase, kept layer): the layers it stands for} for runs of two or more. Identical means the same
+    nodes and edges with the same attributes once the layer's own name is taken out of names (ops,
+    shapes, FLOPs, bytes, collectives and their groups), so a layer that differs stays on its own.
+    Edges between the folded copies are dropped; edges to and from the rest of the graph move to the
+    kept copy, so what feeds the first layer and what reads the last still connect."""
+    blocks = layer_blocks(graph)
+    signatures = [_signature(graph, *block) if _LAYER.match(block[1]) else None for block in blocks]
+    image, block_of, group_of, repeats = {}, {}, {}, {}
+    first = 0
+    for i, (phase, layer, nodes) in enumerate(blocks):
+        if i and signatures[i] is not None and signatures[i] == signatures[first] and phase == blocks[first][0] \
+                and abs(_index(layer) - _index(blocks[i - 1][1])) == 1:
+            image.update(zip(nodes, blocks[first][2]))  # same signature: same length, node for node
+            repeats.setdefault((phase, blocks[first][1]), [blocks[first][1]]).append(layer)
+        else:
+            first = i
+        block_of.update(dict.fromkeys(nodes, i))
+        group_of.update(dict.fromkeys(nodes, first))
+    return _folded(graph, image, block_of, group_of), repeats
+
+
+def _index(layer: str) -> int:
+    return int(layer.rsplit(".", 1)[1])
+
+
+def _signature(graph: TraceGraph, phase: str, layer: str, nodes: list[int]) -> list:
+    """What must match for two layers to be drawn as one: every node's attributes (its own layer's name
+    replaced by "*"; `order` counts collectives so it differs; a tensor named "t<id>" has no name),
+    the edges inside the block by position, and which nodes connect outside it."""
+    local = {n: i for i, n in enumerate(nodes)}
+    pred, succ, attrs = graph._pred, graph._succ, graph._node
+    mine = layer + "."
+    signature = []
+    for n in nodes:
+        d = attrs[n]
+        fields = d.copy()  # compared as dicts, in C; only names and modules need rewriting
+        fields.pop("order", None)
+        name = d["name"]
+        # layers.7 and layers.7.attn.qkv -> *. and *.attn.qkv (the dot keeps layers.70 apart)
+        fields["name"] = None if name[:1] == "t" and name[1:].isdigit() else (name + ".").replace(mine, "*.")
+        if "module" in d:
+            fields["module"] = (d["module"] + ".").replace(mine, "*.")
+        inputs = [(local.get(p), e.get("arg")) for p, e in pred[n].items()]  # None: from outside the block
+        signature.append((fields, inputs, not succ[n].keys() <= local.keys()))
+    return signature
+
+
+def _folded(graph: TraceGraph, image: dict, block_of: dict, group_of: dict) -> TraceGraph:
+    """`graph` without the nodes in `image`, their edges moved to the nodes they map to; edges from one copy
+    of a layer to the next would loop on the kept copy, so they go."""
+    kept = [n for n in graph if n not in image]
+    new = {n: i for i, n in enumerate(kept)}
+    new.update((n, new[image[n]]) for n in image)
+    edges = {}
+    for u, readers in graph._succ.items():
+        for v, e in readers.items():
+            if group_of[u] != group_of[v] or block_of[u] == block_of[v]:
+                edges.setdefault((new[u], new[v]), e)
+    out = TraceGraph(**graph.graph)
+    out.append((graph._node[n] for n in kept), ((u, v, e) for (u, v), e in edges.items()))
+    return out
