@@ -1,11 +1,18 @@
+import xml.etree.ElementTree as ET
+
 import networkx as nx
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 from conftest import tiny_config
+from syntorch.export import networkx_json, write_trace_outputs
+from syntorch.export.image import draw
 from syntorch.models import build_model
+from syntorch.parallel.symbolic import trace_tp_rank
 from syntorch.trace import Tracer
+from syntorch.trace.graph import LEVELS
 from syntorch.trace.levels import fold_repeated_layers, layer_of
 
 
@@ -65,3 +72,48 @@ def test_folding_leaves_the_graph_alone():
     before = (len(graph), graph.number_of_edges(), dict(graph.nodes(data=True)))
     fold_repeated_layers(graph)
     assert before == (len(graph), graph.number_of_edges(), dict(graph.nodes(data=True)))
+
+
+def tp_trace(n_layer: int):
+    """Rank 0 of a tiny GPT-2 generating under TP 2 on meta: two all-reduces per layer and step."""
+    return trace_tp_rank(tiny_config("gpt2", n_layer=n_layer), torch.zeros(1, 8, dtype=torch.long), 2, tp=2,
+                         rank=0)[0]
+
+
+@pytest.fixture(scope="module")
+def tp_96_layers():
+    return tp_trace(96)
+
+
+def svg_text(path) -> str:
+    return " ".join(t.text or "" for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text"))
+
+
+@pytest.mark.parametrize("comm", [False, True])
+def test_a_96_layer_model_draws_its_layers_once_on_a_page(tp_96_layers, tmp_path, comm):
+    view = draw(tp_96_layers, tmp_path / "g.png", comm=comm)
+    assert layers_kept(view) == ["layers.0"]
+    width, height = Image.open(tmp_path / "g.png").size
+    draw(tp_trace(3), tmp_path / "three.png", comm=comm)
+    assert Image.open(tmp_path / "three.png").size[1] == height <= 3000 and width <= 3000, (width, height)
+    draw(tp_96_layers, tmp_path / "g.svg", comm=comm)
+    text = svg_text(tmp_path / "g.svg")
+    assert text.count("layers.0–95 × 96") == 2  # prefill and the one decode step
+    assert "all_reduce [0, 1]" in text
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_level_is_drawn_folded(level, tmp_path):
+    graph = traced(6)
+    view = draw(graph, tmp_path / "g.svg", level)
+    assert view.graph["level"] == level and layers_kept(view) == ["layers.0"]
+    assert "layers.0–5 × 6" in svg_text(tmp_path / "g.svg")
+
+
+def test_the_json_keeps_every_layer(tp_96_layers, tmp_path):
+    nodes = len(tp_96_layers)
+    written = write_trace_outputs(tp_96_layers, tmp_path)
+    assert set(written) == {"tensor_trace_graph.json", "tensor_trace_graph.png", "tensor_comm_graph.png"}
+    saved = networkx_json.load(tmp_path / "tensor_trace_graph.json")
+    assert len(saved) == len(tp_96_layers) == nodes
+    assert layers_kept(saved) == [f"layers.{i}" for i in range(96)]
