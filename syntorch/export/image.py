@@ -31,6 +31,7 @@ LABEL_NODES = 150  # label tensors too when there are at most this many nodes
 LABEL_WORK = 200  # label every op when there are at most this many ops and collectives, else those with FLOPs
 INCH_X, INCH_Y = 0.45, 0.26  # inches per node step across and per row down: room for 7-8 pt labels
 CHAR_STEPS = 0.058 / INCH_X  # node steps per label character (7-8 pt DejaVu Sans), to leave room for labels
+TITLE_STEPS = 0.075 / INCH_X  # the same for a box's title (9 pt bold)
 PAGE_ASPECT = 1.4  # width / height the bands of columns aim for
 MAX_INCHES = 300  # matplotlib's Agg canvas must stay under 2**16 pixels a side
 MAX_PIXELS = 16000  # a side, and drawing time grows with the canvas: huge graphs get a lower dpi
@@ -52,13 +53,13 @@ def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=()) ->
     generation are linked only through the KV cache, so one layering would smear them together. Columns
     run left to right in bands, as many bands as bring the whole closest to a page's shape. `reach`: how
     far right of a node its label runs (in node steps), so labels do not run into their neighbours;
-    `boxes`: groups of nodes that get an empty row above them for a title."""
+    `boxes`: (nodes, width of a title in node steps): each box gets an empty row above it for its title."""
     reach = reach or {}
     columns: dict[str, list] = {}
     for node, phase in _phases(graph).items():
         columns.setdefault(phase, []).append(node)
     placed = [_open_rows(_place_rows(graph.subgraph(nodes), reach), boxes) for nodes in columns.values()]
-    widths = [max(x + reach.get(n, 0) for n, (x, _) in p.items()) + 1.5 for p in placed]
+    widths = [max(_right_edges(p, reach, boxes)) + 1.5 for p in placed]
     depth = max((-min(y for _, y in p.values()) for p in placed), default=0) + 2  # header and gap rows
     per_band = min(range(1, len(placed) + 1), default=1,
                    key=lambda n: abs(_band_aspect(widths, depth, n) - PAGE_ASPECT))
@@ -72,9 +73,18 @@ def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=()) ->
     return pos
 
 
+def _right_edges(pos: dict, reach: dict, boxes):
+    """Where each label and box title in `pos` ends (a box title starts at the box's left edge)."""
+    yield from (x + reach.get(n, 0) for n, (x, _) in pos.items())
+    for nodes, title in boxes:
+        xs = [pos[n][0] for n in nodes if n in pos]
+        if xs:
+            yield min(xs) - 0.35 + title
+
+
 def _open_rows(pos: dict, boxes) -> dict:
     """Moves everything from each box's first row on down one row: that row is left for the box's title."""
-    for box in boxes:
+    for box, _ in boxes:
         tops = [pos[n][1] for n in box if n in pos]
         if tops:
             top = max(tops)
@@ -136,10 +146,10 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     spans = _spans(view, repeats)
     labels = _labels(view, comm, spans)
     reach = {n: 0.3 + len(text) * CHAR_STEPS for n, text in labels.items()}
-    boxes: dict[tuple, list] = {}
-    for n, box in spans.items():
-        boxes.setdefault(box, []).append(n)
-    pos = layered_positions(nx.DiGraph(view), reach, boxes.values())
+    boxes: dict[str, list] = {}  # title (with the phase, which is not shown): nodes
+    for n, (phase, _, span, count) in spans.items():
+        boxes.setdefault((phase, f"{span} × {count}"), []).append(n)
+    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for (_, t), nodes in boxes.items()])
     fig, ax, dpi = _canvas(pos, reach)
     _draw_boxes(pos, boxes, reach, ax)
     _draw_edges(view, pos, ax, comm)
@@ -180,15 +190,15 @@ def _spans(view, repeats: dict) -> dict:
 
 
 def _draw_boxes(pos, boxes: dict, reach: dict, ax):
-    """A grey box around each kept copy of repeated layers (and its labels), titled `layers.1–95 × 95` in
-    the empty row the layout left above it."""
-    for (_, _, span, count), nodes in boxes.items():
+    """A grey box around each kept copy of repeated layers and its labels, titled `layers.1–95 × 95` in the
+    empty row the layout left above it."""
+    for (_, title), nodes in boxes.items():
         xs, ys = [pos[n][0] for n in nodes], [pos[n][1] for n in nodes]
-        right = max(pos[n][0] + reach.get(n, 0) for n in nodes)
         left, top, bottom = min(xs) - 0.5, max(ys) + 1.5, min(ys) - 0.5
+        right = max(max(pos[n][0] + reach.get(n, 0) for n in nodes), left + 0.15 + len(title) * TITLE_STEPS)
         ax.add_patch(Rectangle((left, bottom), right + 0.3 - left, top - bottom, facecolor="#f2f2f2",
                                edgecolor="#757575", linestyle="--", linewidth=1, zorder=0))
-        ax.text(left + 0.15, top - 0.5, f"{span} × {count}", ha="left", va="center", fontsize=9, fontweight="bold",
+        ax.text(left + 0.15, top - 0.5, title, ha="left", va="center", fontsize=9, fontweight="bold",
                 color="#424242", zorder=4, bbox=dict(facecolor="#f2f2f2", edgecolor="none", pad=1))
 
 
