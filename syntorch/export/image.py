@@ -157,8 +157,13 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     _draw_labels(view, pos, labels, ax)
     _phase_headers(view, pos, ax)
     _title(fig, view, len(graph), bool(repeats))
-    with atomic_output_file(path) as tmp, matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
-        fig.savefig(tmp, format=fmt or str(path).rsplit(".", 1)[-1], dpi=dpi)
+    fmt = fmt or str(path).rsplit(".", 1)[-1]
+    # zlib's fastest level: half the encoding time of the default, ~10% bigger files of mostly white
+    fast = {"pil_kwargs": {"compress_level": 1}} if fmt == "png" else {}
+    # SVG text stays text; unhinted glyphs render ~1/3 faster, and text is most of a drawing's time
+    rc = {"svg.fonttype": "none", "text.hinting": "no_hinting"}
+    with atomic_output_file(path) as tmp, matplotlib.rc_context(rc):
+        fig.savefig(tmp, format=fmt, dpi=dpi, **fast)
     return view
 
 
