@@ -44,14 +44,18 @@ def test_identical_layers_fold_into_one_with_their_count():
     assert any(layer_of(folded.nodes[p]["module"]) == "layers.0" for p in folded.op_deps()[ln_f])
 
 
-def test_a_layer_that_differs_is_kept_on_its_own():
+def test_a_layer_that_differs_is_kept_on_its_own(tmp_path):
     def no_bias(model):  # layers.2's fc1 runs aten.mm instead of aten.addmm
         model.layers["2"].mlp.fc1 = nn.Linear(64, 256, bias=False)
 
-    folded, repeats = fold_repeated_layers(traced(5, change=no_bias))
+    graph = traced(5, change=no_bias)
+    folded, repeats = fold_repeated_layers(graph)
     assert layers_kept(folded) == ["layers.0", "layers.2", "layers.3"]
     assert repeats == {("forward", "layers.0"): ["layers.0", "layers.1"],
                        ("forward", "layers.3"): ["layers.3", "layers.4"]}
+    draw(graph, tmp_path / "g.svg", "module")
+    text = svg_text(tmp_path / "g.svg")
+    assert "layers.0–1 × 2" in text and "layers.3–4 × 2" in text and "layers.2.mlp.fc1" in text
 
 
 @pytest.mark.parametrize("field", ["flops", "shape"])

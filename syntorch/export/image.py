@@ -32,6 +32,7 @@ LABEL_WORK = 200  # label every op when there are at most this many ops and coll
 INCH_X, INCH_Y = 0.45, 0.26  # inches per node step across and per row down: room for 7-8 pt labels
 CHAR_STEPS = 0.058 / INCH_X  # node steps per label character (7-8 pt DejaVu Sans), to leave room for labels
 TITLE_STEPS = 0.075 / INCH_X  # the same for a box's title (9 pt bold)
+TITLE_INCHES_PER_CHAR = 0.075  # the image's title (10 pt), which sets the least width
 PAGE_ASPECT = 1.4  # width / height the bands of columns aim for
 MAX_INCHES = 300  # matplotlib's Agg canvas must stay under 2**16 pixels a side
 MAX_PIXELS = 16000  # a side, and drawing time grows with the canvas: huge graphs get a lower dpi
@@ -150,13 +151,14 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     for n, (phase, _, span, count) in spans.items():
         boxes.setdefault((phase, f"{span} × {count}"), []).append(n)
     pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for (_, t), nodes in boxes.items()])
-    fig, ax, dpi = _canvas(pos, reach)
+    title = _title(view, len(graph), bool(repeats))
+    fig, ax, dpi = _canvas(pos, reach, min_width=max(map(len, title.splitlines())) * TITLE_INCHES_PER_CHAR)
     _draw_boxes(pos, boxes, reach, ax)
     _draw_edges(view, pos, ax, comm)
     _draw_nodes(view, pos, ax, comm)
     _draw_labels(view, pos, labels, ax)
     _phase_headers(view, pos, ax)
-    _title(fig, view, len(graph), bool(repeats))
+    fig.suptitle(title, fontsize=10, y=1 - 0.1 / fig.get_figheight())
     fmt = fmt or str(path).rsplit(".", 1)[-1]
     # zlib's fastest level: half the encoding time of the default, ~10% bigger files of mostly white
     fast = {"pil_kwargs": {"compress_level": 1}} if fmt == "png" else {}
@@ -167,13 +169,17 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     return view
 
 
-def _canvas(pos: dict, reach: dict):
-    """A figure sized from the layout: INCH_X per step across, INCH_Y per row, with fixed margins in inches
-    (0.8 on top for the title), and axes limits set here, so no autoscaled blank bands."""
+def _canvas(pos: dict, reach: dict, min_width: float):
+    """A figure sized from the layout: INCH_X per step across, INCH_Y per row, at least `min_width` inches
+    wide (the title), with fixed margins in inches (0.8 on top for the title), and axes limits set here, so
+    no autoscaled blank bands."""
     xs, ys = [x for x, _ in pos.values()] or [0], [y for _, y in pos.values()] or [0]
     x0, x1 = min(xs) - 0.8, max((x + reach.get(n, 0) for n, (x, _) in pos.items()), default=0) + 0.5
     y0, y1 = min(ys) - 0.8, max(ys) + 1.6  # room for the phase headers
-    width, height = min(max(6.0, (x1 - x0) * INCH_X + 0.4), MAX_INCHES), min((y1 - y0) * INCH_Y + 1.0, MAX_INCHES)
+    pad = max(0.0, (min_width - 0.4) / INCH_X - (x1 - x0)) / 2  # a narrow drawing stays centred, to scale
+    x0, x1 = x0 - pad, x1 + pad
+    width = min((x1 - x0) * INCH_X + 0.4, MAX_INCHES)
+    height = min((y1 - y0) * INCH_Y + 1.0, MAX_INCHES)
     fig = Figure(figsize=(width, height))
     ax = fig.add_axes((0.2 / width, 0.2 / height, 1 - 0.4 / width, 1 - 1.0 / height))
     ax.set_xlim(x0, x1)
@@ -294,13 +300,13 @@ def _phase_headers(view, pos, ax):
         ax.text(x, max(y for _, y in xy) + 0.8, phase, ha="center", va="bottom", fontsize=10, fontweight="bold")
 
 
-def _title(fig, view, traced: int, folded: bool):
+def _title(view, traced: int, folded: bool) -> str:
     g = view.graph
     n_coll = sum(1 for _ in view.collectives())
     boxes = "; grey boxes: identical consecutive layers drawn once" if folded else ""
-    fig.suptitle(f"{g.get('model') or 'trace'}, rank {g.get('rank', 0)} of {g.get('world_size', 1)}: "
-                 f"{g['level']} level, {len(view)} nodes drawn ({n_coll} collectives) of {traced} traced\n"
-                 f"green: tensors, blue: ops, red: collectives{boxes}", fontsize=10, y=1 - 0.1 / fig.get_figheight())
+    return (f"{g.get('model') or 'trace'}, rank {g.get('rank', 0)} of {g.get('world_size', 1)}: {g['level']} level, "
+            f"{len(view)} nodes drawn ({n_coll} collectives) of {traced} traced\n"
+            f"green: tensors, blue: ops, red: collectives{boxes}")
 
 
 def export_png(graph: TraceGraph, path, level: str | None = None) -> None:
