@@ -121,3 +121,13 @@ def test_the_json_keeps_every_layer(tp_96_layers, tmp_path):
     saved = networkx_json.load(tmp_path / "tensor_trace_graph.json")
     assert len(saved) == len(tp_96_layers) == nodes
     assert layers_kept(saved) == [f"layers.{i}" for i in range(96)]
+
+
+def test_backward_layers_fold_too(tmp_path):
+    model = build_model(tiny_config("gpt2", n_layer=4)).train()
+    with Tracer(model) as tracer:
+        model(torch.randint(0, 128, (2, 8))).sum().backward()
+    _, repeats = fold_repeated_layers(tracer.graph)
+    assert repeats[("backward", "layers.3")] == ["layers.3", "layers.2", "layers.1", "layers.0"]
+    draw(tracer.graph, tmp_path / "g.svg")
+    assert svg_text(tmp_path / "g.svg").count("layers.0–3 × 4") == 2  # forward and backward

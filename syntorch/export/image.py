@@ -194,8 +194,9 @@ def _spans(view, repeats: dict) -> dict:
     spans = {}
     for phase, layer, nodes in layer_blocks(view):
         stands_for = repeats.get((phase, layer))
-        if stands_for:
-            span = f"{stands_for[0]}–{stands_for[-1].rsplit('.', 1)[1]}"
+        if stands_for:  # backward runs layers.95 down to layers.0: name the span low to high all the same
+            ends = sorted(stands_for, key=lambda name: int(name.rsplit(".", 1)[1]))
+            span = f"{ends[0]}–{ends[-1].rsplit('.', 1)[1]}"
             spans.update(dict.fromkeys(nodes, (phase, layer, span, len(stands_for))))
     return spans
 
