@@ -6,9 +6,16 @@ module called once per phase becomes one node; collectives stay nodes of their o
 shows the communication. Only tensors that cross a group boundary are kept, and parameters are dropped
 (their bytes are in the group's `bytes_read`). Group nodes are `op` nodes named by their key, with
 summed `flops`, `bytes_read`, `bytes_written`, `duration_us` (when every member has one) and `num_ops`.
+
+For drawing, `fold_repeated_layers` keeps one copy of each run of identical consecutive layers (a view
+too: the traced graph is never changed).
 """
+import re
+
 from syntorch.models import LAYER_PATH
 from syntorch.trace.graph import LEVELS, TraceGraph
+
+_RUNNING = re.compile(r"'name': 't\d+'|'order': \d+")  # tensor names that are ids, collective counters
 
 
 def layer_of(module: str) -> str:
@@ -99,3 +106,99 @@ def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: l
                       flops=sum(d["flops"] for d in ops), bytes_read=sum(d["bytes_read"] for d in ops),
                       bytes_written=sum(d["bytes_written"] for d in ops),
                       is_view=all(d["is_view"] for d in ops), num_ops=len(ops), **extra)
+
+
+# --- repeated layers, folded for drawing --------------------------------------------------------------
+
+def layer_blocks(graph: TraceGraph) -> list[tuple[str, str, list[int]]]:
+    """(phase, layer, nodes) for each contiguous run of ops and collectives of one layer_of() key and
+    phase, in traced order; nodes: those ops and collectives, then the block's tensors. A tensor belongs
+    to its producer's block, or its first reader's if nothing produced it (parameters, caches); a tensor
+    that nothing touches is in no block."""
+    return _blocks(graph)[0]
+
+
+def _blocks(graph: TraceGraph) -> tuple[list, dict]:
+    """layer_blocks, and each node's block index."""
+    blocks, block_of, tensors, last, layers = [], {}, [], None, {}
+    for node, d in graph.node_attrs.items():
+        if d["kind"] == "tensor":
+            tensors.append(node)
+            continue
+        module = d["module"]
+        if module not in layers:
+            layers[module] = layer_of(module)
+        here = (d["phase"], layers[module])
+        if here != last:
+            blocks.append((*here, []))
+            last = here
+        block_of[node] = len(blocks) - 1
+        blocks[-1][2].append(node)
+    pred, succ = graph.preds, graph.succs
+    for node in tensors:
+        if pred[node]:
+            block_of[node] = block_of[next(iter(pred[node]))]
+        elif succ[node]:
+            block_of[node] = min(block_of[r] for r in succ[node])
+        else:
+            continue
+        blocks[block_of[node]][2].append(node)
+    return blocks, block_of
+
+
+def fold_repeated_layers(graph: TraceGraph) -> tuple[TraceGraph, dict[tuple[str, str], list[str]]]:
+    """The graph with each run of identical consecutive layers (within a phase) kept once, and
+    {(phase, kept layer): the layers it stands for} for runs of two or more. Identical means the same
+    nodes and edges with the same attributes once the layer's own name is taken out of names (ops,
+    shapes, FLOPs, bytes, collectives and their groups), so a layer that differs stays on its own.
+    Edges between the folded copies are dropped; edges to and from the rest of the graph move to the
+    kept copy, so what feeds the first layer and what reads the last still connect."""
+    blocks, block_of = _blocks(graph)
+    signatures = [_signature(graph, layer, nodes) if LAYER_PATH.match(layer) else None for _, layer, nodes in blocks]
+    image, group, repeats = {}, [], {}  # group: each block's first block in its run
+    for i, (phase, layer, nodes) in enumerate(blocks):
+        first = group[-1] if group else 0
+        if i and signatures[i] is not None and signatures[i] == signatures[first] and phase == blocks[first][0] \
+                and abs(_index(layer) - _index(blocks[i - 1][1])) == 1:
+            image.update(zip(nodes, blocks[first][2]))  # same signature: same length, node for node
+            repeats.setdefault((phase, blocks[first][1]), [blocks[first][1]]).append(layer)
+            group.append(first)
+        else:
+            group.append(i)
+    return _folded(graph, image, block_of, group), repeats
+
+
+def _index(layer: str) -> int:
+    return int(layer.rsplit(".", 1)[1])
+
+
+def _signature(graph: TraceGraph, layer: str, nodes: list[int]) -> tuple:
+    """What must match for two layers to be drawn as one: every node's attributes, with the layer's own
+    name taken out (layers.7.attn.qkv -> *.attn.qkv), tensor names that are only ids ("t123") and
+    collectives' `order` (a running count) dropped; the edges into each node by position in the block
+    (None: from outside it) and argument; which nodes are read outside the block. The attributes are
+    compared as their repr: one C call per block instead of Python work per field."""
+    local = {n: i for i, n in enumerate(nodes)}
+    pred, succ, attrs = graph.preds, graph.succs, graph.node_attrs
+    text = repr([attrs[n] for n in nodes]).replace(f"'{layer}.", "'*.").replace(f"'{layer}'", "'*'")
+    inputs = [(i, local.get(p), e.get("arg")) for i, n in enumerate(nodes) for p, e in pred[n].items()]
+    read_outside = [i for i, n in enumerate(nodes) if not succ[n].keys() <= local.keys()]
+    return _RUNNING.sub("", text), inputs, read_outside
+
+
+def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list) -> TraceGraph:
+    """`graph` without the nodes in `image`, their edges moved to the nodes they map to; edges from one copy
+    of a layer to the next would loop on the kept copy, so they go."""
+    kept = [n for n in graph.node_attrs if n not in image]
+    new = {n: i for i, n in enumerate(kept)}
+    new.update((n, new[image[n]]) for n in image)
+    edges = {}
+    for u, readers in graph.succs.items():
+        bu = block_of.get(u)
+        for v, e in readers.items():
+            bv = block_of[v]
+            if bu == bv or group[bu] != group[bv]:
+                edges.setdefault((new[u], new[v]), e)
+    out = TraceGraph(**graph.graph)
+    out.append((graph.node_attrs[n] for n in kept), ((u, v, e) for (u, v), e in edges.items()))
+    return out
