@@ -187,3 +187,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(workspace, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not save.exists() and not (tmp_path / "out").exists()
+    # `python -m syntorch.train` (torchrun's entry) reports it the same way
+    from syntorch.train.__main__ import main as module_main
+    assert module_main(train_args(workspace, "gpt2", save, *change(workspace, tmp_path))[1:]) == 2
+    assert capsys.readouterr().err.strip() == err.replace("syntorch train:", "python -m syntorch.train:")

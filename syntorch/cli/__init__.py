@@ -4,22 +4,10 @@ A command module parses and validates, then calls library functions; it holds no
 """
 import argparse
 import importlib
-import os
 import pkgutil
-import signal
 import sys
 
-from syntorch.errors import RankFailed, UserError
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so every `finally` runs: spawned
-    ranks are stopped (parallel.launch.spawn) and temporary output folders removed (outdir)."""
-
-
-def _terminate(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut short the cleanup it asks for
-    raise Terminated
+from syntorch.errors import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,23 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return args.func(args) or 0
-    except (UserError, RankFailed) as e:  # a rank that raised, died or stopped reads like a user's error
-        print(f"syntorch {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"syntorch {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"syntorch {args.command}: terminated", file=sys.stderr)
-        return 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
-    except BrokenPipeError:  # stdout piped into a reader that stopped (`| head`): not an error worth a traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return run_command(f"syntorch {args.command}", lambda: args.func(args))
 
 
 def run_main():

@@ -1,7 +1,8 @@
-"""`torchrun --nproc_per_node=N -m syntorch.train gpt2|bert ...` (or plain `python -m syntorch.train`)."""
+"""`torchrun --nproc_per_node=N -m syntorch.train gpt2|bert ...` (or plain `python -m syntorch.train`): the same
+options, checks and error reporting as `syntorch train`."""
 import sys
 
-from syntorch.errors import RankFailed, UserError
+from syntorch.errors import run_command
 from syntorch.train.loop import launch
 from syntorch.train.options import add_arguments, options_from_args
 
@@ -12,12 +13,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m syntorch.train", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        launch(*options_from_args(args))
-    except (UserError, RankFailed) as e:
-        print(f"syntorch.train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command("python -m syntorch.train", lambda: launch(*options_from_args(args)))
 
 
 if __name__ == "__main__":
