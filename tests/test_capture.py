@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
                 "-m", "syntorch.train", *train_command(ws, "bert", out / "bert")]
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert not [line for line in done.stderr.splitlines() if line.startswith(("USDT:", "STAGE:"))]  # no Kineto chatter
     return out
 
 

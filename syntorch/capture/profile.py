@@ -5,6 +5,7 @@ The observer is passed to the profiler (`execution_trace_observer=`), so it star
 active window and both traces hold the same `ProfilerStep#N`. The schedule runs one cycle: a second
 cycle would write a second trace over the first (the seed's duplicated-JSON host traces).
 """
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +61,21 @@ class Schedule:
         return self.wait + self.warmup + self.active
 
 
+def quiet_profiler() -> None:
+    """Silence the profiler's informational chatter (Kineto's profiler_start/stop and stage lines, the execution
+    trace observer's enable/disable warnings: eight lines per traced run), unless the user chose a level.
+    Kineto reads its level when a profiler first starts; torch's C++ log level is read when torch is
+    imported, so for that one the ranks must get it in their environment before they start."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def make_profiler(files: TraceFiles, schedule: Schedule, device: str) -> torch.profiler.profile:
     """A profiler to enter around the loop and step once per optimizer step; it writes `files` when the
     active window closes."""
     from torch._C._profiler import _ExperimentalConfig
 
+    quiet_profiler()
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     observer = ExecutionTraceObserver().register_callback(str(files.host))

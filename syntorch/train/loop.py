@@ -395,6 +395,9 @@ def launch(opts: TrainOptions, nproc: int | None) -> None:
         train_rank(opts)
         return
     preflight(opts)
+    if opts.tracing:
+        from syntorch.capture.profile import quiet_profiler
+        quiet_profiler()  # before the ranks start and import torch
     if (nproc or 1) == 1:
         train_rank(opts)
         return
