@@ -148,7 +148,7 @@ class StageTemplate:
     Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
 
     def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh):
-        self.ids, self.mesh = ids, mesh
+        self.ids, self.mesh, self._ids_seen = ids, mesh, {}
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
@@ -172,13 +172,27 @@ class StageTemplate:
         width = len(str(next(iter(ids.values())))) if ids else 0
         self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
 
+    def _group_id(self, group: tuple, rank: int) -> int:
+        """The id of the group that plays, for `rank`, the part `group` plays for the representative. Every
+        mesh group is a line along one axis, and translation moves it along the others, so the translated
+        line is known from where its first member lands off that axis (a 128-rank DP group would otherwise
+        be 128 translations and a sort for each of 8192 ranks)."""
+        where = list(self.mesh.coords(self.mesh.translate(group[0], rank)))
+        if len(group) > 1:
+            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.coords, group[:2]))) if a != b)
+            where[axis] = None
+        key = (group, *where)
+        if key not in self._ids_seen:
+            self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]
+        return self._ids_seen[key]
+
     def write(self, f, rank: int) -> tuple[int, tuple]:
         """Writes rank's file to `f`; returns the bytes written and what its nodes hold that another rank's
         may not (its group ids and peers): ranks with equal ones have equal nodes."""
         rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
         body = self.body.copy()
-        ids = [self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in g))] for g in self.group_at]
+        ids = [self._group_id(group, rank) for group in self.group_at]
         for at, group_id in zip(self.group_at.values(), ids):
             body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
         peers = [self.mesh.translate(peer, rank) for _, peer in self.peer_at]
