@@ -12,8 +12,8 @@ def int_list(text: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache; BERT: one pass predicting masked "
-                                      "tokens), optionally traced")
+    p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache; BERT: one pass "
+                                      "predicting masked tokens), optionally traced")
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")

@@ -5,7 +5,7 @@ Every way of running (one rank, real ranks, symbolic; inference/run.py) goes thr
 the tensor-parallel ranks run exactly the same steps.
 """
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -20,9 +20,8 @@ from syntorch.parallel.tensor import check_sp
 
 
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
-# what only a decoder's generation reads: option -> its value when not given (CLI defaults)
-GENERATION_OPTIONS = {"num_output_tokens": None, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "beam_width": 1,
-                      "stop_tokens": []}
+# what only a decoder's generation reads
+GENERATION_OPTIONS = ("num_output_tokens", "temperature", "top_k", "top_p", "beam_width", "stop_tokens")
 
 
 @dataclass
@@ -91,13 +90,19 @@ def resolve_config(spec: InferenceSpec) -> ModelConfig:
 
 def check_fits_model(spec: InferenceSpec, config: ModelConfig) -> None:
     """An encoder generates nothing, so generation options given with one are a mistake worth one line (not
-    silently ignored). A decoder takes them all."""
+    silently ignored). "Given" is "not the default": --num_output_tokens defaults to None for this; a
+    sampling option given at its default value (--temperature 1) goes unnoticed, and changes nothing."""
     if not config.encoder:
         return
-    given = [f"--{k}" for k, unset in GENERATION_OPTIONS.items() if getattr(spec, k) != unset]
+    given = [f"--{f.name}" for f in fields(spec)
+             if f.name in GENERATION_OPTIONS and getattr(spec, f.name) != _default(f)]
     if given:
         raise UserError(f"{config.name} is an encoder: encoders predict masked tokens in one pass and generate "
                         f"nothing; drop {', '.join(given)}")
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def load_model(spec: InferenceSpec, config: ModelConfig):
