@@ -59,6 +59,11 @@ class ModelConfig:
     def causal(self) -> bool:
         return self.arch == "gpt"
 
+    @property
+    def encoder(self) -> bool:
+        """Predicts masked tokens in one pass (BERT) instead of generating."""
+        return self.arch == "bert"
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -132,15 +132,16 @@ def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width:
 
 
 def check_context(config, prompt_len: int, max_new_tokens: int, device) -> None:
-    """Real runs must fit the context. A symbolic (meta) run may pass it -- e.g. a 2048-token prompt plus
-    decode steps on GPT-3 -- since it studies cost, not outputs; the ops keep their shapes, with a warning."""
-    total = prompt_len + max_new_tokens
-    if total <= config.n_positions or config.arch != "gpt":
+    """Real runs must fit the context (an encoder generates nothing: max_new_tokens 0). A symbolic (meta) run
+    may pass it -- e.g. a 2048-token prompt plus decode steps on GPT-3 -- since it studies cost, not outputs;
+    the ops keep their shapes, with a warning."""
+    if prompt_len + max_new_tokens <= config.n_positions:
         return
-    message = (f"{prompt_len} prompt tokens + {max_new_tokens} new tokens exceed the context of "
-               f"{config.name} ({config.n_positions})")
+    tokens = f"{prompt_len} prompt tokens" + (f" + {max_new_tokens} new tokens" if max_new_tokens else "")
+    message = f"{tokens} exceed the context of {config.name} ({config.n_positions})"
     if torch.device(device).type != "meta":
-        raise UserError(f"{message}; shorten the prompt or generate fewer tokens")
+        fix = "shorten the prompt" + (" or generate fewer tokens" if max_new_tokens else "")
+        raise UserError(f"{message}; {fix}")
     log.warning("%s; tracing symbolically anyway (positions past the context reuse the embedding table's shape)",
                 message)
 

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "syntorch"
 LAYERS = [
     ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
-    ("models", ["syntorch.models", "syntorch.generate", "syntorch.checkpoints"]),
+    ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints"]),
     ("parallel", ["syntorch.parallel"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),

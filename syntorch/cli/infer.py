@@ -1,4 +1,5 @@
-"""`syntorch infer`: GPT-3 (or any registry model) inference, optionally traced. Seed 000's options as spelled there."""
+"""`syntorch infer`: GPT-3 (or any registry model) inference, optionally traced. Seed 000's options as spelled there.
+A decoder generates; an encoder (BERT) predicts its masked tokens in one pass (syntorch/fill_mask.py)."""
 import argparse
 
 
@@ -11,7 +12,8 @@ def int_list(text: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache), optionally traced")
+    p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache; BERT: one pass "
+                                      "predicting masked tokens), optionally traced")
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
@@ -20,7 +22,9 @@ def add_parser(sub) -> None:
     m.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     g = p.add_argument_group("generation")
     g.add_argument("--num_input_tokens", type=int, default=10, help="prompt length when ids are drawn at random")
-    g.add_argument("--num_output_tokens", type=int, default=20)
+    # default None, not 20: an encoder refuses the option only when it is given
+    g.add_argument("--num_output_tokens", type=int, default=None,
+                   help="tokens to generate (default 20; decoders only: an encoder predicts masked tokens)")
     g.add_argument("--batch_size", type=int, default=1)
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     g.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0: off, 1: greedy)")
@@ -29,7 +33,7 @@ def add_parser(sub) -> None:
     g.add_argument("--beam_width", type=int, default=1)
     g.add_argument("--stop_tokens", type=int_list, default=[], help="token ids that end a sequence, e.g. 50256")
     g.add_argument("--input_ids", type=int_list, help="prompt token ids, e.g. 1,2,3")
-    g.add_argument("--prompt", help="prompt text (needs --tokenizer)")
+    g.add_argument("--prompt", help="prompt text (needs --tokenizer); for BERT, [MASK] marks what to predict")
     g.add_argument("--tokenizer", help="local HuggingFace tokenizer folder")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (real ranks on cpu/cuda, symbolic on meta)")
@@ -61,18 +65,56 @@ def run(args) -> int:
 def print_result(record: dict, out_dir) -> None:
     from syntorch.console import console as make_console
     console = make_console()
-    prompt_len = len(record["input_ids"][0])
     if record.get("symbolic"):
-        predicted = record.get("trace", {}).get("predicted_latency_us")
-        latency = (f"predicted latency {predicted['critical_path_us'] / 1e3:.1f} ms on {record['trace']['hw_config']} "
-                   f"(serial {predicted['serial_us'] / 1e3:.1f} ms)" if predicted else
-                   "no values on meta; give --hw_config for a predicted latency")
-        console.print(f"symbolic run: {prompt_len} prompt tokens, {record['output_tokens_traced']} output tokens "
-                      f"traced; {latency} -> {out_dir}/run.json")
-        return
+        _print_symbolic(console, record, out_dir)
+    elif "predictions" in record:
+        _print_predictions(console, record, out_dir)
+    else:
+        _print_generated(console, record, out_dir)
+
+
+def _print_symbolic(console, record: dict, out_dir) -> None:
+    predicted = record.get("trace", {}).get("predicted_latency_us")
+    latency = (f"predicted latency {predicted['critical_path_us'] / 1e3:.1f} ms on {record['trace']['hw_config']} "
+               f"(serial {predicted['serial_us'] / 1e3:.1f} ms)" if predicted else
+               "no values on meta; give --hw_config for a predicted latency")
+    if "positions" in record:  # an encoder
+        n = len(record["positions"][0])
+        traced = "one encode pass traced, predicting " + (
+            f"the {n} masked positions" if record["predicted_positions"] == "masked" else
+            f"all {n} positions (no mask token in the prompt)")
+    else:
+        traced = f"{record['output_tokens_traced']} output tokens traced"
+    console.print(f"symbolic run: {len(record['input_ids'][0])} prompt tokens, {traced}; {latency} "
+                  f"-> {out_dir}/run.json")
+
+
+def _print_generated(console, record: dict, out_dir) -> None:
+    prompt_len = len(record["input_ids"][0])
     for i, ids in enumerate(record["output_ids"]):
         console.print(f"[bold]sequence {i}[/bold] ({prompt_len} prompt tokens) generated: {ids[prompt_len:]}")
         if "output_text" in record:
             console.print(f"  text: {record['output_text'][i]!r}")
     console.print(f"prefill {record['prefill_ms']:.1f} ms, decode {record['decode_ms_per_token']:.1f} ms/token, "
                   f"{record['tokens_per_s']:.1f} tokens/s -> {out_dir}/run.json")
+
+
+PRINTED_POSITIONS = 8  # per sequence; run.json holds them all
+
+
+def _print_predictions(console, record: dict, out_dir) -> None:
+    from rich.markup import escape  # tokens such as [unused0] must print as they are
+    what = (f"masked positions (token id {record['mask_token_id']})" if record["predicted_positions"] == "masked"
+            else f"every position (no mask token, id {record['mask_token_id']}, in the prompt)")
+    for i, row in enumerate(record["predictions"]):
+        console.print(f"[bold]sequence {i}[/bold] ({len(record['input_ids'][i])} prompt tokens): "
+                      f"top {len(row[0]['ids'])} predictions at {what}")
+        for p in row[:PRINTED_POSITIONS]:
+            names = p.get("tokens", p["ids"])
+            console.print(f"  position {p['position']}: "
+                          + ", ".join(f"{escape(str(n))} {prob:.3g}" for n, prob in zip(names, p["probs"])))
+        if len(row) > PRINTED_POSITIONS:
+            console.print(f"  … {len(row) - PRINTED_POSITIONS} more positions in run.json")
+        if "filled_text" in record:
+            console.print(f"  filled: {escape(repr(record['filled_text'][i]))}")
+    console.print(f"encode {record['encode_ms']:.1f} ms (one pass) -> {out_dir}/run.json")

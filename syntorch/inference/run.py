@@ -1,10 +1,13 @@
 """run_inference(spec, outputs): the one entry of `syntorch infer`, and the only place that decides how a run
 is carried out:
 
-- one rank (cpu/cuda, --tp 1): generate in this process, traced when outputs are asked for;
+- one rank (cpu/cuda, --tp 1): run the model in this process, traced when outputs are asked for;
 - real ranks (cpu/cuda, --tp N): N local processes spawned torchrun-style (gloo on CPU, NCCL on CUDA), or
-  the ranks torchrun started; each loads the model, keeps its shard and generates; rank 0 writes;
+  the ranks torchrun started; each loads the model, keeps its shard and runs it; rank 0 writes;
 - symbolic (meta): rank 0 traced against the fake backend, every other TP rank sharing its graph.
+
+What the model does is spec.run_model's choice, the same in all three: a decoder generates, an encoder
+predicts its masked tokens in one pass.
 
 Each writes run.json and what `outputs` asks for into a folder that appears whole or not at all.
 """
@@ -18,13 +21,13 @@ from syntorch.config import torch_dtype
 from syntorch.errors import UserError
 from syntorch.generate import stream_friendly_weights
 from syntorch.inference.outputs import RunOutputs, write_run_outputs
-from syntorch.inference.spec import (InferenceSpec, generate_tokens, load_model, make_prompt, resolve_config,
-                                     run_record, sampling_of, write_run_json)
+from syntorch.inference.spec import (InferenceSpec, check_fits_model, load_model, make_prompt, resolve_config,
+                                     run_model, run_record, sampling_of, write_run_json)
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.launch import RankFailed, check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import apply_tp, check_tp
-from syntorch.trace.generation import trace_run, trace_tp_rank
+from syntorch.trace.generation import trace_run, trace_tp_run
 from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
 
@@ -37,6 +40,7 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
     outputs = outputs or RunOutputs()
     sampling_of(spec)  # validates temperature/top_k/top_p
     config = resolve_config(spec)
+    check_fits_model(spec, config)
     make_prompt(spec, config)
     check_tp(config, spec.tp)
     if torch.device(spec.device).type == "meta":
@@ -72,20 +76,24 @@ def _one_rank(spec, out_dir, outputs) -> dict:
     prompt = make_prompt(spec, config)
     model = load_model(spec, config)
     stream_friendly_weights(model)  # this run owns the model: the decode-friendly weight layout is ours to pick
-    graph = None
-    if outputs.any:
-        graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope))
-    else:
-        result = generate_tokens(spec, model, prompt)
+    graph, result = _run(spec, config, model, prompt, outputs)
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
+
+
+def _run(spec, config, model, prompt, outputs, **trace_args) -> tuple:
+    """(graph, result) of run_model, traced only when outputs are asked for (graph None otherwise)."""
+    def run(m, phase_scope):
+        return run_model(spec, config, m, prompt, phase_scope)
+    if outputs.any:
+        return trace_run(model, run, **trace_args)
+    return None, run(model, None)
 
 
 def _symbolic(spec, out_dir, outputs) -> dict:
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
-    graph, result = trace_tp_rank(config, prompt, spec.num_output_tokens, spec.tp, 0, spec.sp, "meta",
-                                  torch_dtype(spec.dtype),
-                                  sampling_of(spec), stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width)
+    graph, result = trace_tp_run(config, lambda m, scope: run_model(spec, config, m, prompt, scope), spec.tp, 0,
+                                 spec.sp, "meta", torch_dtype(spec.dtype))
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
 
 
@@ -115,7 +123,7 @@ def _rank0_record(spec, out_dir, outputs) -> dict:
 
 
 def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
-    """One rank of a TP generation: load the model, keep this rank's shard, generate; rank 0 writes."""
+    """One rank of a TP run: load the model, keep this rank's shard, run it; rank 0 writes."""
     rank, world = init_distributed(spec.device)
     groups = init_groups(Mesh(tp=world))
     config = resolve_config(spec)
@@ -123,21 +131,24 @@ def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
     model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
     apply_tp(model, groups, spec.sp)
     stream_friendly_weights(model)
-    graph = None
-    if outputs.any:
-        graph, result = trace_run(model, lambda m, scope: generate_tokens(spec, m, prompt, phase_scope=scope),
-                                  rank=rank, world_size=world, meta={"tp": world, "sequence_parallel": spec.sp})
-    else:
-        result = generate_tokens(spec, model, prompt)
-    _check_same_tokens(result.tokens, groups.tp)
+    graph, result = _run(spec, config, model, prompt, outputs, rank=rank, world_size=world,
+                         meta={"tp": world, "sequence_parallel": spec.sp})
+    _check_same_tokens(_chosen(config, result), groups.tp)
     if rank == 0:
         _finish(spec, config, prompt, result, graph, out_dir, outputs)
 
 
-def _check_same_tokens(tokens: list[list[int]], group) -> None:
+def _chosen(config, result) -> list[int]:
+    """What the model chose, flat: the generated sequences, or the top ids at each predicted position."""
+    if config.encoder:
+        return [i for row in result.top_ids for top in row for i in top]
+    return [t for seq in result.tokens for t in seq]
+
+
+def _check_same_tokens(tokens: list[int], group) -> None:
     """Every rank must have chosen the same tokens (they see the same gathered logits and seed)."""
-    mine = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+    mine = torch.tensor(tokens, dtype=torch.long)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if any(not torch.equal(mine, other) for other in everyone):
-        raise RuntimeError("TP ranks generated different tokens; their logits diverged")
+        raise RuntimeError("TP ranks chose different tokens; their logits diverged")

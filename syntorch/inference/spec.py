@@ -1,10 +1,11 @@
-"""What one inference run is (InferenceSpec) and its steps: find the model, make the prompt, generate, record.
+"""What one inference run is (InferenceSpec) and its steps: find the model, make the prompt, run it (a decoder
+generates; an encoder predicts its masked tokens in one pass), record.
 
 Every way of running (one rank, real ranks, symbolic; inference/run.py) goes through these, so scripts and
 the tensor-parallel ranks run exactly the same steps.
 """
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -12,9 +13,15 @@ import torch
 from syntorch.checkpoints import load_checkpoint, resolve_model_config
 from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
+from syntorch.fill_mask import predict_masked
 from syntorch.generate import Sampling, check_context, generate
 from syntorch.models import build_model
 from syntorch.parallel.tensor import check_sp
+
+
+DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
+# what only a decoder's generation reads
+GENERATION_OPTIONS = ("num_output_tokens", "temperature", "top_k", "top_p", "beam_width", "stop_tokens")
 
 
 @dataclass
@@ -25,7 +32,7 @@ class InferenceSpec:
     device: str = "cpu"
     dtype: str = "fp32"
     num_input_tokens: int = 10
-    num_output_tokens: int = 20
+    num_output_tokens: int | None = None  # None: DEFAULT_OUTPUT_TOKENS for a decoder; an encoder takes none
     batch_size: int = 1
     temperature: float = 1.0
     top_k: int = 0
@@ -43,7 +50,7 @@ class InferenceSpec:
         """Every option's own check, once, when the spec is made."""
         if self.num_input_tokens <= 0 and not self.input_ids and not self.prompt:
             raise UserError(f"--num_input_tokens must be positive, got {self.num_input_tokens}")
-        if self.num_output_tokens <= 0:
+        if self.num_output_tokens is not None and self.num_output_tokens <= 0:
             raise UserError(f"--num_output_tokens must be positive, got {self.num_output_tokens}")
         if self.batch_size <= 0:
             raise UserError(f"--batch_size must be positive, got {self.batch_size}")
@@ -58,6 +65,12 @@ class InferenceSpec:
         if self.input_ids is not None and self.prompt is not None:
             raise UserError("give either --input_ids or --prompt, not both")
         check_device(self.device)
+
+
+    @property
+    def output_tokens(self) -> int:
+        """How many tokens a decoder generates."""
+        return DEFAULT_OUTPUT_TOKENS if self.num_output_tokens is None else self.num_output_tokens
 
 
 def check_device(device: str) -> None:
@@ -75,6 +88,23 @@ def resolve_config(spec: InferenceSpec) -> ModelConfig:
     return resolve_model_config(spec.model, spec.model_config, spec.checkpoint)
 
 
+def check_fits_model(spec: InferenceSpec, config: ModelConfig) -> None:
+    """An encoder generates nothing, so generation options given with one are a mistake worth one line (not
+    silently ignored). "Given" is "not the default": --num_output_tokens defaults to None for this; a
+    sampling option given at its default value (--temperature 1) goes unnoticed, and changes nothing."""
+    if not config.encoder:
+        return
+    given = [f"--{f.name}" for f in fields(spec)
+             if f.name in GENERATION_OPTIONS and getattr(spec, f.name) != _default(f)]
+    if given:
+        raise UserError(f"{config.name} is an encoder: encoders predict masked tokens in one pass and generate "
+                        f"nothing; drop {', '.join(given)}")
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
 def load_model(spec: InferenceSpec, config: ModelConfig):
     """The full (unsharded) model: loaded from --checkpoint, or random with the seed."""
     if spec.checkpoint:
@@ -88,7 +118,7 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
     if spec.input_ids is not None:
         ids = list(spec.input_ids)
     elif spec.prompt is not None:
-        ids = encode(spec.tokenizer, spec.prompt)
+        ids = encode(spec.tokenizer, spec.prompt, special_tokens=config.encoder)
     else:
         g = torch.Generator().manual_seed(spec.seed)
         ids = torch.randint(0, config.vocab_size, (spec.num_input_tokens,), generator=g).tolist()
@@ -97,7 +127,7 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary of {config.name} (0..{config.vocab_size - 1})")
-    check_context(config, len(ids), spec.num_output_tokens, spec.device)
+    check_context(config, len(ids), 0 if config.encoder else spec.output_tokens, spec.device)
     return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
 
 
@@ -112,8 +142,10 @@ def load_tokenizer(folder: str):
         raise UserError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from None
 
 
-def encode(folder: str, text: str) -> list[int]:
-    return load_tokenizer(folder).encode(text, add_special_tokens=False).ids
+def encode(folder: str, text: str, special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; with `special_tokens` the tokenizer's own template around them (BERT's
+    [CLS] … [SEP], as HuggingFace's fill-mask pipeline feeds an encoder)."""
+    return load_tokenizer(folder).encode(text, add_special_tokens=special_tokens).ids
 
 
 def decode(folder: str, ids: list[int]) -> str:
@@ -125,32 +157,86 @@ def sampling_of(spec: InferenceSpec) -> Sampling:
 
 
 def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scope=None):
-    return generate(model, prompt.to(spec.device), spec.num_output_tokens, sampling_of(spec),
+    return generate(model, prompt.to(spec.device), spec.output_tokens, sampling_of(spec),
                     stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width, phase_scope=phase_scope)
 
 
+def mask_token_id(spec: InferenceSpec, config: ModelConfig) -> int:
+    """The id of [MASK]: the tokenizer's when one is given (it made the ids), else the model config's."""
+    found = load_tokenizer(spec.tokenizer).token_to_id("[MASK]") if spec.tokenizer else None
+    return config.mask_token_id if found is None else found
+
+
+def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: torch.Tensor, phase_scope=None):
+    """What the model does at inference, the same in every kind of run: a decoder generates
+    (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction)."""
+    if config.encoder:
+        return predict_masked(model, prompt, mask_token_id(spec, config), phase_scope=phase_scope)
+    return generate_tokens(spec, model, prompt, phase_scope)
+
+
 def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result) -> dict:
-    """What run.json holds: the run's identity, its tokens and its measured timings. A symbolic run (meta)
-    has neither token values nor a speed worth reporting (its wall time is the tracer's): it records the
-    prompt and the number of steps traced; its latency is predicted from --hw_config (run.json's trace)."""
+    """What run.json holds: the run's identity, what the model produced and its measured timings. A symbolic
+    run (meta) has neither values nor a speed worth reporting (its wall time is the tracer's): it records
+    the prompt and what was traced; its latency is predicted from --hw_config (run.json's trace)."""
     record = {
         "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp,
         "batch_size": spec.batch_size, "seed": spec.seed,
-        "sampling": {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
-                     "beam_width": spec.beam_width, "stop_tokens": spec.stop_tokens},
         "input_ids": prompt.tolist(), "model_config": config.to_dict(),
     }
-    if torch.device(spec.device).type == "meta":
-        return {**record, "symbolic": True, "output_tokens_traced": len(result.decode_s) + 1}
+    symbolic = torch.device(spec.device).type == "meta"
+    if symbolic:
+        record["symbolic"] = True
+    if config.encoder:
+        return {**record, **_encoder_record(spec, config, prompt, result, symbolic)}
+    return {**record, **_decoder_record(spec, prompt, result, symbolic)}
+
+
+def _decoder_record(spec: InferenceSpec, prompt: torch.Tensor, result, symbolic: bool) -> dict:
+    sampling = {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
+                "beam_width": spec.beam_width, "stop_tokens": spec.stop_tokens}
+    if symbolic:
+        return {"sampling": sampling, "output_tokens_traced": len(result.decode_s) + 1}
     # the prompt from our side, then the generated ids
     outputs = [row + list(map(int, new)) for row, new in zip(prompt.tolist(), result.new_tokens)]
     decode_ms = [s * 1e3 for s in result.decode_s]
-    record.update(output_ids=outputs, prefill_ms=result.prefill_s * 1e3,
+    record = dict(sampling=sampling, output_ids=outputs, prefill_ms=result.prefill_s * 1e3,
                   decode_ms_per_token=sum(decode_ms) / len(decode_ms) if decode_ms else 0.0,
                   tokens_per_s=result.tokens_per_s)
     if spec.tokenizer:
         record["output_text"] = [decode(spec.tokenizer, seq) for seq in outputs]
     return record
+
+
+def _encoder_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result, symbolic: bool) -> dict:
+    """Per prompt row, the positions predicted and (on a real device) each one's top ids, probabilities and,
+    with --tokenizer, tokens; with a mask in the prompt also the text with each mask filled by its best."""
+    record = {"mask_token_id": mask_token_id(spec, config), "predicted_positions": "masked" if result.masked else "all"}
+    if symbolic:
+        return {**record, "positions": result.positions}
+    tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+    record["predictions"] = [[_prediction(*at, tokenizer) for at in zip(*row)]
+                             for row in zip(result.positions, result.top_ids, result.top_probs)]
+    record["encode_ms"] = result.encode_s * 1e3
+    if tokenizer and result.masked:
+        record["filled_text"] = [tokenizer.decode(_filled(ids, row)) for ids, row in zip(prompt.tolist(),
+                                                                                         record["predictions"])]
+    return record
+
+
+def _prediction(position: int, ids: list[int], probs: list[float], tokenizer) -> dict:
+    entry = {"position": position, "ids": ids, "probs": probs}
+    if tokenizer:
+        entry["tokens"] = [tokenizer.id_to_token(i) for i in ids]
+    return entry
+
+
+def _filled(ids: list[int], predictions: list[dict]) -> list[int]:
+    """The prompt row with each predicted position holding its most likely token."""
+    ids = list(ids)
+    for p in predictions:
+        ids[p["position"]] = p["ids"][0]
+    return ids
 
 
 def write_run_json(record: dict, out_dir: Path) -> None:

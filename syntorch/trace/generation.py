@@ -1,5 +1,5 @@
-"""Tracing a whole run (generation: prefill + decode steps) in one call, as `syntorch infer` does, on one
-rank or, symbolically, for every rank of a tensor-parallel generation."""
+"""Tracing a whole run (generation: prefill + decode steps; an encoder's one pass) in one call, as `syntorch
+infer` does, on one rank or, symbolically, for every rank of a tensor-parallel run."""
 from collections.abc import Callable
 
 import torch
@@ -49,18 +49,28 @@ def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_token
     return trace_run(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
 
 
-def trace_tp_rank(config, prompt: torch.Tensor, max_new_tokens: int, tp: int, rank: int,
-                  sequence_parallel: bool = False, device: str = "meta", dtype=torch.float32,
-                  sampling=None, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
-    """The trace (and generation result) of one TP rank's generation against the fake backend (no other
-    process). On `cpu` the weights are random and the collectives move nothing, so the numbers are
-    meaningless; the ops, shapes and collectives are the real ones. `prompt` is [B, T] token ids."""
+def trace_tp_run(config, run: Callable, tp: int, rank: int, sequence_parallel: bool = False, device: str = "meta",
+                 dtype=torch.float32) -> tuple[TraceGraph, object]:
+    """`run(model, phase_scope)` (a generation, an encoder's pass, ...) traced on one TP rank's model against
+    the fake backend (no other process). On `cpu` the weights are random and the collectives move nothing,
+    so the numbers are meaningless; the ops, shapes and collectives are the real ones."""
     check_tp(config, tp)
     with symbolic_world(rank, tp):
         model = build_model(config, device=device, dtype=dtype)
         apply_tp(model, init_groups(Mesh(tp=tp)), sequence_parallel)
-        return trace_generation(model, prompt.to(device), max_new_tokens, sampling, rank=rank, world_size=tp,
-                                meta={"tp": tp, "sequence_parallel": sequence_parallel}, **generate_kwargs)
+        return trace_run(model, run, rank=rank, world_size=tp,
+                         meta={"tp": tp, "sequence_parallel": sequence_parallel})
+
+
+def trace_tp_rank(config, prompt: torch.Tensor, max_new_tokens: int, tp: int, rank: int,
+                  sequence_parallel: bool = False, device: str = "meta", dtype=torch.float32,
+                  sampling=None, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
+    """The trace (and generation result) of one TP rank's generation (trace_tp_run). `prompt` is [B, T]
+    token ids."""
+    def run(m, phase_scope):
+        return gen.generate(m, prompt.to(device), max_new_tokens, sampling or gen.Sampling(),
+                            phase_scope=phase_scope, **generate_kwargs)
+    return trace_tp_run(config, run, tp, rank, sequence_parallel, device, dtype)
 
 
 def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int,

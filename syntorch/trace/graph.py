@@ -6,8 +6,9 @@ Attribute names are a public schema (DESIGN.md, "The TraceGraph"):
 - every node: `kind` ("tensor" | "op" | "collective"), `name`
 - tensor: `shape` (list), `dtype` (str), `bytes`, `is_param`, `device`, `version` (0, then +1 for every
   in-place write, so data flow through in-place ops and KV-cache writes has no cycles)
-- op: `module` (e.g. "layers.3.attn.qkv", "" at the root), `phase` ("prefill", "decode[7]", "forward",
-  "backward", "optimizer"), `flops`, `bytes_read`, `bytes_written`, `is_view`, `duration_us` (when known)
+- op: `module` (e.g. "layers.3.attn.qkv", "" at the root), `phase` ("prefill", "decode[7]", "encode" (an
+  encoder's one inference pass), "forward", "backward", "optimizer"), `flops`, `bytes_read`,
+  `bytes_written`, `is_view`, `duration_us` (when known)
 - collective: `module`, `phase`, `collective` (COLLECTIVES), `reduce_op` (sum/avg/min/max/prod or None),
   `group` (list of global ranks), `bytes` (per rank), `src`, `dst` (global ranks or None), `tag`,
   `order` (0, 1, ... among the collectives of the same group on this rank)
