@@ -5,6 +5,7 @@ the same token), beam search with HuggingFace's semantics, and stop tokens. Work
 The model stays plain PyTorch: caches are attached from outside and phases are labelled through a callback.
 """
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -142,8 +143,13 @@ def check_context(config, prompt_len: int, max_new_tokens: int, device) -> None:
     if torch.device(device).type != "meta":
         fix = "shorten the prompt" + (" or generate fewer tokens" if max_new_tokens else "")
         raise UserError(f"{message}; {fix}")
-    log.warning("%s; tracing symbolically anyway (positions past the context reuse the embedding table's shape)",
-                message)
+    _warn_once(f"{message}; tracing symbolically anyway (positions past the context reuse the embedding table's shape)")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    # the same run checks its prompt where it is made and where it is generated from
+    log.warning("%s", message)
 
 
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),

@@ -41,13 +41,13 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
     sampling_of(spec)  # validates temperature/top_k/top_p
     config = resolve_config(spec)
     check_fits_model(spec, config)
-    make_prompt(spec, config)
+    prompt = make_prompt(spec, config)  # each rank of a real run makes the same one from the seed
     check_tp(config, spec.tp)
     if torch.device(spec.device).type == "meta":
-        return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, tmp, outputs))
+        return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, config, prompt, tmp, outputs))
     if spec.tp > 1 or under_torchrun():
         return _real_ranks(spec, out_dir, force, outputs)
-    return _in_output_dir(out_dir, force, lambda tmp: _one_rank(spec, tmp, outputs))
+    return _in_output_dir(out_dir, force, lambda tmp: _one_rank(spec, config, prompt, tmp, outputs))
 
 
 def _in_output_dir(out_dir, force: bool, run) -> dict:
@@ -71,9 +71,7 @@ def _finish(spec, config, prompt, result, graph, out_dir, outputs) -> dict:
     return record
 
 
-def _one_rank(spec, out_dir, outputs) -> dict:
-    config = resolve_config(spec)
-    prompt = make_prompt(spec, config)
+def _one_rank(spec, config, prompt, out_dir, outputs) -> dict:
     model = load_model(spec, config)
     stream_friendly_weights(model)  # this run owns the model: the decode-friendly weight layout is ours to pick
     graph, result = _run(spec, config, model, prompt, outputs)
@@ -89,9 +87,7 @@ def _run(spec, config, model, prompt, outputs, **trace_args) -> tuple:
     return None, run(model, None)
 
 
-def _symbolic(spec, out_dir, outputs) -> dict:
-    config = resolve_config(spec)
-    prompt = make_prompt(spec, config)
+def _symbolic(spec, config, prompt, out_dir, outputs) -> dict:
     graph, result = trace_tp_run(config, lambda m, scope: run_model(spec, config, m, prompt, scope), spec.tp, 0,
                                  spec.sp, "meta", torch_dtype(spec.dtype))
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
