@@ -18,7 +18,6 @@ from syntorch.generate import Sampling, check_context, generate
 from syntorch.models import build_model
 from syntorch.parallel.tensor import check_sp
 
-
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
 # what only a decoder's generation reads
 GENERATION_OPTIONS = ("num_output_tokens", "temperature", "top_k", "top_p", "beam_width", "stop_tokens")
@@ -65,7 +64,6 @@ class InferenceSpec:
         if self.input_ids is not None and self.prompt is not None:
             raise UserError("give either --input_ids or --prompt, not both")
         check_device(self.device)
-
 
     @property
     def output_tokens(self) -> int:
