@@ -10,6 +10,7 @@ import signal
 import sys
 
 from syntorch.errors import RankFailed, UserError
+from syntorch.options import Parser
 
 
 class Terminated(BaseException):
@@ -23,7 +24,7 @@ def _terminate(signum, frame):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syntorch", description="Run, parallelize and trace LLM workloads.")
+    parser = Parser(prog="syntorch", description="Run, parallelize and trace LLM workloads.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if not info.name.startswith("_"):
@@ -32,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a mistake in the options (2), already printed as one line
+        return e.code
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args) or 0
