@@ -35,7 +35,7 @@ def check_trace_name(path, rank: int, flag: str = "--output") -> None:
     `007`): the name `syntorch validate` (find_traces) and the simulator look for."""
     path = Path(path)
     m = TRACE_NAME.match(path.name)
-    prefix = m.group(1) if m else path.name.removesuffix(".et") or "trace"
+    prefix = m.group(1) if m else re.sub(r"\.\d+$", "", path.stem) or "trace"  # trace.et, x.0.json -> trace, x
     wanted = path.with_name(f"{prefix}.{rank}.et")
     if not m:
         raise UserError(f"{flag} {path} is not named <prefix>.<rank>.et, which syntorch validate and ASTRA-sim look "
