@@ -6,6 +6,8 @@ mistake in an option is one line, naming the option as the user typed it.
   argparse prints first (exit code 2, as argparse's);
 - every `type=float` option refusing NaN and infinity: NaN compares false with every bound, so
   `--top_p nan` or `calibrate --seconds nan` (which never ended) slipped past the range checks;
+- every `type=int` option refusing what 64 bits do not hold (torch's integers: `--batch_size 10**21` was an
+  OverflowError);
 - `at_least=` and `above=` on add_argument: a bound checked as the option is parsed, so the message names
   the spelling typed (`--num-gpus 0`, not its other spelling `--nproc`).
 The checks hold for the parser's argument groups and subcommands too. Ranges that a library object checks
@@ -58,6 +60,8 @@ class _Store(argparse.Action):
     def problem(self, value) -> str | None:
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number, got {value}"
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            return f"must fit in 64 bits (below 2**63), got {value}"
         if self.at_least is not None and value < self.at_least:
             return f"must be {'0 or more' if self.at_least == 0 else f'at least {self.at_least}'}, got {value}"
         if self.above is not None and value <= self.above:

@@ -171,7 +171,7 @@ CASES = [
         ("--num_output_tokens 2000", "exceed the context"),
         ("--tp 3", "--tp 3 does not divide tiny-gpt2's attention heads (4); choose --tp from 1, 2, 4"),
         ("--tp 8 --device meta", "--tp 8 is larger than tiny-gpt2's 4 attention heads; use a --tp that divides 4"),
-        ("--seed 18446744073709551616", "--seed must be in 0..2**63-1"),
+        ("--seed 18446744073709551616", "--seed must fit in 64 bits (below 2**63), got 18446744073709551616"),
         ("--device cuda", "CUDA is not available"),
         ("--device tpu", "--device 'tpu'"),
         ("--dtype fp64", "argument --dtype: invalid choice: 'fp64'"),
@@ -299,7 +299,7 @@ CASES = [
         ("--max-grad-norm -1", "--max-grad-norm must be 0 or more"),
         ("--eval-fraction 1", "--eval-fraction must be below 1"),
         ("--bucket-cap-mb 0", "--bucket-cap-mb must be positive"),
-        ("--seed 18446744073709551616", "--seed must be in 0..2**63-1"),
+        ("--seed 18446744073709551616", "--seed must fit in 64 bits (below 2**63), got 18446744073709551616"),
         ("--trace-name a/b --enable-tracing", "--trace-name is the prefix of file names"),
         ("--enable-tracing --max-steps 1 --trace-output-dir {case}/traces", "--enable-tracing needs 3 optimizer steps"),
         ("--enable-tracing --trace-output-dir {userdir}", "holds notes.txt, which syntorch did not write"),
@@ -383,7 +383,8 @@ def test_every_float_option_refuses_nan_and_infinity(command, flag, value, case_
                 "python -m syntorch.train")
 
 
-# int options whose 0 means something: everything else must refuse 0, and -1 is refused everywhere
+# int options whose 0 means something: everything else must refuse 0; -1 and 2**63 (beyond torch's int64,
+# an OverflowError deep inside before) are refused everywhere
 ZERO_MEANS_SOMETHING = {
     "infer": {"--top_k", "--seed", "--comm_debug"},  # top_k 0: off; comm_debug 0: counts only
     "trace": {"--zero"},  # DDP
@@ -395,7 +396,7 @@ ZERO_MEANS_SOMETHING = {
 RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM,
             "convert": CONVERT.replace("{out}", "{case}/gpt2.0.et")}
 INTS = [(command, flag, value) for command, parser in commands().items() for flag in options(parser, int)
-        for value in ("-1", "0") if value == "-1" or flag not in ZERO_MEANS_SOMETHING.get(command, ())]
+        for value in ("-1", "0", str(2**63)) if value != "0" or flag not in ZERO_MEANS_SOMETHING.get(command, ())]
 
 
 def test_the_walk_finds_every_int_option():

@@ -53,8 +53,6 @@ def options_from_args(args: argparse.Namespace):
 
     if args.eval_fraction >= 1:  # its other bounds, and every other option's, are checked as it is parsed
         raise UserError(f"--eval-fraction must be below 1 (some data must be left to train on), got {args.eval_fraction}")
-    if args.seed >= 2**63:  # what torch's generators take
-        raise UserError(f"--seed must be in 0..2**63-1, got {args.seed}")
     if args.trace_name is not None and (args.trace_name in ("", ".", "..") or "/" in args.trace_name):
         raise UserError(f"--trace-name is the prefix of file names in --trace-output-dir (<name>.<rank>.et); "
                         f"give one without '/', got {args.trace_name!r}")
