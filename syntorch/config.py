@@ -1,6 +1,7 @@
 """ModelConfig and the registry of named models (--model, --model_config)."""
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def check_config(c: ModelConfig) -> None:
     need(c.pos != "rotary" or 0 < c.rotary_dim <= c.d_head and c.rotary_dim % 2 == 0,
          f"rotary_dim must be even and in (0, d_head={c.d_head}], got {c.rotary_dim}")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
+    need(isinstance(c.ln_eps, (int, float)) and math.isfinite(c.ln_eps) and c.ln_eps > 0,
+         f"ln_eps must be a positive finite number, got {c.ln_eps!r}")
 
 
 def _gpt3(name, n_layer, d_model, n_head):

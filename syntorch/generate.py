@@ -28,11 +28,11 @@ class Sampling:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise UserError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
+            raise UserError(f"--top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+            raise UserError(f"--top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

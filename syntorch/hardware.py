@@ -4,6 +4,7 @@ Units are the ones datasheets print, so a JSON file reads like one: TFLOP/s, GB/
 second, one direction), GB (10^9 bytes), microseconds. `cost.py` turns them into per-node durations.
 """
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -123,6 +124,8 @@ def _check_number(source, field, value, allow_zero: bool, integer: bool = False)
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise UserError(f"{source}: {field} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value):  # Python's JSON reads NaN and Infinity
+        raise UserError(f"{source}: {field} must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise UserError(f"{source}: {field} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -143,12 +146,19 @@ def calibrate_cpu(seconds: float = 1.0, matmul_size: int = 1024, copy_mb: int = 
 
 
 def save_cpu_config(config: HardwareConfig, path: Path | None = None) -> Path:
+    return calibrate_and_save(path, lambda: config)[1]
+
+
+def calibrate_and_save(path: Path | None = None, measure=calibrate_cpu) -> tuple[HardwareConfig, Path]:
+    """`syntorch calibrate`: `measure()` (calibrate_cpu) saved at `path` (default cpu_config_path()). The
+    path is taken (a folder there is refused) before the measuring, so a mistake costs no waiting."""
     from syntorch.outdir import atomic_output_file
 
     path = path or cpu_config_path()
     with atomic_output_file(path) as tmp:
+        config = measure()
         tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    return path
+    return config, path
 
 
 def _best_seconds(fn, budget: float) -> float:

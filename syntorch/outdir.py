@@ -97,7 +97,7 @@ def atomic_output_file(path: str | Path, flag: str = "--output"):
         os.close(fd)
         _note_temporary(tmp)
     except OSError as e:
-        raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None
+        raise _cannot_write(flag, path, e) from None
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
@@ -209,7 +209,14 @@ def _make_tmp(home: Path, path: Path, flag: str) -> Path:
         _note_temporary(tmp)
         return tmp
     except OSError as e:
-        raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None
+        raise _cannot_write(flag, path, e) from None
+
+
+def _cannot_write(flag: str, path: Path, error: OSError) -> UserError:
+    # mkdir under a file says "File exists" or "Not a directory": name the file in the way instead
+    blocker = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+    why = f"{blocker} is a file, not a folder" if blocker else error.strerror
+    return UserError(f"cannot write {flag} {path}: {why}")
 
 
 def _tmp_prefix() -> str:

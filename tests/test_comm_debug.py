@@ -230,26 +230,6 @@ def test_cli_reports_a_saved_trace_as_the_live_run(tp_mlp_run, saved_trace, tmp_
     assert '<li data-fqn="fc2">' in out["comm.html"].read_text()
 
 
-def _write_json(path, data):
-    path.write_text(json.dumps(data))
-    return str(path)
-
-
-@pytest.mark.parametrize("case", ["noise 5", "noise x", "not a trace", "collective without kind"])
-def test_cli_bad_input_is_one_line(case, saved_trace, tmp_path, capsys):
-    inputs = {"not a trace": lambda: _write_json(tmp_path / "x.json", {"a": 1}),
-              "collective without kind": lambda: _write_json(tmp_path / "x.json", {
-                  "directed": True, "multigraph": False, "graph": {}, "edges": [],
-                  "nodes": [{"id": 0, "kind": "collective", "name": "allreduce"}]})}
-    noise = {"noise 5": "5", "noise x": "x"}.get(case, "1")
-    trace = inputs.get(case, lambda: str(saved_trace))()
-    assert main(["comm", "--input", trace, "--noise_level", noise, "--html", str(tmp_path / "c.html")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("syntorch comm: error: ")
-    assert ("noise level must be 0, 1, 2 or 3" in err) == case.startswith("noise")
-    assert not (tmp_path / "c.html").exists()
-
-
 def test_generation_phases_fall_in_the_forward_pass():
     """TP-2 generation (prefill + 2 decode steps) on the fake backend: per-phase totals are Megatron's."""
     from syntorch.export.comm_report import tracing_table

@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "syntorch"
 
 # lowest first; a module may import its own layer (without a cycle) and the layers below it
 LAYERS = [
-    ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console"]),
+    ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console",
+              "syntorch.options"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
     ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints"]),
     ("parallel", ["syntorch.parallel"]),

@@ -265,9 +265,9 @@ def test_a_file_output_replaces_the_named_file_refuses_a_folder_and_joins_a_run(
     (tmp_path / "g.png").write_text("an older picture")
     assert main([*png, str(tmp_path / "g.png")]) == 0  # the user named this file: replaced, as cp would
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not temporaries(tmp_path)
-    (tmp_path / "pictures").mkdir()
-    assert main([*png, str(tmp_path / "pictures")]) == 2
-    assert f"--output {tmp_path / 'pictures'} is a folder; give a file name" in one_line_error(capsys)
+    (tmp_path / "pictures.png").mkdir()
+    assert main([*png, str(tmp_path / "pictures.png")]) == 2
+    assert f"--output {tmp_path / 'pictures.png'} is a folder; give a file name" in one_line_error(capsys)
     assert main(EXPORT.argv(ws, tmp_path / "run")) == 0
     json_form = ["export", "--input", str(ws / "graph.json"), "--format", "json", "--output"]
     assert main([*json_form, str(tmp_path / "run" / "g.json")]) == 0

@@ -1,8 +1,8 @@
-"""SQuAD pretraining: data, MLM masking, loss going down, HuggingFace checkpoints, bad input.
+"""SQuAD pretraining: data, MLM masking, loss going down, HuggingFace checkpoints (bad command lines:
+test_bad_inputs.py).
 
 Everything is made here: a word-level tokenizer trained on the test's own text (saved as a HuggingFace
 tokenizer folder), a tiny SQuAD v2.0 file and tiny models (train_data.py, shared with test_capture.py)."""
-import argparse
 import json
 import time
 
@@ -14,6 +14,7 @@ from syntorch.checkpoints import load_checkpoint
 from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.parallel.launch import RankFailed, init_distributed, spawn
+from syntorch.options import Parser
 from syntorch.train import data as D
 from syntorch.train.loop import train_rank
 from syntorch.train.options import add_arguments, options_from_args
@@ -159,7 +160,7 @@ def faulty_train_rank(opts):
 
 
 def test_a_crashing_worker_stops_every_worker_and_is_named(workspace, tmp_path):
-    parser = argparse.ArgumentParser()
+    parser = Parser()
     add_arguments(parser)
     opts, _ = options_from_args(parser.parse_args(train_args(workspace, "gpt2", tmp_path / "ckpt")[1:]))
     start = time.monotonic()
@@ -167,27 +168,3 @@ def test_a_crashing_worker_stops_every_worker_and_is_named(workspace, tmp_path):
         spawn(faulty_train_rank, 2, (opts,))
     assert time.monotonic() - start < 60  # generous for a loaded 2-core machine; a hang would be 300 s
     assert not (tmp_path / "ckpt").exists()
-
-
-# ---- bad input ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("change, message", [
-    (lambda ws, tmp: ["--data", str(tmp / "missing.json")], "data file not found"),
-    (lambda ws, tmp: ["--data", str(tmp / "bad.json")], "not valid JSON"),
-    (lambda ws, tmp: ["--tokenizer", str(tmp / "nothing")], "tokenizer folder not found"),
-    (lambda ws, tmp: ["--model-name", str(ws["bert"])], "is a bert model, not gpt2"),
-    (lambda ws, tmp: ["--max-seq-length", "1000"], "--max-seq-length 1000"),
-    (lambda ws, tmp: ["--enable-tracing", "--max-steps", "1", "--trace-output-dir", str(tmp / "out")],
-     "needs 3 optimizer steps"),
-])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(workspace, tmp_path, capsys, change, message):
-    (tmp_path / "bad.json").write_text('{"data": [')
-    save = tmp_path / "ckpt"
-    code = main(train_args(workspace, "gpt2", save, *change(workspace, tmp_path)))
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and message in err and len(err.splitlines()) == 1, err
-    assert not save.exists() and not (tmp_path / "out").exists()
-    # `python -m syntorch.train` (torchrun's entry) reports it the same way
-    from syntorch.train.__main__ import main as module_main
-    assert module_main(train_args(workspace, "gpt2", save, *change(workspace, tmp_path))[1:]) == 2
-    assert capsys.readouterr().err.strip() == err.replace("syntorch train:", "python -m syntorch.train:")

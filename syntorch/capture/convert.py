@@ -16,7 +16,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 
 from syntorch.capture import traces
 from syntorch.capture.repair import drop_forward_inter_thread_deps, fix_nodes
-from syntorch.chakra.reader import read_trace
+from syntorch.chakra.reader import check_trace_name, read_trace
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_file
 
@@ -82,17 +82,24 @@ def group_of_collectives(groups: dict[str, list[int]]) -> tuple[str, list[str]]:
     return "0", notes
 
 
-def convert_rank(host_path, device_path, rank: int, output, merged_output=None) -> dict:
-    """Writes the ASTRA-sim-ready `output` (.et) for one rank, whole or not at all; with `merged_output`
-    also the linked host + device JSON. Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
+def convert_rank(host_path, device_path, rank: int, output, merged_output=None, comm_groups_output=None) -> dict:
+    """Writes the ASTRA-sim-ready `output` (`<prefix>.<rank>.et`) for one rank; with `merged_output` also the
+    linked host + device JSON, with `comm_groups_output` the comm-group JSON: all whole, or none at all.
+    Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
+    check_trace_name(output, rank)
     host_path, device_path, output = Path(host_path), Path(device_path), Path(output)
     host, repairs = traces.read_host_trace(host_path)
     device = traces.read_device_trace(device_path)
     traces.check_same_rank(host, device, rank, host_path, device_path)
     groups = traces.comm_groups(device)
     pg_name, notes = group_of_collectives(groups)
-    with tempfile.TemporaryDirectory(prefix=".syntorch-convert-") as tmp:
+    with contextlib.ExitStack() as outputs, tempfile.TemporaryDirectory(prefix=".syntorch-convert-") as tmp:
         tmp = Path(tmp)
+        # every output's temporary first: a refused path stops the run before the tools, and before any output
+        et_out = outputs.enter_context(atomic_output_file(output))
+        merged_out = outputs.enter_context(atomic_output_file(merged_output, "--merged")) if merged_output else None
+        groups_out = (outputs.enter_context(atomic_output_file(comm_groups_output, "--comm_groups"))
+                      if comm_groups_output else None)
         if repairs:
             host_path = tmp / "host_repaired.json"
             host_path.write_text(json.dumps(host))
@@ -100,22 +107,27 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None) 
         header, nodes = read_trace(raw)
         group_size = len(groups.get(pg_name) or max(groups.values(), key=len, default=[rank]))
         nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, pg_name, group_size)
-        with atomic_output_file(output) as out, open(out, "wb") as f:
+        with open(et_out, "wb") as f:
             encodeMessage(f, header)
             for node in nodes:
                 encodeMessage(f, node)
-        if merged_output:
-            with atomic_output_file(merged_output, "--merged") as out:
-                shutil.copyfile(merged, out)
+        if merged_out:
+            shutil.copyfile(merged, merged_out)
+        if groups_out:
+            groups_out.write_text(comm_groups_text(groups))
     if dropped:
         repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter would stop on a cycle)")
     return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs,
             "notes": summary["notes"] + notes, "groups": groups}
 
 
-def write_comm_groups(groups: dict[str, list[int]], path, flag: str = "--comm_groups") -> None:
+def comm_groups_text(groups: dict[str, list[int]]) -> str:
     """comm_groups.json for ASTRA-sim's --comm-group-configuration: every group but the default one
     ("0" means all ranks to ASTRA-sim and is not listed)."""
     listed = {k: v for k, v in sorted(groups.items()) if k != "0" and k.isdigit()}
+    return json.dumps(listed) + "\n"
+
+
+def write_comm_groups(groups: dict[str, list[int]], path, flag: str = "--comm_groups") -> None:
     with atomic_output_file(path, flag) as out:
-        Path(out).write_text(json.dumps(listed) + "\n")
+        Path(out).write_text(comm_groups_text(groups))

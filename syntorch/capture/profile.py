@@ -53,8 +53,8 @@ class Schedule:
 
     def __post_init__(self):
         if self.wait < 0 or self.warmup < 0 or self.active < 1:
-            raise UserError(f"trace schedule needs wait >= 0, warmup >= 0, active >= 1; "
-                            f"got {self.wait}/{self.warmup}/{self.active}")
+            raise UserError(f"the trace schedule needs --trace-wait-steps >= 0, --trace-warmup-steps >= 0 and "
+                            f"--trace-active-steps >= 1; got {self.wait}, {self.warmup} and {self.active}")
 
     @property
     def steps(self) -> int:

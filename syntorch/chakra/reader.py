@@ -11,14 +11,16 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from syntorch.errors import UserError
 
 
+TRACE_NAME = re.compile(r"(.+)\.(\d+)\.et$")  # <prefix>.<rank>.et: ASTRA-sim opens f"{prefix}.{npu}.et"
+
+
 def find_traces(path) -> list[tuple[int, Path]]:
     """DIR (one prefix of `<prefix>.<rank>.et` files in it) or PREFIX -> [(rank, file)] sorted by rank."""
     path = Path(path)
     folder, prefix = (path, None) if path.is_dir() else (path.parent, path.name)
-    pattern = re.compile(r"(.*)\.(\d+)\.et$")
     found = defaultdict(list)
     for f in folder.glob("*.et") if folder.is_dir() else []:
-        m = pattern.match(f.name)
+        m = TRACE_NAME.match(f.name)
         if m and (prefix is None or m.group(1) == prefix):
             found[m.group(1)].append((int(m.group(2)), f))
     if not found:
@@ -26,6 +28,20 @@ def find_traces(path) -> list[tuple[int, Path]]:
     if len(found) > 1:
         raise UserError(f"{path} holds traces of several prefixes ({', '.join(sorted(found))}); give one prefix")
     return sorted(next(iter(found.values())))
+
+
+def check_trace_name(path, rank: int, flag: str = "--output") -> None:
+    """A rank's trace must be named `<prefix>.<rank>.et`, the rank written as ASTRA-sim writes it (`7`, not
+    `007`): the name `syntorch validate` (find_traces) and the simulator look for."""
+    path = Path(path)
+    m = TRACE_NAME.match(path.name)
+    prefix = m.group(1) if m else re.sub(r"\.\d+$", "", path.stem) or "trace"  # trace.et, x.0.json -> trace, x
+    wanted = path.with_name(f"{prefix}.{rank}.et")
+    if not m:
+        raise UserError(f"{flag} {path} is not named <prefix>.<rank>.et, which syntorch validate and ASTRA-sim look "
+                        f"for; for rank {rank} give e.g. {wanted}")
+    if m.group(2) != str(rank):
+        raise UserError(f"{flag} {path} is named for rank {m.group(2)} but --rank is {rank}; give {wanted}")
 
 
 def read_trace(path: Path) -> tuple[et.GlobalMetadata | None, list[et.Node]]:

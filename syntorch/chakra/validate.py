@@ -137,8 +137,9 @@ def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
                 problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
                                 f"{groups[name]} without being in it")
         own = {et.COMM_SEND_NODE: "comm_src", et.COMM_RECV_NODE: "comm_dst"}.get(node.type)
-        if own in attrs and _int_attr(attrs, own) != trace.rank:
-            problems.append(f"{trace.where(node)}: {own} is {_value(attrs[own])} in rank {trace.rank}'s file; "
+        value = _int_attr(attrs, own) if own else None  # one that is not an integer is reported by _check_node
+        if value is not None and value != trace.rank:
+            problems.append(f"{trace.where(node)}: {own} is {value} in rank {trace.rank}'s file; "
                             f"drop it or make it {trace.rank}")
     return problems
 
@@ -156,7 +157,7 @@ def _check_node(node, groups, world, roofline) -> list[str]:
             want = ("a bool_list" if name == "involved_dim" else "a string_val" if name == "pg_name" else
                     "an int32_val (mlcommons' feeder reads it with int32_val(); other kinds read as 0)"
                     if ATTR_KINDS[name] == {"int32_val"} else "an integer")
-            problems.append(f"attribute {name} is {kind}, must be {want}")
+            problems.append(f"attribute {name} {'has no value' if kind is None else f'is {kind}'}, must be {want}")
     if node.type == et.COMP_NODE and roofline:
         for name, why in (("num_ops", "its time would be 0/0"), ("tensor_size", "the node would be skipped")):
             value = _int_attr(attrs, name)
@@ -246,10 +247,15 @@ def check_collective_order(traces: list[RankTrace], groups: dict, world: int) ->
     return problems
 
 
+def _shown(value, attr: str) -> str:
+    """An integer attribute's value in a message; `<no comm_size>` when it is missing or not an integer."""
+    return f"<no {attr}>" if value is None else str(value)
+
+
 def _describe(entry) -> str:
     _, comm_type, size = entry
     name = et.CollectiveCommType.Name(comm_type) if comm_type in et.CollectiveCommType.values() else comm_type
-    return f"{name} of {size} B"
+    return f"{_shown(name, 'comm_type')} of {_shown(size, 'comm_size')} B"
 
 
 def _compare(trace, mine, ref_rank, ref, pg) -> list[str]:
@@ -279,7 +285,7 @@ def check_send_recv(traces: list[RankTrace]) -> list[str]:
                 recvs[key].append((trace, node))
     problems = []
     for key in sends.keys() | recvs.keys():
-        src, dst, tag, size = key
+        src, dst, tag, size = (_shown(v, attr) for v, attr in zip(key, ("comm_src", "comm_dst", "comm_tag", "comm_size")))
         extra_sends, extra_recvs = sends[key][len(recvs[key]):], recvs[key][len(sends[key]):]
         problems += [f"{t.where(n)}: send to rank {dst} (tag {tag}, {size} B) has no matching recv on rank {dst}"
                      for t, n in extra_sends]

@@ -8,10 +8,11 @@ import pkgutil
 import sys
 
 from syntorch.errors import run_command
+from syntorch.options import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syntorch", description="Run, parallelize and trace LLM workloads.")
+    parser = Parser(prog="syntorch", description="Run, parallelize and trace LLM workloads.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if not info.name.startswith("_"):
@@ -20,7 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a mistake in the options (2), already printed as one line
+        return e.code
     return run_command(f"syntorch {args.command}", lambda: args.func(args))
 
 

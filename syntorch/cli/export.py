@@ -1,13 +1,14 @@
 """`syntorch export`: a saved trace graph (tensor_trace_graph.json) to another format, as seed 000's
 run_visualization.py does."""
-from syntorch.export import EXPORTERS
+from syntorch.export import EXPORTERS, NAMED_BY_SUFFIX
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="convert a tensor_trace_graph.json to svg, png, graphml, perfetto, chakra, json")
     p.add_argument("--input", required=True, help="a tensor_trace_graph.json written by syntorch")
     p.add_argument("--output", required=True, help="output file (a folder for chakra)")
-    p.add_argument("--format", required=True, help=f"one of {', '.join(EXPORTERS)}")
+    p.add_argument("--format", help=f"one of {', '.join(EXPORTERS)} (default: the one --output's suffix names: "
+                                    f"{', '.join(NAMED_BY_SUFFIX)})")
     p.add_argument("--force", action="store_true",
                    help="chakra: replace an earlier syntorch run's traces in --output (a file --output is always replaced)")
     p.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
@@ -16,14 +17,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from syntorch.export import exporter
+    from syntorch.export import exporter, output_format
     from syntorch.export.networkx_json import load
 
-    write = exporter(args.format)  # an unknown format fails before the input is read
+    fmt = output_format(args.output, args.format)  # before the input is read
     graph = load(args.input)
     options = {"level": args.trace_level} if args.trace_level else {}
-    if args.format == "chakra":  # the one format written as a folder (syntorch.outdir)
+    if fmt == "chakra":  # the one format written as a folder (syntorch.outdir)
         options["force"] = args.force
-    write(graph, args.output, **options)
-    print(f"{args.input} -> {args.output} ({args.format})")
+    exporter(fmt)(graph, args.output, **options)
+    print(f"{args.input} -> {args.output} ({fmt})")
     return 0

@@ -18,9 +18,38 @@ EXPORTERS = {
 }
 
 
+# what each format is written to: a file with one of these suffixes, or (FOLDER) a folder; chakra's folder
+# may also be given as the path of its JSON form (seed 000: --output model.json), the .et files beside it
+FOLDER = ""
+WRITTEN_TO = {"json": (".json",), "png": (".png",), "svg": (".svg",), "graphml": (".graphml",),
+              "perfetto": (".json",), "chakra": (FOLDER, ".json")}
+FILE_SUFFIXES = {".json", ".png", ".svg", ".graphml", ".et"}  # never a chakra folder's name
+NAMED_BY_SUFFIX = {".json": "json", ".png": "png", ".svg": "svg", ".graphml": "graphml"}  # without --format
+
+
+def output_format(path, fmt: str | None = None) -> str:
+    """The format `syntorch export` writes `path` in: --format `fmt` when it fits the path, else (no `fmt`)
+    the format the path's suffix names. One line when they disagree or nothing names a format, so a
+    .png never holds SVG."""
+    suffix = Path(path).suffix.lower()
+    if fmt is None:
+        if suffix not in NAMED_BY_SUFFIX:
+            raise UserError(f"--output {path} does not end in a format's suffix ({', '.join(NAMED_BY_SUFFIX)}); "
+                            f"give --format, one of {', '.join(EXPORTERS)} (chakra writes a folder)")
+        return NAMED_BY_SUFFIX[suffix]
+    exporter(fmt)  # an unknown format is named first
+    kinds = WRITTEN_TO[fmt]
+    fits = suffix in kinds or (FOLDER in kinds and suffix not in FILE_SUFFIXES)
+    if not fits:
+        where = " or ".join("a folder" if k == FOLDER else f"a {k} file" for k in kinds)
+        raise UserError(f"--format {fmt} is written to {where}, but --output is {path}; make them agree "
+                        f"(without --format the suffix names the format)")
+    return fmt
+
+
 def exporter(fmt: str):
     if fmt not in EXPORTERS:
-        raise UserError(f"unknown format {fmt!r}; use one of {', '.join(EXPORTERS)}")
+        raise UserError(f"unknown --format {fmt!r}; use one of {', '.join(EXPORTERS)}")
     module, function = EXPORTERS[fmt].split(":")
     return getattr(importlib.import_module(module), function)
 

@@ -1,5 +1,6 @@
 """Renders a CommReport (syntorch/comm_debug.py) as torch's CommDebugMode does: a text table, a JSON dump with
 torch's fields (plus syntorch's), and one self-contained HTML page with a collapsible module tree."""
+import contextlib
 import html
 import json
 import re
@@ -92,9 +93,7 @@ def _phase_total_lines(report: CommReport) -> list[str]:
 
 def write_table(report: CommReport, noise_level: int, path) -> None:
     """torch's log_comm_debug_tracing_table_to_file: the table without colours."""
-    text = tracing_table(report, noise_level, color=False)
-    with atomic_output_file(path) as tmp:
-        tmp.write_text(text)
+    write_reports(report, noise_level, {"file": ("log", path)})
 
 
 # --- JSON -----------------------------------------------------------------------------------------
@@ -131,9 +130,7 @@ def _op_json(record: OpRecord) -> dict:
 
 
 def write_json(report: CommReport, noise_level: int, path) -> None:
-    tree = json_tree(report, noise_level)
-    with atomic_output_file(path) as tmp:
-        tmp.write_text(json.dumps(tree, indent=2))
+    write_reports(report, noise_level, {"file": ("json", path)})
 
 
 # --- HTML -----------------------------------------------------------------------------------------
@@ -259,9 +256,22 @@ def _e(value) -> str:
 
 
 def write_html(report: CommReport, noise_level: int, path) -> None:
-    page = render_html(json_tree(report, noise_level))
-    with atomic_output_file(path) as tmp:
-        tmp.write_text(page, encoding="utf-8")
+    write_reports(report, noise_level, {"file": ("html", path)})
+
+
+RENDERERS = {"log": lambda report, level: tracing_table(report, level, color=False),
+             "json": lambda report, level: json.dumps(json_tree(report, level), indent=2),
+             "html": lambda report, level: render_html(json_tree(report, level))}
+
+
+def write_reports(report: CommReport, noise_level: int, outputs: dict) -> None:
+    """Writes `outputs` ({flag: (kind, path)}, kind log, json or html; the flag names the file in messages)
+    all or none: every file's temporary is made before any is written, and all are renamed at the end."""
+    with contextlib.ExitStack() as stack:
+        temporaries = [(stack.enter_context(atomic_output_file(path, flag)), kind)
+                       for flag, (kind, path) in outputs.items()]
+        for tmp, kind in temporaries:
+            tmp.write_text(RENDERERS[kind](report, noise_level), encoding="utf-8")
 
 
 def write_comm_outputs(graph, out_dir, noise_level: int = 1, name: str = "comm_debug") -> CommReport:
@@ -269,7 +279,7 @@ def write_comm_outputs(graph, out_dir, noise_level: int = 1, name: str = "comm_d
     <name>.json (the dump) and <name>.html (the browser view). Returns the report, e.g. to print its table."""
     report = CommReport(graph)
     out_dir = Path(out_dir)
-    write_table(report, noise_level, out_dir / f"{name}_log.txt")
-    write_json(report, noise_level, out_dir / f"{name}.json")
-    write_html(report, noise_level, out_dir / f"{name}.html")
+    write_reports(report, noise_level, {"log": ("log", out_dir / f"{name}_log.txt"),
+                                        "json": ("json", out_dir / f"{name}.json"),
+                                        "html": ("html", out_dir / f"{name}.html")})
     return report

@@ -30,7 +30,7 @@ class RunOutputs:
         if self.hw_config is not None:
             load_hw_config(self.hw_config)
         if self.comm_debug is not None:
-            check_noise_level(self.comm_debug)
+            check_noise_level(self.comm_debug, "--comm_debug")
 
 
 def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:

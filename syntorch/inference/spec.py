@@ -57,6 +57,8 @@ class InferenceSpec:
             raise UserError(f"--beam_width must be positive, got {self.beam_width}")
         if self.tp <= 0:
             raise UserError(f"--tp must be positive, got {self.tp}")
+        if not 0 <= self.seed < 2**63:  # what torch's generators take
+            raise UserError(f"--seed must be in 0..2**63-1, got {self.seed}")
         check_sp(self.sp, self.tp)
         torch_dtype(self.dtype)
         if self.prompt is not None and self.tokenizer is None:
@@ -122,9 +124,12 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
         ids = torch.randint(0, config.vocab_size, (spec.num_input_tokens,), generator=g).tolist()
     if not ids:
         raise UserError("the prompt is empty; give at least one token")
-    bad = [i for i in ids if not 0 <= i < config.vocab_size]
-    if bad:
-        raise UserError(f"token id {bad[0]} is outside the vocabulary of {config.name} (0..{config.vocab_size - 1})")
+    prompt_flag = "--input_ids" if spec.input_ids is not None else "prompt"
+    for flag, tokens in ((prompt_flag, ids), ("--stop_tokens", spec.stop_tokens)):
+        bad = [i for i in tokens if not 0 <= i < config.vocab_size]
+        if bad:
+            raise UserError(f"{flag} token id {bad[0]} is outside the vocabulary of {config.name} "
+                            f"(0..{config.vocab_size - 1})")
     check_context(config, len(ids), 0 if config.encoder else spec.output_tokens, spec.device)
     return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
 

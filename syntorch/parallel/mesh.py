@@ -37,6 +37,8 @@ class Mesh:
         return self.dp * self.pp * self.tp
 
     def check_world_size(self, world_size: int) -> None:
+        if world_size < 1:
+            raise UserError(f"--world_size must be at least 1, got {world_size}")
         if world_size != self.world_size:
             raise UserError(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) = {self.world_size} "
                             f"but the world has {world_size} ranks; make the product equal the rank count")

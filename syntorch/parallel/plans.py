@@ -73,6 +73,8 @@ class TrainPlan:
             self.mesh.check_world_size(world_size)
         if self.seq > config.n_positions:
             raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+        if global_batch is not None and global_batch < 1:
+            raise UserError(f"--global_batch must be at least 1, got {global_batch}")
         if global_batch is not None and global_batch != self.dp * self.microbatches * self.micro_batch_size:
             raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
                             f" * micro_batch_size({self.micro_batch_size}) = "

@@ -30,9 +30,10 @@ CONTAINER_TYPES = frozenset(f"torch.nn.modules.container.{name}" for name in
 COLLECTIVE_FIELDS = ("collective", "reduce_op", "bytes", "group", "order", "src", "dst", "tag")
 
 
-def check_noise_level(noise_level) -> int:
+def check_noise_level(noise_level, flag: str = "noise level") -> int:
+    """The level as an int; `flag` names it in the message (--comm_debug, --noise_level)."""
     if isinstance(noise_level, bool) or noise_level not in NOISE_LEVELS:
-        raise UserError(f"noise level must be 0, 1, 2 or 3, got {noise_level!r}")
+        raise UserError(f"{flag} must be 0, 1, 2 or 3, got {noise_level!r}")
     return int(noise_level)
 
 

@@ -3,17 +3,19 @@ options, checks and error reporting as `syntorch train`."""
 import sys
 
 from syntorch.errors import run_command
+from syntorch.options import Parser
 from syntorch.train.loop import launch
 from syntorch.train.options import add_arguments, options_from_args
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m syntorch.train", description=__doc__)
+    parser = Parser(prog="python -m syntorch.train", description=__doc__)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_command("python -m syntorch.train", lambda: launch(*options_from_args(args)))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0), or a mistake in the options (2), already printed as one line
+        return e.code
+    return run_command(parser.prog, lambda: launch(*options_from_args(args)))
 
 
 if __name__ == "__main__":

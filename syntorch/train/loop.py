@@ -82,7 +82,7 @@ def tokenizer_dir(opts: TrainOptions) -> str:
 
 
 def sequence_length(opts: TrainOptions, config) -> int:
-    length = opts.max_seq_length or min(512, config.n_positions)
+    length = min(512, config.n_positions) if opts.max_seq_length is None else opts.max_seq_length
     if not 4 <= length <= config.n_positions:
         raise UserError(f"--max-seq-length {length} must be in 4..{config.n_positions} (the model's positions)")
     return length
@@ -340,7 +340,7 @@ def report(summary: dict, opts: TrainOptions) -> None:
     from syntorch.outdir import atomic_output_file
 
     if opts.save_dir:
-        with atomic_output_file(Path(opts.save_dir) / "train_log.json") as out:
+        with atomic_output_file(Path(opts.save_dir) / "train_log.json", "--save-dir") as out:
             Path(out).write_text(json.dumps(summary["history"], indent=1) + "\n")
     console = make_console()
     logged = sum(1 for h in summary["history"] if "loss" in h)

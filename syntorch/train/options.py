@@ -2,8 +2,11 @@
 spellings (--model-name, --batch-size, --num-gpus, --enable-tracing, ...). Light: no torch import."""
 import argparse
 
+from syntorch.options import Parser
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+
+def add_arguments(p: Parser) -> None:
+    """The options, on a syntorch.options.Parser (whose checks the bounds below need)."""
     p.add_argument("family", choices=("gpt2", "bert"), help="gpt2: causal LM on question + context; "
                    "bert: masked LM on [CLS] question [SEP] context [SEP]")
     p.add_argument("--data", required=True, help="SQuAD v1.1/v2.0 JSON file")
@@ -12,53 +15,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model_config", "--model-config", dest="model_config", help="JSON of ModelConfig fields to override")
     p.add_argument("--tokenizer", help="local HuggingFace tokenizer folder (default: the --model-name folder)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
-    p.add_argument("--nproc", "--num-gpus", dest="nproc", type=int,
+    p.add_argument("--nproc", "--num-gpus", dest="nproc", type=int, at_least=1,
                    help="ranks to spawn (default 1); under torchrun the ranks are torchrun's")
-    p.add_argument("--batch-size", type=int, default=4, help="per rank")
-    p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--num-epochs", type=int, default=3)
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: all epochs)")
-    p.add_argument("--max-seq-length", type=int, help="default: min(512, the model's positions)")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
-    p.add_argument("--logging-steps", type=int, default=10)
-    p.add_argument("--save-steps", type=int, default=0, help="also save last_model every N steps (0: at the end)")
-    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: every epoch)")
-    p.add_argument("--eval-fraction", type=float, default=0.1, help="share of --data held out for evaluation")
+    p.add_argument("--batch-size", type=int, default=4, at_least=1, help="per rank")
+    p.add_argument("--learning-rate", type=float, default=5e-5, above=0)
+    p.add_argument("--num-epochs", type=int, default=3, at_least=1)
+    p.add_argument("--max-steps", type=int, default=0, at_least=0, help="stop after this many optimizer steps (0: all epochs)")
+    p.add_argument("--max-seq-length", type=int, at_least=1, help="default: min(512, the model's positions)")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1, at_least=1)
+    p.add_argument("--warmup-steps", type=int, default=0, at_least=0)
+    p.add_argument("--weight-decay", type=float, default=0.0, at_least=0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, at_least=0, help="0 turns clipping off")
+    p.add_argument("--logging-steps", type=int, default=10, at_least=1)
+    p.add_argument("--save-steps", type=int, default=0, at_least=0, help="also save last_model every N steps (0: at the end)")
+    p.add_argument("--eval-steps", type=int, default=0, at_least=0, help="evaluate every N steps (0: every epoch)")
+    p.add_argument("--eval-fraction", type=float, default=0.1, at_least=0, help="share of --data held out for evaluation")
     p.add_argument("--save-dir", help="best_model/ and last_model/ in HuggingFace format (default checkpoints/<family>)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size")
+    p.add_argument("--seed", type=int, default=42, at_least=0)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="DDP gradient bucket size")
     p.add_argument("--enable-tracing", action="store_true", help="profile and write Chakra traces per rank")
     p.add_argument("--trace-output-dir", default="outputs")
     p.add_argument("--trace-name", help="file prefix (default <family>_<N>rank)")
     p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's traces in --trace-output-dir")
-    p.add_argument("--trace-wait-steps", type=int, default=1)
-    p.add_argument("--trace-warmup-steps", type=int, default=1)
-    p.add_argument("--trace-active-steps", type=int, default=1)
+    p.add_argument("--trace-wait-steps", type=int, default=1, at_least=0)
+    p.add_argument("--trace-warmup-steps", type=int, default=1, at_least=0)
+    p.add_argument("--trace-active-steps", type=int, default=1, at_least=1)
 
 
 def options_from_args(args: argparse.Namespace):
-    """(TrainOptions, nproc) after checking what can be checked without loading anything."""
+    """(TrainOptions, nproc) after checking what can be checked without loading anything (the parser,
+    syntorch.options.Parser, has checked each number's own bounds)."""
     import torch
 
     from syntorch.capture.profile import Schedule
     from syntorch.errors import UserError
     from syntorch.train.loop import DEFAULT_MODEL, TrainOptions
 
-    positive = {"--batch-size": args.batch_size, "--num-epochs": args.num_epochs, "--logging-steps": args.logging_steps,
-                "--gradient-accumulation-steps": args.gradient_accumulation_steps,
-                "--nproc": 1 if args.nproc is None else args.nproc}
-    for flag, value in positive.items():
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1, got {value}")
-    for flag, value in {"--warmup-steps": args.warmup_steps, "--save-steps": args.save_steps,
-                        "--eval-steps": args.eval_steps, "--max-steps": args.max_steps}.items():
-        if value < 0:
-            raise UserError(f"{flag} must be 0 or more, got {value}")
-    if not 0 <= args.eval_fraction < 1 or args.learning_rate <= 0:
-        raise UserError("--eval-fraction must be in [0, 1) and --learning-rate positive")
+    if args.eval_fraction >= 1:  # its other bounds, and every other option's, are checked as it is parsed
+        raise UserError(f"--eval-fraction must be below 1 (some data must be left to train on), got {args.eval_fraction}")
+    if args.trace_name is not None and (args.trace_name in ("", ".", "..") or "/" in args.trace_name):
+        raise UserError(f"--trace-name is the prefix of file names in --trace-output-dir (<name>.<rank>.et); "
+                        f"give one without '/', got {args.trace_name!r}")
     opts = TrainOptions(
         family=args.family, data=args.data, model_name=args.model_name or DEFAULT_MODEL[args.family],
         tokenizer=args.tokenizer, model_config=args.model_config,

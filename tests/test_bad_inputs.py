@@ -1,0 +1,507 @@
+"""Every command with its bad inputs (issue 17): each is refused with exit code 2 and exactly one stderr line
+`syntorch <command>: error: ...` saying what to fix, with no traceback, nothing on stdout and nothing written:
+the output is absent afterwards, or byte-identical when it was there before (a user's file, or an earlier
+run's folder that the --force given would have replaced).
+
+Three parts: a table of cases per command; rows made by walking the parsers (every float option refuses nan
+and infinity, every int option -1, and 0 unless 0 means something), so a new option is covered when it is
+added; and a seeded fuzz of `.et` bytes that `syntorch validate` must answer cleanly and quickly.
+Commands run in-process on tiny models (about 15 s in all)."""
+import json
+import random
+import shlex
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from chakra_graphs import pp_rank, tp_rank
+from conftest import tiny_config
+from test_validate import tp_pp_rank
+from train_data import make_model, make_squad, make_tokenizer
+
+from syntorch.chakra.writer import write_chakra
+from syntorch.cli import build_parser, main
+from syntorch.config import save_model_config
+from syntorch.export import networkx_json
+from syntorch.hardware import PRESETS
+from syntorch.options import Parser
+from syntorch.outdir import MANIFEST
+from syntorch.train.__main__ import main as train_module_main
+from syntorch.train.options import add_arguments as train_arguments
+
+USER_BYTES = b"a user's file\n"
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """What the commands read, good and bad."""
+    root = tmp_path_factory.mktemp("inputs")
+    save_model_config(tiny_config("gpt2"), root / "tiny.json")  # 2 layers, 4 heads, context 64, vocab 128
+    texts = {
+        "notjson.json": "{nodes",
+        "list.json": "[1, 2]",
+        "twelve.json": json.dumps({"base": "gpt2", "n_head": "twelve"}),
+        "nan_eps.json": '{"base": "gpt2", "ln_eps": NaN}',
+        "nan_hw.json": json.dumps({**PRESETS["h100-sxm"].to_dict(), "memory_bw_gb_s": float("nan")}),
+        "nodes_only.json": json.dumps({"nodes": [{"id": 0}], "edges": []}),
+        "no_kind.json": json.dumps({"directed": True, "multigraph": False, "graph": {}, "edges": [],
+                                    "nodes": [{"id": 0, "kind": "collective", "name": "allreduce"}]}),
+        "squad_bad.json": '{"data": 3}',
+        "badckpt/config.json": "{",
+        "noweights/config.json": json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                             "vocab_size": 32, "n_positions": 64, "n_embd": 32, "n_layer": 2,
+                                             "n_head": 4}),
+        "corrupt/bad.0.et": "\x05abc",
+        "empty/bad.0.et": "",
+        "nothing/notes.txt": "no traces here",
+    }
+    for name, text in texts.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    networkx_json.export(tp_rank(0), root / "graph.json")  # one rank of a TP-2 run, with collectives
+    networkx_json.export(pp_rank(0), root / "pipe.json")  # one stage of a 2-stage pipeline: not pure TP
+    write_chakra({r: tp_rank(r) for r in range(2)}, root / "chakra")
+    write_chakra({r: tp_rank(r) for r in range(2)}, root / "two", model_name="a")
+    (root / "two" / "b.0.et").write_bytes((root / "two" / "a.0.et").read_bytes())
+    (root / "dir_et" / "a.0.et").mkdir(parents=True)
+    make_squad(root / "squad.json")
+    make_tokenizer(root / "tok")
+    make_model(root / "bert", "bert-base-uncased")
+    return root
+
+
+# ---- running a case ----------------------------------------------------------------------------------
+
+def prepare(case_dir: Path) -> dict:
+    """The places every case may name: a user's file and folder, an earlier run's folder, a folder named
+    like a picture. They are inside the case's folder, so the check that nothing changed covers them."""
+    places = {"userfile": case_dir / "notes.txt", "userdir": case_dir / "mine", "earlier": case_dir / "earlier",
+              "folder_png": case_dir / "pictures.png"}
+    places["userfile"].write_bytes(USER_BYTES)
+    for folder in ("userdir", "folder_png"):
+        places[folder].mkdir()
+        (places[folder] / "notes.txt").write_bytes(USER_BYTES)
+    earlier_run(places["earlier"])
+    return places
+
+
+def earlier_run(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "old.txt").write_text("an earlier run's output\n")
+    (folder / MANIFEST).write_text(json.dumps({"syntorch_version": "0", "complete": True, "files": ["old.txt"]}))
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else "folder"
+            for p in sorted(folder.rglob("*"))}
+
+
+def refused(argv: list[str], message: str, case_dir: Path, capsys, entry=main, prog: str | None = None) -> None:
+    """Runs `argv` and checks the refusal: exit 2, one line naming `message`, and case_dir unchanged."""
+    before = snapshot(case_dir)
+    code = entry(argv)
+    out, err = capsys.readouterr()
+    prog = prog or f"syntorch {argv[0]}"
+    assert "Traceback" not in out + err, err
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.endswith("\n") and len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err
+    assert message in err, err
+    assert snapshot(case_dir) == before, "the refused command wrote, changed or removed files"
+
+
+@pytest.fixture
+def case_dir(tmp_path, monkeypatch):
+    """The case's own folder, also its working directory (train's default outputs land in it) and the
+    calibrate cache."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SYNTORCH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    argv: str  # shell-quoted; {ws} the inputs, {out} the output, {case}, {userfile}, {userdir}, {earlier}, {folder_png}
+    message: str  # what the error line must say
+    output: str = ""  # the output {out} names, in the case's folder: "out/" a folder, "g.svg" a file, "" none
+    name: str = ""  # the test id (default: the command line)
+
+    def id(self) -> str:
+        return self.name or f"{self.argv.replace('{ws}/', '')} -> {self.output}"
+
+
+INFER = "infer --model_config {ws}/tiny.json --num_input_tokens 4 --num_output_tokens 2 --out {out}"
+TRACE = "trace --model_config {ws}/tiny.json --seq 16 --no_progress --out {out}"
+EXPORT = "export --input {ws}/graph.json --output {out}"
+COMM = "comm --input {ws}/graph.json --html {out}"
+CALIBRATE = "calibrate --seconds 0.01 --output {out}"
+CONVERT = "convert --host {ws}/host.json --device {ws}/device.json --rank 0 --output {out}"
+TRAIN = ("train gpt2 --data {ws}/squad.json --tokenizer {ws}/tok --model_config {ws}/tiny.json --device cpu "
+         "--max-seq-length 32 --save-dir {out}")
+
+
+def cases(base: str, output: str, rows: list[tuple[str, str]]) -> list[Case]:
+    """`base` with each row's options added: (options, message)."""
+    return [Case(f"{base} {extra}", message, output, f"{base.split()[0]} {extra.replace('{ws}/', '')}")
+            for extra, message in rows]
+
+
+CASES = [
+    *cases(INFER, "out/", [
+        ("--model gpt4", "unknown model 'gpt4'"),
+        ("--model_config {ws}/missing.json", "missing.json not found"),
+        ("--model_config {ws}/notjson.json", "notjson.json is not valid JSON"),
+        ("--model_config {ws}/list.json", "expected a JSON object of model fields"),
+        ("--model_config {ws}/twelve.json", "field 'n_head' must be int, got 'twelve'"),
+        ("--model_config {ws}/nan_eps.json", "ln_eps must be a positive finite number, got nan"),
+        ("--checkpoint {ws}/missing", "checkpoint folder not found"),
+        ("--checkpoint {ws}/badckpt", "config.json is not valid JSON"),
+        ("--checkpoint {ws}/noweights", "model.safetensors"),
+        ("--hw_config no-such-gpu", "unknown --hw_config 'no-such-gpu'"),
+        ("--hw_config {ws}/missing.json", "missing.json not found"),
+        ("--hw_config {ws}/notjson.json", "is not valid JSON"),
+        ("--hw_config {ws}/nan_hw.json", "memory_bw_gb_s must be a finite number, got nan"),
+        ("--temperature -1", "--temperature must be >= 0"),
+        ("--top_p 0", "--top_p must be in (0, 1]"),
+        ("--top_p 1.5", "--top_p must be in (0, 1]"),
+        ("--num_input_tokens 2000", "exceed the context"),
+        ("--num_output_tokens 2000", "exceed the context"),
+        ("--tp 3", "--tp 3 does not divide tiny-gpt2's attention heads (4); choose --tp from 1, 2, 4"),
+        ("--tp 8 --device meta", "--tp 8 is larger than tiny-gpt2's 4 attention heads; use a --tp that divides 4"),
+        ("--seed 18446744073709551616", "--seed must fit in 64 bits (below 2**63), got 18446744073709551616"),
+        ("--device cuda", "CUDA is not available"),
+        ("--device tpu", "--device 'tpu'"),
+        ("--dtype fp64", "argument --dtype: invalid choice: 'fp64'"),
+        ("--input_ids 1,2,999", "--input_ids token id 999 is outside the vocabulary of tiny-gpt2 (0..127)"),
+        ("--input_ids 1,x", "expected comma-separated integers like 1,2,3, got '1,x'"),
+        ("--stop_tokens 999", "--stop_tokens token id 999 is outside the vocabulary"),
+        ("--prompt hello", "--prompt needs --tokenizer"),
+        ("--prompt hello --tokenizer {ws}/missing", "no tokenizer.json in"),
+        ("--input_ids 1 --prompt hello --tokenizer {ws}/tok", "give either --input_ids or --prompt"),
+        ("--sp", "--sp (sequence parallel) splits TP regions along the sequence; it needs --tp > 1"),
+        ("--comm_debug 5", "--comm_debug must be 0, 1, 2 or 3, got 5"),
+        ("--trace_level bogus", "argument --trace_level: invalid choice: 'bogus'"),
+        ("--num_output_tokens two", "argument --num_output_tokens: invalid int value: 'two'"),
+        ("--no_such_option 1", "unrecognized arguments: --no_such_option 1"),
+    ]),
+    *cases(INFER.replace("{out}", ""), "", [
+        ("{userfile}", "exists and is not a folder"),
+        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{earlier}", "pass --force to replace them"),
+    ]),
+    *cases(TRACE, "out/", [
+        ("--model gpt4", "unknown model 'gpt4'"),
+        ("--model_config {ws}/notjson.json", "is not valid JSON"),
+        ("--pp 5", "--pp 5 is larger than the model's 2 layers"),
+        ("--tp 3", "--tp 3 does not divide"),
+        ("--sp", "it needs --tp > 1"),
+        ("--tp 2 --sp --seq 15", "--sp needs --seq (15) divisible by --tp (2)"),
+        ("--zero 3", "--zero must be 0 (DDP), 1 or 2, got 3"),
+        ("--zero 1", "--zero 1 shards over the data-parallel group; it needs --dp > 1"),
+        ("--dp 2 --zero 1 --mode infer", "drop --zero"),
+        ("--bucket_mb 0", "--bucket_mb must be positive, got 0.0"),
+        ("--seq 100", "--seq 100 must be in 1..64"),
+        ("--dp 2 --tp 2 --world_size 8", "dp(2) * pp(1) * tp(2) = 4 but the world has 8 ranks"),
+        ("--dp 2 --microbatches 3 --global_batch 8", "--global_batch 8 is not dp(2) * microbatches(3)"),
+        ("--hw_config no-such-gpu", "unknown --hw_config 'no-such-gpu'"),
+        ("--hw_config {ws}/nan_hw.json", "memory_bw_gb_s must be a finite number"),
+        ("--schedule zigzag", "argument --schedule: invalid choice: 'zigzag'"),
+        ("--mode eval", "argument --mode: invalid choice: 'eval'"),
+        ("--trace_level layer", "argument --trace_level: invalid choice: 'layer'"),
+        ("--seq abc", "argument --seq: invalid int value: 'abc'"),
+    ]),
+    *cases(TRACE.replace("{out}", ""), "", [
+        ("{userfile}", "exists and is not a folder"),
+        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{earlier}", "pass --force to replace them"),
+    ]),
+    Case("export --input {ws}/missing.json --output {out} --format svg", "missing.json not found", "g.svg"),
+    Case("export --input {ws}/notjson.json --output {out}", "is not valid JSON", "g.svg"),
+    Case("export --input {ws}/list.json --output {out}", "list.json", "g.svg"),
+    Case("export --input {ws}/nodes_only.json --output {out}", "nodes_only.json", "g.svg"),
+    *cases(EXPORT, "g.svg", [
+        ("--format dot", "unknown --format 'dot'; use one of json, png, svg, graphml, perfetto, chakra"),
+        ("--trace_level bogus", "argument --trace_level: invalid choice: 'bogus'"),
+    ]),
+    Case(f"{EXPORT} --format svg", "--format svg is written to a .svg file, but --output is", "g.png"),
+    Case(f"{EXPORT} --format perfetto", "--format perfetto is written to a .json file", "p.svg"),
+    Case(f"{EXPORT} --format chakra", "--format chakra is written to a folder or a .json file", "t.et"),
+    Case(f"{EXPORT} --format chakra", "--format chakra is written to a folder or a .json file", "t.png"),
+    Case(EXPORT, "does not end in a format's suffix (.json, .png, .svg, .graphml); give --format", "g.txt"),
+    Case(EXPORT, "does not end in a format's suffix", "out/"),
+    Case(f"{EXPORT} --format chakra".replace("graph.json", "pipe.json"), "not pure TP", "out/"),
+    *cases("export --input {ws}/graph.json", "", [
+        ("--format png --output {folder_png}", "pictures.png is a folder; give a file name"),
+        ("--output {folder_png}", "pictures.png is a folder; give a file name"),
+        ("--format png --output {userfile}/g.png", "cannot write --output {case}/notes.txt/g.png: {case}/notes.txt is a file"),
+        ("--format chakra --output {userdir}", "holds notes.txt, which syntorch did not write"),
+        ("--format chakra --output {earlier}", "pass --force to replace them"),
+        ("--format chakra --output {earlier}/model.json", "pass --force to replace them"),
+        ("--format svg", "the following arguments are required: --output"),
+    ]),
+    *cases(COMM, "c.html", [
+        ("--noise_level 5", "--noise_level must be 0, 1, 2 or 3, got 5"),
+        ("--noise_level x", "argument --noise_level: invalid int value: 'x'"),
+        ("--input {ws}/missing.json", "missing.json not found"),
+        ("--input {ws}/list.json", "list.json"),
+        ("--input {ws}/no_kind.json", "not a syntorch trace: collective node 0 has no known 'collective' kind"),
+        ("--log {userfile}/log.txt", "notes.txt/log.txt: {case}/notes.txt is a file, not a folder"),
+    ]),
+    # all or none: --json is written before --html, and neither is when --html is refused
+    Case("comm --input {ws}/graph.json --json {out} --html {userdir}", "--html", "c.json"),
+    *cases(CALIBRATE, "cpu.json", [
+        ("--seconds 0", "--seconds must be positive, got 0.0"),
+        ("--seconds -1", "--seconds must be positive, got -1.0"),
+        ("--seconds x", "argument --seconds: invalid float value: 'x'"),
+    ]),
+    *cases("calibrate --seconds 0.01", "", [
+        ("--output {userdir}", "mine is a folder; give a file name"),
+        ("--output {userfile}/cpu.json", "notes.txt/cpu.json: {case}/notes.txt is a file, not a folder"),
+    ]),
+    Case(CONVERT, "is not named <prefix>.<rank>.et, which syntorch validate and ASTRA-sim look for; for rank 0 "
+                  "give e.g.", "trace.et"),
+    Case(CONVERT, "is not named <prefix>.<rank>.et, which syntorch validate and ASTRA-sim look for; for rank 0 "
+                  "give e.g. {case}/gpt2.0.et", "gpt2.0.json"),
+    Case(CONVERT, "is named for rank 1 but --rank is 0; give", "gpt2.1.et"),
+    Case(CONVERT, "is named for rank 00 but --rank is 0", "gpt2.00.et"),
+    Case(CONVERT, "host trace not found", "gpt2.0.et"),
+    Case(CONVERT.replace("host.json", "notjson.json"), "notjson.json is not valid JSON", "gpt2.0.et"),
+    Case("convert --host {ws}/host.json --device {ws}/device.json --output {out}",
+         "the following arguments are required: --rank", "gpt2.0.et"),
+    *cases("validate", "", [
+        ("{ws}/nothing", "no <prefix>.<rank>.et files at"),
+        ("{ws}/missing/x", "no <prefix>.<rank>.et files at"),
+        ("{ws}/corrupt", "bad.0.et: corrupt .et"),
+        ("{ws}/empty/bad", "bad.0.et: empty .et file"),
+        ("{ws}/two", "holds traces of several prefixes (a, b); give one prefix"),
+        ("{ws}/dir_et", "cannot read"),
+        ("{ws}/chakra --comm_groups {ws}/missing.json", "comm groups file"),
+        ("{ws}/chakra --comm_groups {ws}/list.json", "integer-string keys"),
+        ("{ws}/chakra --comm_groups {ws}/notjson.json", "is not valid JSON"),
+        ("", "the following arguments are required: path"),
+    ]),
+    *cases(TRAIN, "ckpt/", [
+        ("--data {ws}/missing.json", "data file not found"),
+        ("--data {ws}/notjson.json", "not valid JSON"),
+        ("--data {ws}/squad_bad.json", "not SQuAD"),
+        ("--tokenizer {ws}/missing", "tokenizer folder not found"),
+        ("--model-name {ws}/bert", "is a bert model, not gpt2"),
+        ("--model-name gpt4", "unknown model 'gpt4'"),
+        ("--model gpt4", "unknown model 'gpt4'"),
+        ("--model_config {ws}/missing.json", "missing.json not found"),
+        ("--model-config {ws}/twelve.json", "field 'n_head' must be int"),
+        ("--max-seq-length 1000", "--max-seq-length 1000 must be in 4..64"),
+        ("--learning-rate 0", "--learning-rate must be positive, got 0.0"),
+        ("--weight-decay -0.1", "--weight-decay must be 0 or more, got -0.1"),
+        ("--max-grad-norm -1", "--max-grad-norm must be 0 or more"),
+        ("--eval-fraction 1", "--eval-fraction must be below 1"),
+        ("--bucket-cap-mb 0", "--bucket-cap-mb must be positive"),
+        ("--seed 18446744073709551616", "--seed must fit in 64 bits (below 2**63), got 18446744073709551616"),
+        ("--trace-name a/b --enable-tracing", "--trace-name is the prefix of file names"),
+        ("--enable-tracing --max-steps 1 --trace-output-dir {case}/traces", "--enable-tracing needs 3 optimizer steps"),
+        ("--enable-tracing --trace-output-dir {userdir}", "holds notes.txt, which syntorch did not write"),
+        ("--enable-tracing --trace-output-dir {earlier}", "pass --force to replace them"),
+        ("--enable-tracing --trace-output-dir {case}/t --save-dir {case}/t/ckpt", "is inside --trace-output-dir"),
+        ("--device tpu", "argument --device: invalid choice: 'tpu'"),
+        ("--batch-size four", "argument --batch-size: invalid int value: 'four'"),
+    ]),
+    Case(TRAIN.replace("train gpt2", "train llama"), "argument family: invalid choice: 'llama'", "ckpt/"),
+    Case(TRAIN.replace(" --data {ws}/squad.json", ""), "the following arguments are required: --data", "ckpt/"),
+]
+FORCE = {"infer", "trace", "export", "train"}  # the commands with --force, added when an earlier run is there
+
+
+def run_case(case: Case, variant: str, ws: Path, case_dir: Path, capsys, entry=main, prog=None):
+    places = {name: str(path) for name, path in prepare(case_dir).items()}
+    out = case_dir / case.output.rstrip("/")
+    argv = shlex.split(case.argv.format(ws=ws, out=out, case=case_dir, **places))
+    if variant == "existing":  # the output is there before: a user's file, or an earlier run's folder and --force
+        if case.output.endswith("/"):
+            earlier_run(out)
+            argv += ["--force"] if argv[0] in FORCE and "{earlier}" not in case.argv else []
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(USER_BYTES)
+    refused(argv, case.message.format(ws=ws, case=case_dir), case_dir, capsys, entry, prog)
+
+
+VARIANTS = [pytest.param(case, variant, id=f"{variant}: {case.id()}")
+            for case in CASES for variant in (("absent", "existing") if case.output else ("none",))]
+
+
+@pytest.mark.parametrize("case, variant", VARIANTS)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, variant, ws, case_dir, capsys):
+    run_case(case, variant, ws, case_dir, capsys)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.argv.startswith("train ")], ids=Case.id)
+def test_python_m_syntorch_train_refuses_alike(case, ws, case_dir, capsys):
+    """`python -m syntorch.train` (torchrun's entry) has its own parser, with the same options and checks."""
+    module_case = Case(case.argv.removeprefix("train "), case.message, case.output, case.name)
+    run_case(module_case, "absent", ws, case_dir, capsys, train_module_main, "python -m syntorch.train")
+
+
+# ---- every number option, found by walking the parsers ------------------------------------------------
+
+def options(parser: Parser, kind) -> list[str]:
+    """Every option string (each spelling of each option) of type `kind`."""
+    return [s for a in parser._actions if a.type is kind for s in a.option_strings]
+
+
+def commands() -> dict[str, Parser]:
+    sub = next(a for a in build_parser()._actions if a.choices and "infer" in a.choices)
+    return dict(sub.choices)
+
+
+def module_parser() -> Parser:
+    parser = Parser(prog="python -m syntorch.train")
+    train_arguments(parser)
+    return parser
+
+
+FLOATS = [(command, flag) for command, parser in commands().items() for flag in options(parser, float)]
+
+
+def test_the_walk_finds_every_float_option():
+    assert set(FLOATS) >= {("calibrate", "--seconds"), ("infer", "--temperature"), ("infer", "--top_p"),
+                           ("trace", "--bucket_mb"), ("train", "--learning-rate"), ("train", "--eval-fraction")}
+    assert options(module_parser(), float) == options(commands()["train"], float)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "=-inf", "1e999"])
+@pytest.mark.parametrize("command, flag", FLOATS)
+def test_every_float_option_refuses_nan_and_infinity(command, flag, value, case_dir, capsys):
+    """Alone on the command line, so a missing check shows as a different error, never as a run (a NaN
+    --seconds never ended)."""
+    argv = [command, f"{flag}{value}" if value.startswith("=") else flag, *([] if value.startswith("=") else [value])]
+    refused(argv, f"{flag} must be a finite number, got", case_dir, capsys)
+    if command == "train":
+        refused(argv[1:], f"{flag} must be a finite number, got", case_dir, capsys, train_module_main,
+                "python -m syntorch.train")
+
+
+# int options whose 0 means something: everything else must refuse 0; -1 and 2**63 (beyond torch's int64,
+# an OverflowError deep inside before) are refused everywhere
+ZERO_MEANS_SOMETHING = {
+    "infer": {"--top_k", "--seed", "--comm_debug"},  # top_k 0: off; comm_debug 0: counts only
+    "trace": {"--zero"},  # DDP
+    "train": {"--max-steps", "--warmup-steps", "--save-steps", "--eval-steps", "--seed", "--trace-wait-steps",
+              "--trace-warmup-steps"},  # 0: none, or "at the end"
+    "convert": {"--rank"},
+    "comm": {"--noise_level"},
+}
+RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM,
+            "convert": CONVERT.replace("{out}", "{case}/gpt2.0.et")}
+INTS = [(command, flag, value) for command, parser in commands().items() for flag in options(parser, int)
+        for value in ("-1", "0", str(2**63)) if value != "0" or flag not in ZERO_MEANS_SOMETHING.get(command, ())]
+
+
+def test_the_walk_finds_every_int_option():
+    found = {(command, flag) for command, flag, _ in INTS}
+    assert {("infer", "--batch_size"), ("infer", "--beam_width"), ("trace", "--microbatches"),
+            ("trace", "--world_size"), ("train", "--trace-active-steps"), ("train", "--num-gpus")} <= found
+    assert all((command, flag) in found for command, flags in ZERO_MEANS_SOMETHING.items() for flag in flags)
+    assert {command for command, _ in found} <= set(RUNNABLE)
+
+
+@pytest.mark.parametrize("command, flag, value", INTS)
+def test_every_int_option_refuses_what_means_nothing(command, flag, value, ws, case_dir, capsys):
+    argv = shlex.split(RUNNABLE[command].format(ws=ws, out=case_dir / "out", case=case_dir)) + [flag, value]
+    refused(argv, flag, case_dir, capsys)
+
+
+# ---- validate against mutated traces --------------------------------------------------------------------
+
+FUZZ_SEED, FUZZ_RUNS = 17, 300
+PER_RUN_S = 10  # a hang becomes a failure; a run takes milliseconds
+
+
+def messages(data: bytes) -> list[bytes]:
+    """The length-delimited messages of a valid .et, each with its length prefix."""
+    out, pos = [], 0
+    while pos < len(data):
+        size, shift, start = 0, 0, pos
+        while True:
+            byte = data[pos]
+            size |= (byte & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+            if not byte & 0x80:
+                break
+        out.append(data[start:pos + size])
+        pos += size
+    return out
+
+
+def mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
+    """One random change: bits flipped, a byte set, cut short, garbage inserted, a message duplicated,
+    dropped, swapped with another, or taken from another rank's file."""
+    b, kind = bytearray(data), rng.randrange(8)
+    if not b or kind == 0:
+        for _ in range(rng.randint(1, 4)):
+            if b:
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif kind == 1:
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    elif kind == 2:
+        del b[rng.randrange(len(b)):]
+    elif kind == 3:
+        at = rng.randrange(len(b) + 1)
+        b[at:at] = rng.randbytes(rng.randint(1, 16))
+    else:
+        try:
+            m, theirs = messages(bytes(b)), messages(other)
+        except IndexError:  # an earlier mutation left it unparseable: flip a bit instead
+            return mutate(rng, data, other) if kind else bytes(b)
+        i, j = rng.randrange(len(m)), rng.randrange(len(m))
+        if kind == 4:
+            m.insert(j, m[i])
+        elif kind == 5:
+            del m[i]
+        elif kind == 6:
+            m[i], m[j] = m[j], m[i]
+        else:
+            m.insert(j, rng.choice(theirs))
+        b = bytearray(b"".join(m))
+    return bytes(b)
+
+
+def _too_slow(signum, frame):
+    raise TimeoutError(f"syntorch validate ran over {PER_RUN_S} s on a mutated trace")
+
+
+def test_validate_answers_every_mutated_trace_cleanly(tmp_path, capsys):
+    """A seeded fuzz of a 4-rank TP x PP trace: whatever the bytes, validate lists problems (exit 1), finds
+    none (0), or says in one line that a file is corrupt (2): never a traceback, never a hang."""
+    traces = tmp_path / "mix"
+    write_chakra({r: tp_pp_rank(r) for r in range(4)}, traces)
+    files = sorted(traces.glob("*.et"))
+    original = {f: f.read_bytes() for f in files}
+    rng, seen = random.Random(FUZZ_SEED), {0: 0, 1: 0, 2: 0}
+    previous = signal.signal(signal.SIGALRM, _too_slow)
+    start = time.monotonic()
+    try:
+        for run in range(FUZZ_RUNS):
+            for f in files:
+                f.write_bytes(original[f])
+            for _ in range(rng.randint(1, 3)):
+                f, other = rng.sample(files, 2)
+                f.write_bytes(mutate(rng, f.read_bytes(), original[other]))
+            signal.alarm(PER_RUN_S)
+            code = main(["validate", str(traces)])
+            signal.alarm(0)
+            out, err = capsys.readouterr()
+            assert "Traceback" not in out + err, (run, err)
+            if code == 2:
+                assert out == "" and len(err.splitlines()) == 1 and err.startswith("syntorch validate: error: "), err
+            else:
+                assert code in (0, 1) and err == "", (run, code, err)
+                assert out.splitlines()[-1].startswith("ok: " if code == 0 else ""), out
+            seen[code] += 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(seen.values()), f"the mutations should reach every outcome: {seen}"
+    assert time.monotonic() - start < 60, "validate should take milliseconds per trace"
