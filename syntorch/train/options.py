@@ -48,6 +48,7 @@ def options_from_args(args: argparse.Namespace):
     import torch
 
     from syntorch.capture.profile import Schedule
+    from syntorch.config import from_args
     from syntorch.errors import UserError
     from syntorch.train.loop import DEFAULT_MODEL, TrainOptions
 
@@ -56,16 +57,9 @@ def options_from_args(args: argparse.Namespace):
     if args.trace_name is not None and (args.trace_name in ("", ".", "..") or "/" in args.trace_name):
         raise UserError(f"--trace-name is the prefix of file names in --trace-output-dir (<name>.<rank>.et); "
                         f"give one without '/', got {args.trace_name!r}")
-    opts = TrainOptions(
-        family=args.family, data=args.data, model_name=args.model_name or DEFAULT_MODEL[args.family],
-        tokenizer=args.tokenizer, model_config=args.model_config,
+    opts = from_args(
+        TrainOptions, args, model_name=args.model_name or DEFAULT_MODEL[args.family],
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-        batch_size=args.batch_size, learning_rate=args.learning_rate, num_epochs=args.num_epochs,
-        max_seq_length=args.max_seq_length, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        logging_steps=args.logging_steps, save_steps=args.save_steps, eval_steps=args.eval_steps,
-        max_steps=args.max_steps, eval_fraction=args.eval_fraction,
-        save_dir=args.save_dir or f"checkpoints/{args.family}", seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
-        tracing=args.enable_tracing, trace_output_dir=args.trace_output_dir, trace_name=args.trace_name, force=args.force,
+        save_dir=args.save_dir or f"checkpoints/{args.family}", tracing=args.enable_tracing,
         schedule=Schedule(args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps))
     return opts, args.nproc
