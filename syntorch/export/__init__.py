@@ -61,9 +61,10 @@ def write_trace_outputs(graph, out_dir, level: str | None = None) -> dict:
     from syntorch.export import image, networkx_json
     out_dir = Path(out_dir)
     networkx_json.export(graph, out_dir / "tensor_trace_graph.json")
-    drawn = image.draw(graph, out_dir / "tensor_trace_graph.png", level)
+    folded = image.fold(graph)
+    drawn = image.draw(graph, out_dir / "tensor_trace_graph.png", level, folded=folded)
     written = {"tensor_trace_graph.json": "op", "tensor_trace_graph.png": drawn.graph["level"]}
     if any(True for _ in graph.collectives()):
-        comm = image.draw(graph, out_dir / "tensor_comm_graph.png", level, comm=True)
+        comm = image.draw(graph, out_dir / "tensor_comm_graph.png", level, comm=True, folded=folded)
         written["tensor_comm_graph.png"] = comm.graph["level"]
     return written

@@ -138,11 +138,19 @@ def _place_rows(graph: nx.DiGraph, reach: dict) -> dict:
     return pos
 
 
-def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None) -> TraceGraph:
-    """Draw `graph` to `path` (png or svg by suffix or `fmt`); `comm` emphasises collectives and their edges.
-    Returns the graph at the level drawn (with its repeated layers folded)."""
+def fold(graph: TraceGraph) -> tuple[TraceGraph, dict]:
+    """fold_repeated_layers(graph), what every drawing of it starts from (compute it once for several)."""
     with no_gc():  # folding copies 10^4 small dicts; the collector would rescan the whole graph for nothing
-        folded, repeats = fold_repeated_layers(graph)
+        return fold_repeated_layers(graph)
+
+
+def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None,
+         folded: tuple[TraceGraph, dict] | None = None) -> TraceGraph:
+    """Draw `graph` to `path` (png or svg by suffix or `fmt`); `comm` emphasises collectives and their edges.
+    `folded` is fold(graph) when the caller has it. Returns the graph at the level drawn (repeated layers
+    folded)."""
+    folded, repeats = folded or fold(graph)
+    with no_gc():
         view = choose_level(folded, level)
     spans = _spans(view, repeats)
     labels = _labels(view, comm, spans)
