@@ -12,7 +12,6 @@ predicts its masked tokens in one pass.
 Each writes run.json and what `outputs` asks for into a folder that appears whole or not at all.
 """
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from syntorch.inference.outputs import RunOutputs, write_run_outputs
 from syntorch.inference.spec import (InferenceSpec, check_fits_model, load_model, make_prompt, resolve_config,
                                      run_model, run_record, sampling_of, write_run_json)
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.launch import RankFailed, check_devices, init_distributed, spawn, under_torchrun
+from syntorch.parallel.launch import check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import apply_tp, check_tp
 from syntorch.trace.generation import trace_run, trace_tp_run
@@ -94,8 +93,7 @@ def _symbolic(spec, config, prompt, out_dir, outputs) -> dict:
 
 
 def _real_ranks(spec, out_dir, force, outputs) -> dict | None:
-    """Spawn spec.tp local ranks (or join torchrun's); rank 0 writes into the output folder. A failing rank
-    becomes one line naming the rank and its error."""
+    """Spawn spec.tp local ranks (or join torchrun's); rank 0 writes into the output folder."""
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != spec.tp:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp is {spec.tp}; "
@@ -103,19 +101,17 @@ def _real_ranks(spec, out_dir, force, outputs) -> dict | None:
         if int(os.environ["RANK"]) != 0:  # only rank 0 writes, into a folder made whole at the end
             tp_inference_rank(spec, "", outputs)
             return None
-        return _in_output_dir(out_dir, force, lambda tmp: _rank0_record(spec, tmp, outputs))
-    check_devices(spec.device, spec.tp)
-    with atomic_output_dir(out_dir, force, "--out") as tmp:
-        try:
-            spawn(tp_inference_rank, spec.tp, (spec, str(tmp), outputs))
-        except RankFailed as e:
-            raise UserError(str(e)) from None
-        return read_json(Path(tmp) / "run.json", "run record")
+    else:
+        check_devices(spec.device, spec.tp)
 
-
-def _rank0_record(spec, out_dir, outputs) -> dict:
-    tp_inference_rank(spec, str(out_dir), outputs)
-    return read_json(Path(out_dir) / "run.json", "run record")
+    def write(tmp) -> dict:
+        args = (spec, str(tmp), outputs)
+        if under_torchrun():
+            tp_inference_rank(*args)  # this process is rank 0
+        else:
+            spawn(tp_inference_rank, spec.tp, args)  # a failing rank raises RankFailed, printed as one line
+        return read_json(tmp / "run.json", "run record")
+    return _in_output_dir(out_dir, force, write)
 
 
 def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
