@@ -17,11 +17,11 @@ class Block(nn.Module):
         self.ln2 = None if c.parallel_residual else nn.LayerNorm(c.d_model, eps=c.ln_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, start: int = 0, rope=None):
+    def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)
         if self.parallel_residual:
-            return x + self.attn(h, start, rope) + self.mlp(h)
-        x = x + self.attn(h, start, rope)
+            return x + self.attn(h, start, rope, mask) + self.mlp(h)
+        x = x + self.attn(h, start, rope, mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -43,22 +43,27 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, x: torch.Tensor, start: int = 0, last_only: bool = False,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [B, T] at positions start..start+T, or, on a pipeline stage without the embeddings,
         the residual stream [B, T, d] the stage before sent. `seq_len`: the sequence's length when x holds
-        only part of it (a stream split along T); positions come from it. Returns logits [B, T, V]
+        only part of it (a stream split along T); positions come from it. `start` is where the tokens go in
+        the KV cache. `positions` ([T] or [B, T]): each token's position, for the embeddings and rotary, when
+        it is not its cache slot (left-padded rows, non-contiguous chunks); `mask` (bool, broadcastable to
+        [B, 1, T, keys], True = attend) replaces the causal mask in every layer. Returns logits [B, T, V]
         ([B, 1, V] if last_only), or the stream [B, T, d] on a stage without the head."""
         learned = self.pos_emb is not None  # a later pipeline stage has none: the stream it gets holds them
         rotary = self.config.pos == "rotary"  # every stage needs the tables, for its own layers
         T = seq_len or x.shape[1]
-        positions = torch.arange(start, start + T, device=x.device) if learned or rotary else None
+        if positions is None and (learned or rotary):
+            positions = torch.arange(start, start + T, device=x.device)
         if self.tok_emb is not None:
             x = self.tok_emb(x)  # [B, T, d]
         if learned:
             x = x + self.pos_emb(positions)
         rope = rotary_tables(positions, self.config.rotary_dim) if rotary else None
         for block in self.layers.values():  # only the layers this stage holds
-            x = block(x, start, rope)
+            x = block(x, start, rope, mask)
         if self.lm_head is None:
             return x
         if last_only:  # the head's work for one position only

@@ -36,9 +36,10 @@ class KVCache(nn.Module):
 
 
 def rotary_tables(positions: torch.Tensor, rotary_dim: int):
-    """cos, sin of shape [T, rotary_dim] for GPT-J's interleaved rotary embedding (base 10000)."""
+    """cos, sin of shape [*positions.shape, rotary_dim] ([T, r], or [B, T, r] for per-row positions) for
+    GPT-J's interleaved rotary embedding (base 10000)."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim))
-    angles = torch.outer(positions.float(), inv_freq)  # [T, rotary_dim/2]
+    angles = positions.float()[..., None] * inv_freq  # [..., T, rotary_dim/2]
     return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
 
 
@@ -48,7 +49,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x_rot, x_pass = x[..., :r], x[..., r:]
     pairs = x_rot.unflatten(-1, (-1, 2))
     rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
-    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [(B,) T, 1, r]: one per head
     return torch.cat((x_rot * cos + rotated * sin, x_pass), -1)
 
 
