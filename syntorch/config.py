@@ -9,6 +9,7 @@ from syntorch.errors import UserError
 from syntorch.userfiles import read_json
 
 # --dtype names -> torch dtype attribute names (strings: this module does not import torch)
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu")  # what models.layers.MLP applies (silu: SwiGLU with gated_mlp)
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -45,7 +46,15 @@ class ModelConfig:
     head_bias: bool = False  # GPT-J's untied head has a bias
     qkv_bias: bool = True  # GPT-J projections have no bias
     proj_bias: bool = True  # attention output projection (GPT-J has none)
-    activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf
+    activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf; Llama "silu"
+    gated_mlp: bool = False  # SwiGLU (Shazeer 2020; Llama, Mistral, Qwen2, every Mixtral expert): act(gate x) * fc1 x
+    mlp_bias: bool = True  # GPT/BERT MLPs have biases; Llama's have none
+    # mixture of experts (Mixtral; DeepSeek-style with shared experts): 0 experts is a dense MLP
+    n_experts: int = 0  # routed experts per MoE layer (Mixtral: 8)
+    moe_top_k: int = 2  # experts each token is routed to (Mixtral: 2; HF num_experts_per_tok)
+    d_ff_expert: int = 0  # each routed expert's hidden size; 0: d_ff (Mixtral's experts are full-size MLPs)
+    n_shared_experts: int = 0  # DeepSeekMoE: experts every token passes through, unweighted (one MLP of n x d_ff_expert)
+    moe_renormalize: bool = True  # Mixtral renormalizes the top-k softmax weights to sum to 1; DeepSeek-V2 does not
     ln_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT segment embeddings
     pad_token_id: int = 0
@@ -55,6 +64,10 @@ class ModelConfig:
         self.d_head = self.d_head or self.d_model // self.n_head
         self.d_ff = self.d_ff or 4 * self.d_model
         check_config(self)
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.d_ff_expert or self.d_ff
 
     @property
     def causal(self) -> bool:
@@ -76,9 +89,14 @@ def check_config(c: ModelConfig) -> None:
 
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
-    need(c.activation in ("gelu_tanh", "gelu"), f"activation must be 'gelu_tanh' or 'gelu', got {c.activation!r}")
+    need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
         need(isinstance(getattr(c, k), int) and getattr(c, k) > 0, f"{k} must be a positive integer, got {getattr(c, k)!r}")
+    for k in ("n_experts", "d_ff_expert", "n_shared_experts"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+    need(not c.n_experts or 1 <= c.moe_top_k <= c.n_experts,
+         f"moe_top_k must be between 1 and n_experts ({c.n_experts}), got {c.moe_top_k}")
+    need(c.arch == "gpt" or not c.n_experts, "bert has no mixture-of-experts layers")
     need(c.pos != "rotary" or 0 < c.rotary_dim <= c.d_head and c.rotary_dim % 2 == 0,
          f"rotary_dim must be even and in (0, d_head={c.d_head}], got {c.rotary_dim}")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")

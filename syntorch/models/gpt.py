@@ -5,6 +5,7 @@ import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import MLP, Attention, rotary_tables
+from syntorch.models.moe import MoE
 
 
 class Block(nn.Module):
@@ -15,7 +16,7 @@ class Block(nn.Module):
         self.attn = Attention(c)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
         self.ln2 = None if c.parallel_residual else nn.LayerNorm(c.d_model, eps=c.ln_eps)
-        self.mlp = MLP(c)
+        self.mlp = MoE(c) if c.n_experts else MLP(c)
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)

@@ -81,15 +81,25 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+
+
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """fc2(act(fc1 x)) (GPT, BERT), or gated (SwiGLU: Llama, and each Mixtral expert) fc2(act(gate x) * fc1 x).
+    `d_ff` overrides the config's (MoE experts have their own size)."""
+
+    def __init__(self, c: ModelConfig, d_ff: int = 0):
         super().__init__()
-        self.fc1 = nn.Linear(c.d_model, c.d_ff)  # every family here has MLP biases
-        self.fc2 = nn.Linear(c.d_ff, c.d_model)
-        self.approximate = "tanh" if c.activation == "gelu_tanh" else "none"
+        d_ff = d_ff or c.d_ff
+        self.gate = nn.Linear(c.d_model, d_ff, bias=c.mlp_bias) if c.gated_mlp else None  # HF gate_proj (w1)
+        self.fc1 = nn.Linear(c.d_model, d_ff, bias=c.mlp_bias)  # HF up_proj (w3) when gated
+        self.fc2 = nn.Linear(d_ff, c.d_model, bias=c.mlp_bias)
+        self.act = _ACTIVATIONS[c.activation]
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        h = self.fc1(x)
+        h = self.act(h) if self.gate is None else self.act(self.gate(x)) * h
+        return self.fc2(h)
 
 
 def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0):
