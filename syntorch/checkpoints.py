@@ -30,7 +30,8 @@ class Family:
     flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
     body: str  # prefix of the base model's keys ("transformer."), absent when a base model was saved
     head: str  # prefix of the LM head's keys, which never carry `body`
-    modules: dict  # our module -> HF module; "{i}" is the block index; a 3-tuple is q, k, v fused into our qkv
+    modules: dict  # our module -> HF module; "{i}" the block, "{e}" the expert index; a tuple: HF modules fused into
+    # ours along the output dim (q, k, v into qkv; gate, up into a gated fc1)
     conv1d: tuple = ()  # our modules whose HF weight is stored [in, out] (GPT-2's Conv1D)
     params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
     ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
@@ -93,13 +94,13 @@ _LLAMA_MODULES = {
     "layers.{i}.ln1": _LLAMA_BLOCK + "input_layernorm", "layers.{i}.ln2": _LLAMA_BLOCK + "post_attention_layernorm",
     "layers.{i}.attn.qkv": tuple(f"{_LLAMA_BLOCK}self_attn.{x}_proj" for x in "qkv"),
     "layers.{i}.attn.proj": _LLAMA_BLOCK + "self_attn.o_proj",
-    "layers.{i}.mlp.gate": _LLAMA_BLOCK + "mlp.gate_proj", "layers.{i}.mlp.fc1": _LLAMA_BLOCK + "mlp.up_proj",
+    "layers.{i}.mlp.fc1": (_LLAMA_BLOCK + "mlp.gate_proj", _LLAMA_BLOCK + "mlp.up_proj"),  # fused [gate; up]
     "layers.{i}.mlp.fc2": _LLAMA_BLOCK + "mlp.down_proj"}
 _MOE_BLOCK = _LLAMA_BLOCK + "block_sparse_moe."
 _MIXTRAL_MODULES = {
     **{k: v for k, v in _LLAMA_MODULES.items() if ".mlp." not in k},
-    "layers.{i}.mlp.router": _MOE_BLOCK + "gate", "layers.{i}.mlp.experts.{e}.gate": _MOE_BLOCK + "experts.{e}.w1",
-    "layers.{i}.mlp.experts.{e}.fc1": _MOE_BLOCK + "experts.{e}.w3",
+    "layers.{i}.mlp.router": _MOE_BLOCK + "gate",
+    "layers.{i}.mlp.experts.{e}.fc1": (_MOE_BLOCK + "experts.{e}.w1", _MOE_BLOCK + "experts.{e}.w3"),  # [gate; up]
     "layers.{i}.mlp.experts.{e}.fc2": _MOE_BLOCK + "experts.{e}.w2"}
 _LLAMA_IGNORED = r"\.rotary_emb\.inv_freq$"  # a buffer older checkpoints saved
 
@@ -355,6 +356,13 @@ def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> di
     return out
 
 
+def _unfuse(t: torch.Tensor, c: ModelConfig, parts: int) -> tuple:
+    """One of our fused tensors as the HF tensors it holds: q, k, v (K/V may have fewer heads), or gate and up."""
+    if parts == 2:
+        return t.chunk(2)
+    return t.split([c.n_head * c.d_head, c.kv_heads * c.d_head, c.kv_heads * c.d_head])
+
+
 def syntorch_to_hf_state_dict(model) -> dict:
     """HF-named, contiguous CPU tensors of `model`; a tied head is left out, as transformers saves it."""
     c = model.config
@@ -365,8 +373,7 @@ def syntorch_to_hf_state_dict(model) -> dict:
         if c.tied_head and key == "lm_head.weight":
             continue
         t = state[key].detach().cpu()
-        q_rows, kv_rows = c.n_head * c.d_head, c.kv_heads * c.d_head  # q, k, v fused along dim 0
-        parts = (zip(source, t.split([q_rows, kv_rows, kv_rows])) if isinstance(source, tuple)
+        parts = (zip(source, _unfuse(t, c, len(source))) if isinstance(source, tuple)
                  else [(source, t.t() if conv1d else t)])
         out.update({name: part.contiguous() for name, part in parts})
     return out

@@ -36,8 +36,9 @@ def test_matches_transformers_mixtral_block():
     with torch.no_grad():
         hf.gate.weight.copy_(ours.router.weight)
         for mine, theirs in zip(ours.experts, hf.experts):
-            theirs.w1.weight.copy_(mine.gate.weight)
-            theirs.w3.weight.copy_(mine.fc1.weight)
+            gate, up = mine.fc1.weight.chunk(2)
+            theirs.w1.weight.copy_(gate)
+            theirs.w3.weight.copy_(up)
             theirs.w2.weight.copy_(mine.fc2.weight)
     x = torch.randn(3, 7, 32)
     expected, _ = hf(x)
@@ -58,7 +59,7 @@ def dense_reference(moe, x, renormalize):
 def test_shared_experts_and_unnormalized_weights(renormalize):
     c = moe_config(n_experts=8, moe_top_k=3, d_ff_expert=8, n_shared_experts=2, moe_renormalize=renormalize)
     moe = build(c)
-    assert moe.shared.fc1.weight.shape == (16, 32) and moe.experts[0].fc1.weight.shape == (8, 32)
+    assert moe.shared.fc1.weight.shape == (32, 32) and moe.experts[0].fc1.weight.shape == (16, 32)  # [gate; up]
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(moe(x), dense_reference(moe, x, renormalize) + moe.shared(x), rtol=0, atol=1e-5)
 

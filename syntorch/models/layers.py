@@ -135,20 +135,25 @@ _ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.
 
 
 class MLP(nn.Module):
-    """fc2(act(fc1 x)) (GPT, BERT), or gated (SwiGLU: Llama, and each Mixtral expert) fc2(act(gate x) * fc1 x).
-    `d_ff` overrides the config's (MoE experts have their own size)."""
+    """fc2(act(fc1 x)) (GPT, BERT), or gated (SwiGLU: Llama, and each Mixtral expert) fc2(act(gate) * up) with
+    fc1 x = [gate; up] fused, as Megatron's linear_fc1 (HF's gate_proj and up_proj). `d_ff` overrides the
+    config's (MoE experts have their own size)."""
 
     def __init__(self, c: ModelConfig, d_ff: int = 0):
         super().__init__()
         d_ff = d_ff or c.d_ff
-        self.gate = nn.Linear(c.d_model, d_ff, bias=c.mlp_bias) if c.gated_mlp else None  # HF gate_proj (w1)
-        self.fc1 = nn.Linear(c.d_model, d_ff, bias=c.mlp_bias)  # HF up_proj (w3) when gated
+        self.gated = c.gated_mlp
+        self.fc1 = nn.Linear(c.d_model, (2 if c.gated_mlp else 1) * d_ff, bias=c.mlp_bias)
         self.fc2 = nn.Linear(d_ff, c.d_model, bias=c.mlp_bias)
         self.act = _ACTIVATIONS[c.activation]
 
     def forward(self, x):
         h = self.fc1(x)
-        h = self.act(h) if self.gate is None else self.act(self.gate(x)) * h
+        if self.gated:
+            gate, up = h.chunk(2, -1)  # halves of the local output, so a TP-sharded fc1 works unchanged
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
         return self.fc2(h)
 
 

@@ -55,7 +55,8 @@ class MoE(nn.Module):
         token = order // self.top_k  # [N * k]: the token of each pair, in that order
         counts = self.tokens_per_expert(experts.flatten())
         routed = x[token].split(counts)  # one [n_e, d] block per expert
-        y = torch.cat([expert(block) for expert, block in zip(self.experts, routed)])  # [N * k, d]
+        # an expert no token chose does no work (as in HF); tensor-parallel ranks route alike and skip alike
+        y = torch.cat([expert(block) for expert, block in zip(self.experts, routed) if len(block)])  # [N * k, d]
         y = y * weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, token, y)  # each token's sum over its k experts
         if self.shared is not None:
