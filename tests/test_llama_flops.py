@@ -42,3 +42,22 @@ def test_traced_flops_match_analytic_counts(base, fields, device):
     assert phase["forward"] == dense + scores
     # backward: two matmuls per linear (input and weight gradients); attention's five score-sized products
     assert phase["backward"] == 2 * dense + scores // 4 * 10
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("base", ["mistral-7b", "mixtral-8x7b"])
+def test_layer_replication_equals_a_full_trace(base, device):
+    """On meta (uniform routing) every layer is the same, so one traced layer stands for all; real MoE layers
+    route tokens each their own way, so there the default traces every layer."""
+    from syntorch.generate import Sampling
+    from syntorch.trace import trace_generation
+
+    c = tiny_config(base, n_layer=3, n_head=8, n_kv_head=2, d_head=8, rotary_dim=0, sliding_window=4,
+                    n_experts=4 if "mixtral" in base else 0)
+    model = build_model(c, device=device)
+    prompt = torch.randint(0, 50, (2, 5), device=device)
+    full, _ = trace_generation(model, prompt, 3, Sampling(temperature=0), replicate=False)
+    default, _ = trace_generation(model, prompt, 3, Sampling(temperature=0))
+    assert len(default) == len(full) > 0
+    assert dict(default.nodes(data=True)) == dict(full.nodes(data=True))
+    assert sorted(default.edges(data="arg")) == sorted(full.edges(data="arg"))
