@@ -219,6 +219,8 @@ CASES = [
         ("--mode eval", "argument --mode: invalid choice: 'eval'"),
         ("--trace_level layer", "argument --trace_level: invalid choice: 'layer'"),
         ("--seq abc", "argument --seq: invalid int value: 'abc'"),
+        ("--dp 2 --ep 2", "--ep 2 splits the experts of a mixture-of-experts model; tiny-gpt2 has none"),
+        ("--dp 2 --ep 3", "--ep 3 must divide --dp 2"),
     ]),
     *cases(TRACE.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),

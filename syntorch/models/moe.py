@@ -37,7 +37,7 @@ class MoE(nn.Module):
     def tokens_per_expert(self, experts: torch.Tensor) -> list[int]:
         """How many (token, slot) pairs each expert gets, from the chosen ids [N * k]; on meta, from the stated
         load (uniform by default, the remainder to the first experts)."""
-        n_experts = len(self.experts)
+        n_experts = self.router.out_features  # E, also on an expert-parallel rank holding fewer
         if not experts.is_meta:
             return torch.bincount(experts, minlength=n_experts).tolist()
         total = experts.numel()
