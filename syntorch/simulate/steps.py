@@ -1,0 +1,101 @@
+"""A training step predicted at the level of pipeline steps, without a node per micro-batch.
+
+trace/training.py probes each traced stage with a few micro-batches and knows where each step's nodes lie
+(a forward or backward of one micro-batch, and the optimizer). Each probed step is simulated once on its
+own (its ops, its TP collectives and, in the step's last backward, the DP gradient buckets overlapping it,
+as DDP launches them; graphs.py's `isolated` form), which gives its length, how much of it the compute
+stream was busy and how much communication it exposed. The step-level programs then run those lengths in
+each stage's schedule (pipeline.schedule: (step, micro-batch, chunk)), with the activations and their
+gradients sent between (virtual) stages, and, for a head tied to the embedding, the all-reduce between the
+first and the last stage before the optimizer. A step is copied from the probed step that plays its part
+(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward).
+
+Cost: (steps per stage) x stages tasks; a stage's DP and TP ranks share its program.
+"""
+from dataclasses import dataclass
+
+from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
+from syntorch.simulate.graphs import MeshFrame, graph_program
+from syntorch.simulate.stats import kind_stats
+from syntorch.trace.training import _template as probed_microbatch
+
+
+@dataclass(frozen=True)
+class StepCost:
+    us: float  # the step simulated on its own, start to end (its p2p and cross-stage parts take no time)
+    compute_us: float  # of which its compute stream was busy
+    exposed_us: float = 0.0  # communication with the compute stream idle
+    send_us: float = 0.0  # its p2p send (activations or their gradients), 0 if none
+    cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
+    model_flops: int = 0  # FLOPs of the model's own forward/backward (no recomputation, no optimizer)
+    hw_flops: int = 0  # FLOPs the hardware runs (with recomputation)
+
+
+def step_cost(graph, start: int, end: int, frame) -> StepCost:
+    """Simulate graph nodes [start, end) (one probed step) on their own."""
+    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True)
+    run = simulate([program])
+    stats = kind_stats(run)[0]
+    attrs = graph.node_attrs
+    send = cross = 0.0
+    model = hardware = 0
+    for n in nodes:
+        d = attrs[n]
+        if d["kind"] == "collective":
+            if d["collective"] == "send":
+                send += d.get("duration_us") or 0.0
+            elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
+                cross += d.get("duration_us") or 0.0
+        elif d["phase"] != "optimizer":
+            hardware += d["flops"]
+            model += 0 if _recomputed(d) else d["flops"]
+    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, cross, model, hardware)
+
+
+def _recomputed(d: dict) -> bool:
+    return bool(d.get("recompute")) or d["phase"] == "recompute"
+
+
+def probe_costs(probe, blocks: dict, mesh) -> dict:
+    """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
+    frame = MeshFrame(mesh)
+    return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
+
+
+def cost_of_step(costs: dict, kind: str, m: int, chunk: int, microbatches: int) -> StepCost:
+    """The probed step a scheduled step is a copy of (keys (kind, m) or, interleaved, (kind, m, chunk))."""
+    probed = 1 + max(key[1] for key in costs if key[0] != "optimizer")
+    m = probed_microbatch(kind, m, microbatches, probed)
+    return costs[(kind, m, chunk)] if (kind, m, chunk) in costs else costs[(kind, m)]
+
+
+def pipeline_programs(schedules: list[list[tuple]], cost, pp: int, virtual: int = 1,
+                      optimizer: list | None = None, ranks: int = 1) -> list[Program]:
+    """One program per stage. `schedules[s]`: stage s's (step, micro-batch, chunk) order; `cost(s, step)`:
+    its StepCost; `optimizer[s]`: the optimizer's StepCost (None without one). Chunk c of stage s is virtual
+    stage c * pp + s; activations go from virtual stage j to j + 1, gradients back."""
+    last = virtual * pp - 1
+    programs = []
+    for s, order in enumerate(schedules):
+        p = Program(f"stage {s}", ranks)
+        prev = None
+        for kind, m, chunk in order:
+            c = cost(s, (kind, m, chunk))
+            j = chunk * pp + s
+            source = j - 1 if kind == "F" else j + 1
+            deps = []
+            if 0 <= source <= last:
+                deps.append(p.add(f"recv {kind}{m}", P2P, c.send_us, (), Sync("recv", (kind, m, j))))
+            prev = p.add(f"{kind}{m}" + (f".{chunk}" if virtual > 1 else ""), COMPUTE, c.us, deps,
+                         inner=(c.compute_us, c.exposed_us))
+            target = j + 1 if kind == "F" else j - 1
+            if 0 <= target <= last:
+                p.add(f"send {kind}{m}", P2P, c.send_us, [prev], Sync("send", (kind, m, target)))
+            if c.cross_us:
+                prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev],
+                             Sync("coll", ("embedding",), 2))
+        if optimizer and optimizer[s] is not None:
+            o = optimizer[s]
+            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=(o.compute_us, o.exposed_us))
+        programs.append(p)
+    return programs
