@@ -1,10 +1,12 @@
 """Predictions from simulated runs: a training step (summary.json's `predicted`), an inference latency
 (run.json's `predicted`), and the Perfetto timeline of the simulated run (one process per rank kind, one
 track per stream)."""
+import json
 from dataclasses import dataclass
 
 from syntorch.export.perfetto import track_names, write_events
 from syntorch.hardware import HardwareConfig
+from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import COMPUTE, Run, simulate
@@ -102,3 +104,10 @@ def predict_inference(graph, tp: int, hw_name: str, profile: str | None = None) 
                "exposed_comm_ms": kind_stats(run)[0]["exposed_comm_us"] / 1e3,
                "hw_config": hw_name, "profile": profile}
     return Prediction(run, summary)
+
+
+def write_prediction(out_dir, record: dict, prediction: Prediction, name: str, force: bool = False) -> None:
+    """`record` as `name` (JSON) and the prediction's timeline into `out_dir`, whole or not at all."""
+    with atomic_output_dir(out_dir, force, "--out") as tmp:
+        (tmp / name).write_text(json.dumps(record, indent=1))
+        prediction.write_timeline(tmp / TIMELINE)
