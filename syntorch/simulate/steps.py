@@ -26,6 +26,8 @@ class StepCost:
     compute_us: float  # of which its compute stream was busy
     exposed_us: float = 0.0  # communication with the compute stream idle
     send_us: float = 0.0  # its p2p send (activations or their gradients), 0 if none
+    send_at_us: float | None = None  # when in the step the send is issued (None: at its end), e.g. a last
+    # backward sends its input's gradient before it synchronises the weights' gradients
     cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
     model_flops: int = 0  # FLOPs of the model's own forward/backward (no recomputation, no optimizer)
     hw_flops: int = 0  # FLOPs the hardware runs (with recomputation)
@@ -38,18 +40,20 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     stats = kind_stats(run)[0]
     attrs = graph.node_attrs
     send = cross = 0.0
+    send_at = None
     model = hardware = 0
-    for n in nodes:
+    for task, n in enumerate(nodes):
         d = attrs[n]
         if d["kind"] == "collective":
             if d["collective"] == "send":
                 send += d.get("duration_us") or 0.0
+                send_at = run.starts[0][task]
             elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
                 cross += d.get("duration_us") or 0.0
         elif d["phase"] != "optimizer":
             hardware += d["flops"]
             model += 0 if _recomputed(d) else d["flops"]
-    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, cross, model, hardware)
+    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, model, hardware)
 
 
 def _recomputed(d: dict) -> bool:
@@ -86,11 +90,15 @@ def pipeline_programs(schedules: list[list[tuple]], cost, pp: int, virtual: int 
             deps = []
             if 0 <= source <= last:
                 deps.append(p.add(f"recv {kind}{m}", P2P, c.send_us, (), Sync("recv", (kind, m, j))))
-            prev = p.add(f"{kind}{m}" + (f".{chunk}" if virtual > 1 else ""), COMPUTE, c.us, deps,
-                         inner=(c.compute_us, c.exposed_us))
+            name = f"{kind}{m}" + (f".{chunk}" if virtual > 1 else "")
             target = j + 1 if kind == "F" else j - 1
-            if 0 <= target <= last:
+            sends = 0 <= target <= last
+            head = c.send_at_us if sends and c.send_at_us is not None else c.us
+            prev = p.add(name, COMPUTE, head, deps, inner=(c.compute_us, c.exposed_us))
+            if sends:
                 p.add(f"send {kind}{m}", P2P, c.send_us, [prev], Sync("send", (kind, m, target)))
+            if head < c.us:  # what the step does after its send
+                prev = p.add(name + " (after send)", COMPUTE, c.us - head, [prev], inner=(0.0, 0.0))
             if c.cross_us:
                 prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev],
                              Sync("coll", ("embedding",), 2))
