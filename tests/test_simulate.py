@@ -74,6 +74,12 @@ def stage_graph(stage: int, pp: int, order, frame_mesh: Mesh) -> TraceGraph:
     return g
 
 
+def equal_cost(step, virtual: int = 1) -> StepCost:
+    """Every stage alike: a forward TF, a backward TB (each chunk 1/virtual of it), all of it compute."""
+    us = (TF if step[0] == "F" else TB) / virtual
+    return StepCost(us, us)
+
+
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_a_four_stage_pipeline_takes_the_textbook_m_plus_p_minus_1_steps(kind):
     p, m = 4, 6
@@ -81,8 +87,8 @@ def test_a_four_stage_pipeline_takes_the_textbook_m_plus_p_minus_1_steps(kind):
     mesh = Mesh(pp=p)
     graphs = {f"stage {s}": stage_graph(s, p, schedule(kind, s, p, m), mesh) for s in range(p)}
     nodes = simulate(kind_programs(graphs, MeshFrame(mesh)))
-    steps = simulate(pipeline_programs([schedule(kind, s, p, m) for s in range(p)],
-                                       lambda s, step: StepCost(*[TF if step[0] == "F" else TB] * 2), p))
+    orders = [schedule(kind, s, p, m) for s in range(p)]
+    steps = simulate(pipeline_programs(orders, [[equal_cost(step) for step in order] for order in orders], p))
     assert nodes.end_us == steps.end_us == textbook
     summary = run_summary(steps)
     assert summary["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
@@ -108,8 +114,8 @@ def test_interleaving_shrinks_the_bubble_by_the_virtual_stages(virtual):
     p, m = 4, 8
     bubble = {}
     for v in (1, virtual):
-        run = simulate(pipeline_programs([interleaved(s, p, m, v) for s in range(p)],
-                                         lambda s, step: StepCost(*[(TF if step[0] == "F" else TB) / v] * 2), p, v))
+        orders = [interleaved(s, p, m, v) for s in range(p)]
+        run = simulate(pipeline_programs(orders, [[equal_cost(step, v) for step in order] for order in orders], p, v))
         bubble[v] = run.end_us - m * (TF + TB)
     assert bubble[1] == pytest.approx((p - 1) * (TF + TB))
     assert bubble[virtual] == pytest.approx(bubble[1] / virtual)

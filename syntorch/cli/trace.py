@@ -54,7 +54,7 @@ def run(args) -> int:
         raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     hw = load_hw_config(args.hw_config) if args.hw_config else None
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only)
-    prediction = predict_training(workload.probes, workload.source, plan, hw) if hw else None
+    prediction = predict_training(workload.probes, workload.source, plan, hw, getattr(args, "profile", None)) if hw else None
     if args.predict_only:
         record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
                   "hw_config": hw.name, "predicted": prediction.summary}

@@ -23,7 +23,7 @@ from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program
 from syntorch.simulate.predict import Prediction, run_summary
 from syntorch.trace.cost import fill_durations
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.userfiles import read_json
 
 RANK_KINDS = "syntorch_ranks.json"
@@ -41,6 +41,11 @@ def rank_kinds_json(model: str, mesh: Mesh, sizes: list[int]) -> str:
 
 def predict_traces(path, hw=None, profile: str | None = None) -> Prediction:
     """A simulated step of the traces at `path` (DIR or PREFIX); durations from `hw`'s model, else the files'."""
+    with no_gc():  # many small dicts and lists, none cyclic
+        return _predict_traces(path, hw, profile)
+
+
+def _predict_traces(path, hw, profile) -> Prediction:
     files = find_traces(path)
     folder = files[0][1].parent
     groups = {k: sorted(v) for k, v in load_comm_groups(folder / "comm_groups.json", explicit=False).items()}

@@ -12,8 +12,9 @@ from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import COMPUTE, Run, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.simulate.steps import cost_of_step, pipeline_programs, probe_costs
+from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
 from syntorch.trace.cost import op_dtype
+from syntorch.trace.graph import no_gc
 
 TIMELINE = "timeline.json"
 
@@ -61,20 +62,27 @@ def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_
 def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None) -> Prediction:
     """A training step (or pipelined prefill) from per-stage probes (trace/training.py's probe_stage:
     {stage: (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
+    with no_gc():  # many small lists, none cyclic
+        return _predict_training(probes, source, plan, hw, profile)
+
+
+def _predict_training(probes, source, plan, hw, profile) -> Prediction:
     mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
     costs = {s: probe_costs(graph, blocks, mesh) for s, (graph, blocks) in probes.items()}
+    optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
+                 for s, probed in costs.items()}
     if plan.mode == "train":
         schedules = [schedule(plan.schedule, s, plan.pp, M, virtual) for s in range(plan.pp)]
     else:
         schedules = [[("F", m, 0) for m in range(M)] for _ in range(plan.pp)]
-    programs = pipeline_programs(schedules, lambda s, step: cost_of_step(costs[source[s]], *step, M), plan.pp,
-                                 virtual, [costs[source[s]].get(("optimizer", None)) for s in range(plan.pp)],
+    per_step = [step_costs(costs[source[s]], schedules[s], M) for s in range(plan.pp)]
+    programs = pipeline_programs(schedules, per_step, plan.pp, virtual, [optimizer[source[s]] for s in range(plan.pp)],
                                  ranks=mesh.dp * mesh.tp)
     run = simulate(programs)
-    flops = [sum(cost_of_step(costs[source[s]], *step, M).model_flops for step in schedules[s]) for s in range(plan.pp)]
-    hw_flops = [sum(cost_of_step(costs[source[s]], *step, M).hw_flops for step in schedules[s]) for s in range(plan.pp)]
     ranks = mesh.dp * mesh.tp
-    summary = run_summary(run, ranks * sum(flops), ranks * sum(hw_flops), hw.peak_flops(_main_dtype(probes)))
+    flops = sum(c.model_flops for stage in per_step for c in stage)
+    hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
+    summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)))
     for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
         kind["stage"] = s
     summary["stages"] = summary["rank_kinds"]

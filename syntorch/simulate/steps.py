@@ -66,25 +66,28 @@ def probe_costs(probe, blocks: dict, mesh) -> dict:
     return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
 
 
-def cost_of_step(costs: dict, kind: str, m: int, chunk: int, microbatches: int) -> StepCost:
-    """The probed step a scheduled step is a copy of (keys (kind, m) or, interleaved, (kind, m, chunk))."""
+def step_costs(costs: dict, schedule: list[tuple], microbatches: int) -> list[StepCost]:
+    """The cost of each scheduled step: that of the probed step it is a copy of (probe keys (kind, m) or,
+    interleaved, (kind, m, chunk))."""
     probed = 1 + max(key[1] for key in costs if key[0] != "optimizer")
-    m = probed_microbatch(kind, m, microbatches, probed)
-    return costs[(kind, m, chunk)] if (kind, m, chunk) in costs else costs[(kind, m)]
+    out = []
+    for kind, m, chunk in schedule:
+        m = probed_microbatch(kind, m, microbatches, probed)
+        out.append(costs[(kind, m, chunk)] if (kind, m, chunk) in costs else costs[(kind, m)])
+    return out
 
 
-def pipeline_programs(schedules: list[list[tuple]], cost, pp: int, virtual: int = 1,
+def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]], pp: int, virtual: int = 1,
                       optimizer: list | None = None, ranks: int = 1) -> list[Program]:
-    """One program per stage. `schedules[s]`: stage s's (step, micro-batch, chunk) order; `cost(s, step)`:
-    its StepCost; `optimizer[s]`: the optimizer's StepCost (None without one). Chunk c of stage s is virtual
-    stage c * pp + s; activations go from virtual stage j to j + 1, gradients back."""
+    """One program per stage. `schedules[s]`: stage s's (step, micro-batch, chunk) order; `costs[s]`: the
+    StepCost of each; `optimizer[s]`: the optimizer's StepCost (None without one). Chunk c of stage s is
+    virtual stage c * pp + s; activations go from virtual stage j to j + 1, gradients back."""
     last = virtual * pp - 1
     programs = []
     for s, order in enumerate(schedules):
         p = Program(f"stage {s}", ranks)
         prev = None
-        for kind, m, chunk in order:
-            c = cost(s, (kind, m, chunk))
+        for (kind, m, chunk), c in zip(order, costs[s]):
             j = chunk * pp + s
             source = j - 1 if kind == "F" else j + 1
             deps = []
