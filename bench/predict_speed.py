@@ -8,7 +8,8 @@
             module level; written first, not timed)                           (goal < 20 s)
 
 each from `syntorch trace --predict_only --hw_config a100-80gb` (probe, cost, simulate, write summary and
-timeline) or `syntorch predict`, in a fresh process so its peak RSS is its own.
+timeline) or `syntorch predict`, in a fresh process so its peak RSS is its own. CPU seconds are printed
+beside wall time: on a shared machine they are what the wall time would be on an idle one.
 
     python bench/predict_speed.py [--cases 1t,175b,predict]
 """
@@ -57,12 +58,15 @@ def run_case(case: str) -> dict:
             argv = [*trace_args(case, folder), "--hw_config", "a100-80gb", "--predict_only", "--no_progress",
                     "--out", str(folder / "out")]
             name = "summary.json"
-        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        rss0, cpu0 = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         t0 = time.perf_counter()
         assert main(argv) == 0
         seconds = time.perf_counter() - t0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         predicted = json.loads((folder / "out" / name).read_text())["predicted"]
         return {"case": case, "argv": " ".join(argv[:12]), "seconds": seconds,
+                "cpu_s": usage.ru_utime + usage.ru_stime - cpu0,  # what wall time would be on an idle machine
                 "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss_before_gb": rss0 / 2**20,
                 "step_s": predicted["step_s"], "mfu": predicted.get("mfu"), "bubble": predicted["bubble_fraction"],
                 "virtual_stages": predicted.get("virtual_stages", 1), "notes": predicted.get("notes")}
@@ -84,7 +88,7 @@ def main():
             print(f"{case}: failed\n{out.stderr[-2000:]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{r['case']:8s} {r['seconds']:6.1f} s  peak RSS {r['rss_gb']:.2f} GB  predicted step {r['step_s']:.3f} s"
+        print(f"{r['case']:8s} {r['seconds']:6.1f} s wall, {r['cpu_s']:6.1f} s CPU  peak RSS {r['rss_gb']:.2f} GB  predicted step {r['step_s']:.3f} s"
               f"  MFU {r['mfu'] or 0:.1%}  bubble {r['bubble']:.1%}  V={r['virtual_stages']}  ({r['argv']} …)")
 
 

@@ -40,7 +40,7 @@ class Program:
     names: list[str] = field(default_factory=list)
     streams: list[str] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
-    deps: list[list[int]] = field(default_factory=list)
+    deps: list = field(default_factory=list)  # per task, the tasks it waits for (any sequence)
     syncs: dict[int, Sync] = field(default_factory=dict)
     inner: dict[int, tuple[float, float]] = field(default_factory=dict)
 
@@ -49,8 +49,8 @@ class Program:
         i = len(self.names)
         self.names.append(name)
         self.streams.append(stream)
-        self.durations.append(float(duration))
-        self.deps.append(list(deps))
+        self.durations.append(duration)
+        self.deps.append(deps)
         if sync is not None:
             self.syncs[i] = sync
         if inner is not None:
@@ -74,83 +74,93 @@ class Run:
 
 
 def simulate(programs: list[Program]) -> Run:
-    starts = [[0.0] * len(p) for p in programs]
-    ends = [[0.0] * len(p) for p in programs]
-    pending, users, prevs, stack = [], [], [], []
+    # one flat index over every program's tasks (program k's task i is offsets[k] + i): the loop below runs
+    # once per task, so it reads plain lists
+    offsets = [0]
+    for p in programs:
+        offsets.append(offsets[-1] + len(p))
+    total = offsets[-1]
+    before, durations, syncs = [], [], {}
     for k, p in enumerate(programs):
-        after = [[] for _ in range(len(p))]
-        count, prev = [0] * len(p), [None] * len(p)
-        last = {}
+        base, last = offsets[k], {}
         for i, (stream, deps) in enumerate(zip(p.streams, p.deps)):
-            before = set(deps)
-            prev[i] = last.get(stream)
-            if prev[i] is not None:
-                before.add(prev[i])
-            last[stream] = i
-            for d in before:
-                after[d].append(i)
-            count[i] = len(before)
-            if not before:
-                stack.append((k, i))
-        pending.append(count)
-        users.append(after)
-        prevs.append(prev)
+            mine = [d + base for d in deps]
+            prev = last.get(stream)
+            if prev is not None and prev not in mine:
+                mine.append(prev)
+            last[stream] = base + i
+            before.append(mine)
+        durations += p.durations
+        syncs.update((base + i, sync) for i, sync in p.syncs.items() if sync.mode != "coll" or sync.members > 1)
+    users = [[] for _ in range(total)]
+    count = [len(b) for b in before]
+    for g, b in enumerate(before):
+        for d in b:
+            users[d].append(g)
+    stack = [g for g in range(total) if not count[g]]
+    starts, ends = [0.0] * total, [0.0] * total
     meetings, sends, recvs = {}, {}, {}
     done = 0
 
-    def finish(k, i, start, end):
+    def finish(g, start, end):
         nonlocal done
-        starts[k][i], ends[k][i] = start, end
+        starts[g], ends[g] = start, end
         done += 1
-        count = pending[k]
-        for j in users[k][i]:
+        for j in users[g]:
             count[j] -= 1
             if not count[j]:
-                stack.append((k, j))
+                stack.append(j)
 
+    pop, push = stack.pop, stack.append
     while stack:
-        k, i = stack.pop()
-        p = programs[k]
-        ready = max((ends[k][d] for d in p.deps[i]), default=0.0)
-        prev = prevs[k][i]
-        if prev is not None and ends[k][prev] > ready:
-            ready = ends[k][prev]
-        sync = p.syncs.get(i)
-        if sync is None or (sync.mode == "coll" and sync.members == 1):
-            finish(k, i, ready, ready + p.durations[i])
+        g = pop()
+        ready = 0.0
+        for d in before[g]:
+            if ends[d] > ready:
+                ready = ends[d]
+        sync = syncs.get(g)
+        if sync is None:  # the common case, inlined
+            starts[g], ends[g] = ready, ready + durations[g]
+            done += 1
+            for j in users[g]:
+                count[j] -= 1
+                if not count[j]:
+                    push(j)
         elif sync.mode == "coll":
             arrived = meetings.setdefault(sync.key, [])
-            arrived.append((k, i, ready))
+            arrived.append((g, ready))
             if len(arrived) == sync.members:
-                start = max(r for _, _, r in arrived)
-                length = max(programs[a].durations[b] for a, b, _ in arrived)
                 del meetings[sync.key]
-                for a, b, _ in arrived:
-                    finish(a, b, start, start + length)
+                start = max(r for _, r in arrived)
+                length = max(durations[a] for a, _ in arrived)
+                for a, _ in arrived:
+                    finish(a, start, start + length)
         elif sync.mode == "send":
-            sends[sync.key] = (ready, p.durations[i])
-            finish(k, i, ready, ready + p.durations[i])
+            sends[sync.key] = (ready, durations[g])
+            finish(g, ready, ready + durations[g])
             if sync.key in recvs:
-                _deliver(finish, *recvs.pop(sync.key), ready, p.durations[i])
+                waiting, at = recvs.pop(sync.key)
+                finish(waiting, max(at, ready), max(at, ready + durations[g]))
+        elif sync.key in sends:
+            sent, length = sends[sync.key]
+            finish(g, max(ready, sent), max(ready, sent + length))
         else:
-            if sync.key in sends:
-                _deliver(finish, k, i, ready, *sends[sync.key])
-            else:
-                recvs[sync.key] = (k, i, ready)
-    if done < sum(len(p) for p in programs):
-        raise UserError(f"the simulated ranks deadlock: {_stuck(programs, pending, meetings, recvs)}")
-    return Run(programs, starts, ends)
+            recvs[sync.key] = (g, ready)
+    if done < total:
+        raise UserError(f"the simulated ranks deadlock: {_stuck(programs, offsets, count, meetings, recvs)}")
+    return Run(programs, [starts[a:b] for a, b in zip(offsets, offsets[1:])],
+               [ends[a:b] for a, b in zip(offsets, offsets[1:])])
 
 
-def _deliver(finish, k, i, ready, sent, duration):
-    finish(k, i, max(ready, sent), max(ready, sent + duration))
+def _task(programs, offsets, g) -> str:
+    k = next(k for k in range(len(programs)) if offsets[k] <= g < offsets[k + 1])
+    return f"{programs[k].name}: {programs[k].names[g - offsets[k]]}"
 
 
-def _stuck(programs, pending, meetings, recvs) -> str:
-    waiting = [f"{programs[k].name}: {programs[k].names[i]} (collective {key} has {len(arrived)} of "
-               f"{programs[k].syncs[i].members} members)" for key, arrived in meetings.items() for k, i, _ in arrived[:1]]
-    waiting += [f"{programs[k].name}: {programs[k].names[i]} (recv {key} has no send)" for key, (k, i, _) in recvs.items()]
+def _stuck(programs, offsets, count, meetings, recvs) -> str:
+    waiting = [f"{_task(programs, offsets, arrived[0][0])} (collective {key} has {len(arrived)} of its members)"
+               for key, arrived in meetings.items()]
+    waiting += [f"{_task(programs, offsets, g)} (recv {key} has no send)" for key, (g, _) in recvs.items()]
     if not waiting:
-        waiting = [f"{p.name}: {p.names[count.index(max(count))]} (a dependency cycle)"
-                   for p, count in zip(programs, pending) if any(count)]
+        waiting = [f"{_task(programs, offsets, count.index(max(count)))} (a dependency cycle)"]
     return "; ".join(waiting[:3]) + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else "")

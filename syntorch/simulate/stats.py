@@ -21,15 +21,16 @@ def kind_stats(run: Run) -> list[dict]:
             elif length > 0:
                 comm.append((starts[i], ends[i]))
         comm_union = _union(comm)
-        exposed = inner_exposed + _length(comm_union) - _overlap(comm_union, _union(compute))
+        exposed = inner_exposed + _length(comm_union) - _overlap(comm_union, _union(compute, ordered=True))
         out.append({"kind": p.name, "ranks": p.ranks, "busy_us": busy, "exposed_comm_us": exposed,
                     "idle_us": max(step - busy - exposed, 0.0), "streams_busy_us": streams})
     return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+def _union(intervals: list[tuple[float, float]], ordered: bool = False) -> list[list[float]]:
+    """`ordered`: already by start (one stream's tasks, which run in order)."""
     merged = []
-    for a, b in sorted(intervals):
+    for a, b in intervals if ordered else sorted(intervals):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
