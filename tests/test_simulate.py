@@ -15,10 +15,10 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, predict_traces
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program, kind_programs
-from syntorch.simulate.predict import predict_training, run_summary
+from syntorch.simulate.predict import predict_inference, predict_training, run_summary
 from syntorch.simulate.steps import StepCost, pipeline_programs
 from syntorch.trace.cost import fill_durations
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import RankTraces, TraceGraph
 from syntorch.trace.training import trace_stage
 from syntorch.workload import trace_workload, write_workload
 
@@ -28,8 +28,7 @@ TF, TB = 3.0, 5.0  # µs of one micro-batch's forward and backward on one stage
 def op(graph, name, us, after=None):
     """An op of `us` µs that reads `after`'s output (a node id), returning its own."""
     inputs = [graph.add_tensor([1], "float32", 4)] if after is None else [next(iter(graph.succ[after]))]
-    n = graph.add_op(name, inputs, [graph.add_tensor([1], "float32", 4)], duration_us=us)
-    return n
+    return graph.add_op(name, inputs, [graph.add_tensor([1], "float32", 4)], duration_us=us, phase="prefill")
 
 
 def comm(graph, kind, after, us, **args):
@@ -196,3 +195,24 @@ def test_trace_predict_only_writes_a_summary_and_timeline_and_no_chakra(tiny, tm
     assert {"compute", "p2p", "comm embedding"} <= tracks
     slices = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0]
     assert max(e["ts"] + e["dur"] for e in slices) <= predicted["step_s"] * 1e6 + 1e-6
+
+
+def test_an_inference_pipeline_of_shared_graphs_is_simulated_once_per_graph():
+    """Ranks 0, 1 (stage 0) share one graph, ranks 2, 3 (stage 1) another; stage 0's representative sends
+    to stage 1's, each TP pair all-reduces among itself: latency = 10 + 2 + 1 (send) + 20 + 2."""
+    def stage(rank, first):
+        g = TraceGraph(rank=rank, world_size=4)
+        if first:
+            x = comm(g, "all_reduce", op(g, "mm", 10.0), 2.0, group=[0, 1], phase="prefill")
+            comm(g, "send", x, 1.0, group=[0, 2], dst=2, phase="prefill")
+        else:
+            x = comm(g, "recv", op(g, "start", 0.0), 1.0, group=[0, 2], src=0, phase="prefill")
+            comm(g, "all_reduce", op(g, "mm", 20.0, x), 2.0, group=[2, 3], phase="prefill")
+        return g
+    traces = RankTraces(4)
+    traces.put_shared([0, 1], lambda: stage(0, True))
+    traces.put_shared([2, 3], lambda: stage(2, False))
+    predicted = predict_inference(traces, "test").summary
+    assert predicted["latency_ms"] * 1e3 == pytest.approx(35.0)
+    assert predicted["prefill_ms"] == predicted["latency_ms"] and predicted["decode_ms_per_token"] == 0.0
+    assert [p.ranks for p in predict_inference(traces, "test").run.programs] == [2, 2]

@@ -45,7 +45,7 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
         fill_rank_durations(traces, hw)
         record["hw_config"] = hw.name
         record["predicted_latency_us"] = latency_us(graph)
-        prediction = predict_inference(graph, len(traces), hw.name)
+        prediction = predict_inference(traces, hw.name)
         record["predicted"] = prediction.summary
         prediction.write_timeline(out_dir / TIMELINE)
     if outputs.visualize:

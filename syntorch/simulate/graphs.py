@@ -15,8 +15,14 @@ from syntorch.trace.graph import TraceGraph
 
 
 class RankFrame:
-    def kind(self, rank: int) -> int:
-        return rank
+    """`kind_of` (default: every rank its own): rank -> the program it runs, for ranks that share one graph
+    (RankTraces.put_shared) whose groups and peers name the other programs' ranks as they are."""
+
+    def __init__(self, kind_of: dict | None = None):
+        self.kind_of = kind_of
+
+    def kind(self, rank: int):
+        return rank if self.kind_of is None else self.kind_of.get(rank, rank)
 
     def canonical(self, ranks) -> tuple:
         return tuple(ranks)
@@ -54,19 +60,18 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     outside `nodes` are dropped."""
     attrs, pred = graph.node_attrs, graph.preds
     rank = graph.graph.get("rank", 0)
-    own = frame.kind(rank)
     program, task_of, node_of, seen = Program(name, ranks), {}, [], {}
     for n in (attrs if nodes is None else nodes):
         d = attrs[n]
         if d["kind"] == "tensor":
             continue
-        deps = sorted({task_of[p] for t in pred[n] for p in pred[t] if p in task_of})
+        deps = list({task_of[p] for t in pred[n] for p in pred[t] if p in task_of})
         duration = d.get("duration_us") or 0.0
         if d["kind"] == "op":
             task_of[n] = program.add(d["name"], COMPUTE, duration, deps)
             node_of.append(n)
             continue
-        stream, sync = _comm(d, rank, own, frame, seen)
+        stream, sync = _comm(d, rank, frame, seen)
         if isolated and sync is not None and (sync.mode != "coll" or sync.members > 1):
             duration, sync = 0.0, None
         task_of[n] = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
@@ -75,7 +80,7 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     return program, node_of
 
 
-def _comm(d: dict, rank: int, own, frame, seen: dict) -> tuple[str, Sync | None]:
+def _comm(d: dict, rank: int, frame, seen: dict) -> tuple[str, Sync | None]:
     kind = d["collective"]
     if kind in ("send", "recv"):
         src, dst = (rank, d["dst"]) if kind == "send" else (d["src"], rank)
@@ -84,11 +89,11 @@ def _comm(d: dict, rank: int, own, frame, seen: dict) -> tuple[str, Sync | None]
         return P2P, Sync(kind, ("p2p", pair, d["tag"], occurrence))
     group = sorted(d["group"])
     members = len({frame.kind(r) for r in group})
-    if members == 1 and frame.kind(group[0]) == own:
+    if members == 1:
         return "comm " + frame.label(group), None
     return "comm " + frame.label(group), Sync("coll", ("coll", frame.canonical(group), d["order"]), members)
 
 
-def kind_programs(graphs: dict, frame, ranks_of: dict | None = None) -> list[Program]:
+def kind_programs(graphs: dict, frame) -> list[Program]:
     """One program per kind: `graphs` maps a kind's name to its (representative's) graph."""
-    return [graph_program(g, name, frame, (ranks_of or {}).get(name, 1))[0] for name, g in graphs.items()]
+    return [graph_program(g, name, frame)[0] for name, g in graphs.items()]

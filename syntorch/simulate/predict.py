@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from syntorch.export.perfetto import track_names, write_events
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import COMPUTE, Run, simulate
-from syntorch.simulate.graphs import MeshFrame, graph_program
+from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
 from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
-from syntorch.trace.cost import op_dtype
+from syntorch.trace.cost import op_dtype, shared_key
 from syntorch.trace.graph import no_gc
 
 TIMELINE = "timeline.json"
@@ -98,18 +97,28 @@ def _main_dtype(probes: dict) -> str:
     return "float32" if biggest is None else op_dtype(graph, biggest)
 
 
-def predict_inference(graph, tp: int, hw_name: str, profile: str | None = None) -> Prediction:
-    """Latency of a (TP) inference graph whose durations are filled: every TP rank runs it, so one program.
+def predict_inference(traces, hw_name: str, profile: str | None = None) -> Prediction:
+    """Latency of an inference run whose graphs have durations: `traces` maps each rank to its graph, ranks
+    that run one graph sharing it (RankTraces), each distinct graph simulated once.
     run.json's `predicted`: latency_ms, prefill_ms (to the end of the prompt's pass), decode_ms_per_token."""
-    program, nodes = graph_program(graph, "every rank" if tp > 1 else "rank 0", MeshFrame(Mesh(tp=tp)), tp)
-    run = simulate([program])
-    phases = [graph.node_attrs[n]["phase"] for n in nodes]
+    kinds = {}  # shared graph -> (graph, its ranks)
+    for rank in sorted(traces):
+        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
+    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
+    programs, phases = [], []
+    for graph, ranks in kinds.values():
+        name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+        program, nodes = graph_program(graph, name, frame, len(ranks))
+        programs.append(program)
+        phases.append([graph.node_attrs[n]["phase"] for n in nodes])
+    run = simulate(programs)
     latency = run.end_us
-    prefill = max((e for e, ph in zip(run.ends[0], phases) if ph in ("prefill", "encode", "forward")), default=latency)
-    decodes = {ph for ph in phases if ph.startswith("decode")}
+    prefill = max((e for ends, kind in zip(run.ends, phases) for e, ph in zip(ends, kind)
+                   if ph in ("prefill", "encode", "forward")), default=latency)
+    decodes = {ph for kind in phases for ph in kind if ph.startswith("decode")}
     summary = {"latency_ms": latency / 1e3, "prefill_ms": prefill / 1e3,
                "decode_ms_per_token": (latency - prefill) / 1e3 / len(decodes) if decodes else 0.0,
-               "exposed_comm_ms": kind_stats(run)[0]["exposed_comm_us"] / 1e3,
+               "exposed_comm_ms": max(k["exposed_comm_us"] for k in kind_stats(run)) / 1e3,
                "hw_config": hw_name, "profile": profile}
     return Prediction(run, summary)
 
