@@ -174,9 +174,11 @@ def test_the_step_level_prediction_agrees_with_the_node_level_one(tiny):
     nodes = simulate(kind_programs(stages, MeshFrame(PLAN.mesh)))
     assert steps.summary["step_s"] * 1e6 == pytest.approx(nodes.end_us, rel=0.05)
     # the FLOPs of every scheduled step, copied from the probes, are those of the whole steps' nodes
-    assert steps.summary["model_flops"] == sum(
-        d["flops"] for g in workload.stages for d in g.node_attrs.values()
-        if d["kind"] == "op" and d["phase"] in ("forward", "backward")) * PLAN.dp * PLAN.tp
+    traced = {phase: sum(d["flops"] for g in workload.stages for d in g.node_attrs.values()
+                         if d["kind"] == "op" and d["phase"] == phase) * PLAN.dp * PLAN.tp
+              for phase in ("forward", "backward")}
+    assert steps.summary["model_flops"] == 3 * traced["forward"]
+    assert steps.summary["hardware_flops"] == traced["forward"] + traced["backward"]
 
 
 def test_trace_predict_only_writes_a_summary_and_timeline_and_no_chakra(tiny, tmp_path):

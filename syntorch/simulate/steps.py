@@ -29,8 +29,9 @@ class StepCost:
     send_at_us: float | None = None  # when in the step the send is issued (None: at its end), e.g. a last
     # backward sends its input's gradient before it synchronises the weights' gradients
     cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
-    model_flops: int = 0  # FLOPs of the model's own forward/backward (no recomputation, no optimizer)
-    hw_flops: int = 0  # FLOPs the hardware runs (with recomputation)
+    model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
+    # much is recomputed (MFU, as Megatron-LM and PaLM count it)
+    hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
 
 
 def step_cost(graph, start: int, end: int, frame) -> StepCost:
@@ -50,14 +51,10 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                 send_at = run.starts[0][task]
             elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
                 cross += d.get("duration_us") or 0.0
-        elif d["phase"] != "optimizer":
+        elif d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
-            model += 0 if _recomputed(d) else d["flops"]
+            model += 3 * d["flops"] if d["phase"] == "forward" else 0
     return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, model, hardware)
-
-
-def _recomputed(d: dict) -> bool:
-    return bool(d.get("recompute")) or d["phase"] == "recompute"
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:
