@@ -90,18 +90,18 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
         del header.attr[[a.name for a in header.attr].index("rank")]
         templates.append(StageTemplate(specs, header, ids, mesh))
         node_counts.append(len(specs))
-    sizes, variants = [], set()
+    total, variants = 0, set()
     with atomic_output_dir(out_dir, force=force) as tmp:
         write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
         for rank in _ranks(world, progress):
             with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
                 written, variant = templates[mesh.coords(rank)[1]].write(f, rank)
-            sizes.append(written)
+            total += written
             variants.add(variant)
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
-        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, sizes))
+        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp))
         summary = summarize(workload, node_counts, level)
-        summary.update(et_bytes=sum(sizes), comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
+        summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
         if prediction is not None:
             summary["predicted"] = prediction.summary
             prediction.write_timeline(tmp / TIMELINE)

@@ -153,16 +153,27 @@ def test_simulating_each_stage_once_equals_simulating_every_rank(tiny):
         simulate([graph_program(stages["stage 0"], "stage 0", MeshFrame(mesh))[0]])
 
 
-def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path):
-    workload = trace_workload(tiny, PLAN, torch.float32, HW)
+@pytest.mark.parametrize("plan", [PLAN, TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=1, microbatches=2, seq=16)])
+def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path, plan):
+    workload = trace_workload(tiny, plan, torch.float32, HW)
     write_workload(workload, tmp_path / "t", progress=False)
     symmetric = predict_traces(tmp_path / "t", HW)
     assert "one program per pipeline stage" in symmetric.summary["notes"][0]
-    (tmp_path / "t" / RANK_KINDS).unlink()
+    assert [p.ranks for p in symmetric.run.programs] == [4, 4]
+    # a rank's file replaced by another rank's of its stage (same size, other groups): every rank is read,
+    # and the ranks' collectives no longer meet
+    rank5, rank4 = tmp_path / "t" / "tiny-gpt2.5.et", tmp_path / "t" / "tiny-gpt2.4.et"
+    original = rank5.read_bytes()
+    rank5.write_bytes(rank4.read_bytes())
+    with pytest.raises(UserError, match="the simulated ranks deadlock: .*has 1 of its members"):
+        predict_traces(tmp_path / "t", HW)
+    rank5.write_bytes(original)  # the right bytes, but a new time: still every rank
     every = predict_traces(tmp_path / "t", HW)
     assert "every rank simulated on its own" in every.summary["notes"][0]
+    assert len(every.run.programs) == 8
     assert symmetric.summary["step_s"] == pytest.approx(every.summary["step_s"], rel=1e-12)
     assert symmetric.summary["mfu"] == pytest.approx(every.summary["mfu"], rel=1e-12)
+    assert symmetric.summary["exposed_comm_s"] == pytest.approx(every.summary["exposed_comm_s"], rel=1e-9)
 
 
 def test_the_step_level_prediction_agrees_with_the_node_level_one(tiny):

@@ -6,12 +6,13 @@ fill_durations, with --hw_config) or, without one, from the files' `duration_mic
 
 Our writer (workload.py) writes every rank of a stage from one template in which only comm-group ids and
 p2p peers differ (chakra/writer.py's StageTemplate), and leaves RANK_KINDS beside the files: the mesh and
-each file's size. When every file still has the size written there, each stage's representative is read and
-simulated for all its ranks (graphs.MeshFrame); otherwise (a file changed, or traces we did not write)
-every rank is read and simulated on its own.
+each file's size and modification time. When every file is still as written there, each stage's
+representative is read and simulated for all its ranks (graphs.MeshFrame); otherwise (a file changed, or
+traces we did not write) every rank is read and simulated on its own.
 """
 import json
 import re
+from pathlib import Path
 
 from chakra.schema.protobuf import et_def_pb2 as et
 
@@ -34,9 +35,13 @@ PER_RANK_PART = {"all_gather"}  # comm_size is each rank's part (chakra/nodes.py
 DTYPES = {"BFloat16": "bfloat16", "Half": "float16", "float": "float32", "double": "float64"}
 
 
-def rank_kinds_json(model: str, mesh: Mesh, sizes: list[int]) -> str:
+def rank_kinds_json(model: str, mesh: Mesh, folder: Path) -> str:
+    """The mesh and each rank's file as written (size and modification time: the quick check rsync and make
+    use; a file rewritten since, even to the same size, shows a new time)."""
+    stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
-                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "sizes": sizes})
+                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
+                       "files": [[st.st_size, st.st_mtime_ns] for st in stats]})
 
 
 def predict_traces(path, hw=None, profile: str | None = None) -> Prediction:
@@ -86,15 +91,16 @@ def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str]:
     data = read_json(path, "rank kinds file")
     try:
         mesh = Mesh(**data["mesh"])
-        sizes = [int(s) for s in data["sizes"]]
+        written = [(int(size), int(mtime)) for size, mtime in data["files"]]
         prefix = str(data["prefix"])
     except (KeyError, TypeError, ValueError, UserError):
         raise UserError(f"{path}: not a {RANK_KINDS} written by syntorch trace; delete it to simulate every rank") from None
-    if [r for r, _ in files] != list(range(mesh.world_size)) or len(sizes) != mesh.world_size:
+    if [r for r, _ in files] != list(range(mesh.world_size)) or len(written) != mesh.world_size:
         return None, f"{RANK_KINDS} is for {mesh.world_size} ranks, the folder has {len(files)}"
     for rank, f in files:
-        if not f.name.startswith(prefix + ".") or f.stat().st_size != sizes[rank]:
-            return None, f"{f.name} is not the file syntorch trace wrote"
+        st = f.stat()
+        if not f.name.startswith(prefix + ".") or (st.st_size, st.st_mtime_ns) != written[rank]:
+            return None, f"{f.name} changed since syntorch trace wrote it (a copy keeps the fast path with cp -p)"
     return mesh, ""
 
 
