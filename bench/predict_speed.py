@@ -43,7 +43,23 @@ def virtual_flag(v: int) -> list[str]:
     return ["--virtual_stages", str(v)] if any("--virtual_stages" in a.option_strings for a in trace._actions) else []
 
 
+def timed(module, name: str, spent: dict) -> None:
+    """Count the CPU seconds of module.name (as the CLI calls it) in spent[name]."""
+    fn = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.process_time() - t0
+    setattr(module, name, wrapper)
+
+
 def run_case(case: str) -> dict:
+    import syntorch.simulate.chakra_files
+    import syntorch.simulate.predict
+    import syntorch.workload
     from syntorch.cli import main
 
     folder = Path(tempfile.mkdtemp(prefix="predict_speed."))
@@ -58,6 +74,10 @@ def run_case(case: str) -> dict:
             argv = [*trace_args(case, folder), "--hw_config", "a100-80gb", "--predict_only", "--no_progress",
                     "--out", str(folder / "out")]
             name = "summary.json"
+        spent = {}  # CPU seconds: tracing the probes, simulating (from files: reading them too)
+        timed(syntorch.workload, "trace_workload", spent)
+        timed(syntorch.simulate.predict, "predict_training", spent)
+        timed(syntorch.simulate.chakra_files, "predict_traces", spent)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         rss0, cpu0 = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         t0 = time.perf_counter()
@@ -67,6 +87,7 @@ def run_case(case: str) -> dict:
         predicted = json.loads((folder / "out" / name).read_text())["predicted"]
         return {"case": case, "argv": " ".join(argv[:12]), "seconds": seconds,
                 "cpu_s": usage.ru_utime + usage.ru_stime - cpu0,  # what wall time would be on an idle machine
+                "spent": spent,
                 "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss_before_gb": rss0 / 2**20,
                 "step_s": predicted["step_s"], "mfu": predicted.get("mfu"), "bubble": predicted["bubble_fraction"],
                 "virtual_stages": predicted.get("virtual_stages", 1), "notes": predicted.get("notes")}
@@ -90,6 +111,7 @@ def main():
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{r['case']:8s} {r['seconds']:6.1f} s wall, {r['cpu_s']:6.1f} s CPU  peak RSS {r['rss_gb']:.2f} GB  predicted step {r['step_s']:.3f} s"
               f"  MFU {r['mfu'] or 0:.1%}  bubble {r['bubble']:.1%}  V={r['virtual_stages']}  ({r['argv']} …)")
+        print("         CPU s in " + ", ".join(f"{name} {s:.1f}" for name, s in r["spent"].items()))
 
 
 if __name__ == "__main__":
