@@ -79,8 +79,9 @@ def _predict_training(probes, source, plan, hw, profile) -> Prediction:
                                  ranks=mesh.dp * mesh.tp)
     run = simulate(programs)
     ranks = mesh.dp * mesh.tp
-    flops = sum(c.model_flops for stage in per_step for c in stage)
     hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
+    # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
+    flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
     summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)))
     for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
         kind["stage"] = s

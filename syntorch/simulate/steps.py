@@ -29,6 +29,7 @@ class StepCost:
     send_at_us: float | None = None  # when in the step the send is issued (None: at its end), e.g. a last
     # backward sends its input's gradient before it synchronises the weights' gradients
     cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
+    cross_at_us: float | None = None  # when in the step it is issued (the step's later work waits for it)
     model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
     # much is recomputed (MFU, as Megatron-LM and PaLM count it)
     hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
@@ -41,7 +42,7 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     stats = kind_stats(run)[0]
     attrs = graph.node_attrs
     send = cross = 0.0
-    send_at = None
+    send_at = cross_at = None
     model = hardware = 0
     for task, n in enumerate(nodes):
         d = attrs[n]
@@ -51,10 +52,12 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                 send_at = run.starts[0][task]
             elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
                 cross += d.get("duration_us") or 0.0
+                cross_at = run.starts[0][task]
         elif d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
             model += 3 * d["flops"] if d["phase"] == "forward" else 0
-    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, model, hardware)
+    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
+                    hardware)
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:
@@ -90,20 +93,30 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
             deps = []
             if 0 <= source <= last:
                 deps.append(p.add(f"recv {kind}{m}", P2P, c.send_us, (), Sync("recv", (kind, m, j))))
-            name = f"{kind}{m}" + (f".{chunk}" if virtual > 1 else "")
             target = j + 1 if kind == "F" else j - 1
-            sends = 0 <= target <= last
-            head = c.send_at_us if sends and c.send_at_us is not None else c.us
-            prev = p.add(name, COMPUTE, head, deps, inner=(c.compute_us, c.exposed_us))
-            if sends:
-                p.add(f"send {kind}{m}", P2P, c.send_us, [prev], Sync("send", (kind, m, target)))
-            if head < c.us:  # what the step does after its send
-                prev = p.add(name + " (after send)", COMPUTE, c.us - head, [prev], inner=(0.0, 0.0))
-            if c.cross_us:
-                prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev],
-                             Sync("coll", ("embedding",), 2))
+            prev = _add_step(p, f"{kind}{m}" + (f".{chunk}" if virtual > 1 else ""), c, deps,
+                             Sync("send", (kind, m, target)) if 0 <= target <= last else None)
         if optimizer and optimizer[s] is not None:
             o = optimizer[s]
             p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=(o.compute_us, o.exposed_us))
         programs.append(p)
     return programs
+
+
+def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None) -> int:
+    """The step's compute as pieces cut where it issues its send (which does not hold the compute stream)
+    and its collective across stages (which the rest of the step waits for); returns its last task."""
+    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
+                    *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
+    done, inner = 0.0, (c.compute_us, c.exposed_us)  # the step's own accounting, on its first piece
+    prev = None
+    for at, what in [*marks, (c.us, "end")]:
+        if prev is None or at > done:
+            prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
+                         inner=inner)
+            inner, done = (0.0, 0.0), at
+        if what == "send":
+            p.add(f"send {name}", P2P, c.send_us, [prev], send)
+        elif what == "cross":
+            prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev], Sync("coll", ("embedding",), 2))
+    return prev
