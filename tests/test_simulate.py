@@ -177,8 +177,9 @@ def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path, pl
 
 
 def test_the_step_level_prediction_agrees_with_the_node_level_one(tiny):
-    """Probed steps run in the schedule against every node of every stage's whole step (a few % apart: the
-    step level issues the tied embedding's all-reduce after the last backward, not inside it)."""
+    """Probed steps run in the schedule against every node of every stage's whole step. They differ by a few %:
+    a probed step is simulated on its own, so communication it has in flight when it meets another stage (the
+    last backward's DP buckets at the tied embedding's all-reduce) resumes after that meeting, not during it."""
     workload = trace_workload(tiny, PLAN, torch.float32, HW)
     steps = predict_training(workload.probes, workload.source, PLAN, HW)
     stages = {f"stage {s}": g for s, g in enumerate(workload.stages)}
