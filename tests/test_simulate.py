@@ -16,7 +16,7 @@ from syntorch.simulate.chakra_files import RANK_KINDS, predict_traces
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program, kind_programs
 from syntorch.simulate.predict import predict_inference, predict_training, run_summary
-from syntorch.simulate.steps import StepCost, pipeline_programs
+from syntorch.simulate.steps import StepCost, pipeline_programs, step_costs
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import RankTraces, TraceGraph
 from syntorch.trace.training import trace_stage
@@ -230,3 +230,14 @@ def test_an_inference_pipeline_of_shared_graphs_is_simulated_once_per_graph():
     assert predicted["latency_ms"] * 1e3 == pytest.approx(35.0)
     assert predicted["prefill_ms"] == predicted["latency_ms"] and predicted["decode_ms_per_token"] == 0.0
     assert [p.ranks for p in predict_inference(traces, "test").run.programs] == [2, 2]
+
+
+def test_a_scheduled_step_costs_what_the_probed_step_it_copies_costs():
+    """4 probed micro-batches (keys with chunks, as an interleaved probe has them) for a step of 8: a step
+    probed is itself; later forwards copy the last probed one; the last backward the last probed backward
+    (gradient sync), other later backwards a middle one (accumulation)."""
+    costs = {(kind, m, c): StepCost(100 * (kind == "B") + 10 * m + c, 0.0)
+             for kind in "FB" for m in range(4) for c in range(2)}
+    costs["optimizer", None, None] = StepCost(1.0, 1.0)
+    steps = [("F", 0, 1), ("F", 6, 0), ("B", 7, 1), ("B", 5, 0), ("B", 1, 1)]
+    assert [c.us for c in step_costs(costs, steps, 8)] == [1, 30, 131, 120, 111]
