@@ -241,3 +241,29 @@ def test_a_scheduled_step_costs_what_the_probed_step_it_copies_costs():
     costs["optimizer", None, None] = StepCost(1.0, 1.0)
     steps = [("F", 0, 1), ("F", 6, 0), ("B", 7, 1), ("B", 5, 0), ("B", 1, 1)]
     assert [c.us for c in step_costs(costs, steps, 8)] == [1, 30, 131, 120, 111]
+
+
+def timed(graph: TraceGraph, durations: list[int]) -> TraceGraph:
+    """`graph` with its ops and collectives lasting `durations` µs, in traced order (views 0)."""
+    work = [d for _, d in graph.work() if not d.get("is_view")]
+    for d, us in zip(work, durations, strict=True):
+        d["duration_us"] = us
+    return graph
+
+
+def test_predict_reads_foreign_files_per_rank_with_their_durations(tmp_path):
+    """Files without syntorch_ranks.json (here write_chakra's, as a converted capture would be): every rank
+    read, its own duration_micros, its collectives meeting the other ranks' and its recv its send."""
+    from chakra_graphs import pp_rank, tp_rank
+    from syntorch.chakra.writer import write_chakra
+
+    # mm, all_reduce, gelu, all_gather, broadcast, barrier: one chain through compute and one comm stream;
+    # rank 1's mm is late, so rank 0 waits for it at the all-reduce
+    write_chakra({0: timed(tp_rank(0), [3, 5, 2, 4, 1, 1]), 1: timed(tp_rank(1), [6, 5, 2, 4, 1, 1])}, tmp_path / "tp")
+    predicted = predict_traces(tmp_path / "tp").summary
+    assert predicted["step_s"] * 1e6 == pytest.approx(6 + 5 + 2 + 4 + 1 + 1)
+    assert [k["idle_s"] * 1e6 for k in predicted["rank_kinds"]] == pytest.approx([3.0, 0.0])
+    assert "every rank simulated on its own" in predicted["notes"][0]
+    # relu 2 us, its send 3 us; the receiver's relu after the data: 2 + 3 + 2
+    write_chakra({0: timed(pp_rank(0), [2, 3]), 1: timed(pp_rank(1), [3, 2])}, tmp_path / "pp")
+    assert predict_traces(tmp_path / "pp").summary["step_s"] * 1e6 == pytest.approx(7.0)
