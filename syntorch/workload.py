@@ -28,7 +28,8 @@ from syntorch.simulate.predict import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for
+from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, schedule_stage, shift_stage,
+                                     traced_stage_for)
 
 
 @dataclass
@@ -51,7 +52,8 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
 
 def _trace_workload(config, plan, dtype, hw, schedule) -> Workload:
     source = traced_stage_for(config, plan)
-    probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
+    probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
+    probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
     moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
                             plan.stage(config, source[s]).layers[0])
              for s in range(plan.pp) if source[s] != s and schedule}
