@@ -72,7 +72,7 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
             node_of.append(n)
             continue
         stream, sync = _comm(d, rank, frame, seen)
-        if isolated and sync is not None and (sync.mode != "coll" or sync.members > 1):
+        if isolated and sync is not None:  # it meets another kind: the step-level program runs it
             duration, sync = 0.0, None
         task_of[n] = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
                                  stream, duration, deps, sync)
