@@ -106,3 +106,19 @@ def test_moe_layer_is_one_tp_region():
     per_module = Counter((d["phase"], d["module"]) for _, d in graph.collectives() if d["module"].startswith("layers.0"))
     assert per_module == {("prefill", "layers.0.attn.proj"): 1, ("prefill", "layers.0.mlp"): 1,
                           ("decode[0]", "layers.0.attn.proj"): 1, ("decode[0]", "layers.0.mlp"): 1}
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_symbolic_cli_runs_validate(name, tmp_path):
+    """`infer --device meta --tp 4` and `trace --tp 2 --pp 2` on the Llama layout write traces ASTRA-sim's
+    rules accept (syntorch validate)."""
+    from syntorch.cli import main
+    from syntorch.config import save_model_config
+    save_model_config(CONFIGS[name], tmp_path / "model.json")
+    model = ["--model_config", str(tmp_path / "model.json")]
+    assert main(["infer", *model, "--device", "meta", "--tp", "4", "--num_input_tokens", "6",
+                 "--num_output_tokens", "3", "--chakra", "--out", str(tmp_path / "infer")]) == 0
+    assert main(["validate", str(tmp_path / "infer" / "chakra")]) == 0
+    assert main(["trace", *model, "--tp", "2", "--pp", "2", "--seq", "16", "--no_progress",
+                 "--out", str(tmp_path / "trace")]) == 0
+    assert main(["validate", str(tmp_path / "trace")]) == 0
