@@ -172,3 +172,15 @@ def test_deepseek_style_moe_from_model_config(tmp_path):
     assert len(mlp.experts) == 64 and mlp.top_k == 6 and not mlp.renormalize
     per_layer = sum(p.numel() for p in mlp.parameters())
     assert per_layer == 4096 * 64 + 64 * 3 * 4096 * 1408 + 3 * 4096 * 2 * 1408
+
+
+def test_tied_head_and_own_head_dim(tmp_path):
+    """Small Qwen2/Llama checkpoints tie the head to the embedding, and some set head_dim apart from
+    hidden_size / heads."""
+    torch.manual_seed(0)
+    model = hf.Qwen2ForCausalLM(hf.Qwen2Config(**{**COMMON, "tie_word_embeddings": True, "head_dim": 16})).eval()
+    model.save_pretrained(tmp_path)
+    config, ours = load_checkpoint(tmp_path)
+    assert config.tied_head and config.d_head == 16 and ours.lm_head.weight is ours.tok_emb.weight
+    with torch.no_grad():
+        assert (ours(ids()) - model(ids()).logits).abs().max().item() <= 1e-4
