@@ -8,8 +8,8 @@ from pathlib import Path
 from syntorch.errors import UserError
 from syntorch.userfiles import read_json
 
-# --dtype names -> torch dtype attribute names (strings: this module does not import torch)
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu")  # what models.layers.MLP applies (silu: SwiGLU with gated_mlp)
+# --dtype names -> torch dtype attribute names (strings: this module does not import torch)
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -60,7 +60,8 @@ class ModelConfig:
     qkv_bias: bool = True  # GPT-J projections have no bias
     proj_bias: bool = True  # attention output projection (GPT-J has none)
     activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf; Llama "silu"
-    gated_mlp: bool = False  # SwiGLU (Shazeer 2020; Llama, Mistral, Qwen2, every Mixtral expert): act(gate x) * fc1 x
+    # SwiGLU (Shazeer 2020; Llama, Mistral, Qwen2, every Mixtral expert): fc1 holds [gate; up], fc2(act(gate x) * up x)
+    gated_mlp: bool = False
     mlp_bias: bool = True  # GPT/BERT MLPs have biases; Llama's have none
     # mixture of experts (Mixtral; DeepSeek-style with shared experts): 0 experts is a dense MLP
     n_experts: int = 0  # routed experts per MoE layer (Mixtral: 8)

@@ -145,3 +145,42 @@ def test_bad_configs_are_one_line(change, message):
     with pytest.raises(UserError, match=message) as e:
         hf_config_to_model_config(json.loads(json.dumps(config)))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,params", [
+    # the parameter counts HuggingFace shows for each checkpoint's safetensors (Mixtral-8x22B: the 32768-token
+    # vocabulary of mistralai/Mixtral-8x22B-v0.1)
+    ("llama-2-7b", 6_738_415_616), ("llama-2-13b", 13_015_864_320), ("llama-2-70b", 68_976_648_192),
+    ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496), ("llama-3.1-405b", 405_853_388_800),
+    ("mistral-7b", 7_241_732_096), ("qwen2-7b", 7_615_616_512), ("mixtral-8x7b", 46_702_792_704),
+    ("mixtral-8x22b", 140_630_071_296),
+])
+def test_registry_parameter_counts(name, params):
+    from syntorch.config import get_config
+    model = build_model(get_config(name), device="meta")
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_deepseek_style_moe_from_model_config(tmp_path):
+    """Shared experts and many small experts, expressed in a --model_config file."""
+    from syntorch.config import load_model_config
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"base": "mixtral-8x7b", "n_experts": 64, "moe_top_k": 6, "d_ff_expert": 1408,
+                                "n_shared_experts": 2, "moe_renormalize": False}))
+    c = load_model_config(path)
+    mlp = build_model(c, device="meta").layers["0"].mlp
+    assert len(mlp.experts) == 64 and mlp.top_k == 6 and not mlp.renormalize
+    per_layer = sum(p.numel() for p in mlp.parameters())
+    assert per_layer == 4096 * 64 + 64 * 3 * 4096 * 1408 + 3 * 4096 * 2 * 1408
+
+
+def test_tied_head_and_own_head_dim(tmp_path):
+    """Small Qwen2/Llama checkpoints tie the head to the embedding, and some set head_dim apart from
+    hidden_size / heads."""
+    torch.manual_seed(0)
+    model = hf.Qwen2ForCausalLM(hf.Qwen2Config(**{**COMMON, "tie_word_embeddings": True, "head_dim": 16})).eval()
+    model.save_pretrained(tmp_path)
+    config, ours = load_checkpoint(tmp_path)
+    assert config.tied_head and config.d_head == 16 and ours.lm_head.weight is ours.tok_emb.weight
+    with torch.no_grad():
+        assert (ours(ids()) - model(ids()).logits).abs().max().item() <= 1e-4

@@ -76,3 +76,9 @@ def test_top_k_above_expert_count():
         moe_config(moe_top_k=5)
     with pytest.raises(UserError, match="n_experts must be an integer >= 0"):
         dataclasses.replace(moe_config(), n_experts=-1)
+
+
+def test_meta_routes_by_a_stated_load():
+    moe = MoE(moe_config())
+    moe.symbolic_load = [0.5, 0.25, 0.125, 0.125]
+    assert moe.tokens_per_expert(torch.empty(18, dtype=torch.long, device="meta")) == [9, 5, 2, 2]  # 9, 4.5, 2.25, 2.25

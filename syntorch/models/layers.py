@@ -1,4 +1,5 @@
 """Transformer building blocks shared by the GPT and BERT families. Plain PyTorch."""
+import functools
 import math
 
 import torch
@@ -131,7 +132,7 @@ class Attention(nn.Module):
         return allowed if mask is None else mask & allowed, False
 
 
-_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+_ACTIVATIONS = {"gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
 class MLP(nn.Module):

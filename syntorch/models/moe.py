@@ -36,15 +36,16 @@ class MoE(nn.Module):
 
     def tokens_per_expert(self, experts: torch.Tensor) -> list[int]:
         """How many (token, slot) pairs each expert gets, from the chosen ids [N * k]; on meta, from the stated
-        load (uniform by default, the remainder to the first experts)."""
+        load (uniform by default), rounded by largest remainder (ties to the lower expert)."""
         n_experts = self.router.out_features  # E, also on an expert-parallel rank holding fewer
         if not experts.is_meta:
             return torch.bincount(experts, minlength=n_experts).tolist()
         total = experts.numel()
-        load = self.symbolic_load or [1 / n_experts] * n_experts
-        counts = [int(total * share) for share in load]
-        for e in range(total - sum(counts)):
-            counts[e % n_experts] += 1
+        shares = [total * share for share in (self.symbolic_load or [1 / n_experts] * n_experts)]
+        counts = [int(share) for share in shares]
+        by_remainder = sorted(range(n_experts), key=lambda e: counts[e] - shares[e])
+        for e in by_remainder[:total - sum(counts)]:
+            counts[e] += 1
         return counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

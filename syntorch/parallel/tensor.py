@@ -11,8 +11,11 @@ state dicts keep their keys). As in torchtitan the plan is data, {module suffix:
 - vocab_embedding: rows of the padded vocabulary split; masked lookup, then all-reduce.
 - vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling.
 
-MoE layers: the router is replicated; each expert's MLP is sharded like the dense MLP (one all-reduce per expert
-that received tokens: its row-parallel fc2); expert parallelism, which splits the experts instead, is a plan of its own.
+MoE layers (Megatron's MoE under TP without EP): each expert's MLP (and the shared experts') is sharded like the
+dense MLP and the router is replicated, but the whole MoE layer is one TP region: f before it, g (one all-reduce)
+after it, none per expert, since every rank routes the same tokens and the weighted sum of partial expert
+outputs is itself a partial sum. The router's gradients are then partial too; training sums them over TP
+(`partial_grads`). Expert parallelism, which splits the experts instead, is a plan of its own.
 
 Sequence parallel (Korthikanti et al. 2022) keeps the residual stream and LayerNorms split along the sequence:
 each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) plus an all-gather (before a
@@ -107,7 +110,8 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     """{module name: style} for this model: every module whose name ends with a plan key."""
     gated = {"fc1": "colwise_gated"} if model.config.gated_mlp else {}
-    rules = {**TP_PLAN, **gated, **(SP_PLAN if sequence_parallel else {})}
+    moe = {"mlp": "moe_region"} if model.config.n_experts else {}  # every block's MLP is an MoE layer
+    rules = {**TP_PLAN, **gated, **moe, **(SP_PLAN if sequence_parallel else {})}
     plan = {}
     for name, _ in model.named_modules():
         for suffix, style in rules.items():
@@ -175,23 +179,27 @@ def _param(t: torch.Tensor | None, like: nn.Parameter | None):
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, weight, bias, tp: TPGroup):
+    def __init__(self, weight, bias, tp: TPGroup, in_region: bool = False):
         super().__init__()
         self.weight, self.bias, self.tp = weight, bias, tp
+        self.in_region = in_region  # inside an MoE layer, whose own f reduces the gradient
 
     def forward(self, x):  # x: [B, T, d]
-        if not self.tp.seq_split:  # under SP the all-gather before attn/mlp already reduces the gradient
+        if not (self.tp.seq_split or self.in_region):  # under SP the all-gather before attn/mlp already does
             x = comm.copy_to_tp(x, self.tp.group)
         return F.linear(x, self.weight, self.bias)  # [B, T, out/tp]
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, weight, bias, tp: TPGroup):
+    def __init__(self, weight, bias, tp: TPGroup, in_region: bool = False):
         super().__init__()
         self.weight, self.bias, self.tp = weight, bias, tp
+        self.in_region = in_region  # inside an MoE layer: leave the partial sums to its one all-reduce
 
     def forward(self, x):  # x: [B, T, in/tp]
         y = F.linear(x, self.weight)  # partial sums [B, T, out]
+        if self.in_region:  # the bias once: on rank 0, before the sum
+            return y if self.bias is None or self.tp.rank else y + self.bias
         if self.tp.seq_split:
             y = comm.reduce_scatter_to_sp(y, 1, self.tp.group)  # [B, T/tp, out]
         else:
@@ -235,7 +243,8 @@ class VocabParallelHead(nn.Module):
         return comm.gather_from_tp(logits, -1, self.tp.group)[..., :self.vocab_size]
 
 
-def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: ModelConfig) -> nn.Module:
+def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: ModelConfig,
+           in_region: bool = False) -> nn.Module:
     def shard(param):
         full = getattr(module, param, None)
         if full is None:
@@ -244,9 +253,9 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
                                  config.kv_heads), full)
 
     if style in ("colwise", "colwise_gated", "colwise_qkv"):
-        return ColumnParallelLinear(shard("weight"), shard("bias"), tp)
+        return ColumnParallelLinear(shard("weight"), shard("bias"), tp, in_region)
     if style == "rowwise":
-        return RowParallelLinear(shard("weight"), shard("bias"), tp)
+        return RowParallelLinear(shard("weight"), shard("bias"), tp, in_region)
     if style == "vocab_embedding":
         return VocabParallelEmbedding(shard("weight"), tp)
     if style == "vocab_head":
@@ -256,6 +265,9 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
     elif style == "sequence_gather_input":
         module.register_forward_pre_hook(
             lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.seq_split else args)
+    elif style == "moe_region":
+        module.register_forward_pre_hook(lambda m, args: (comm.copy_to_tp(args[0], tp.group), *args[1:]))
+        module.register_forward_hook(lambda m, inp, out: comm.reduce_from_tp(out, tp.group))
     return module
 
 
@@ -275,22 +287,30 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     tp = TPGroup(group, rank, size, sequence_parallel)
     plan = TPPlan(size, rank, sequence_parallel, padded_vocab(config.vocab_size, size),
                   styles=plan_for(model, sequence_parallel))
+    regions = [name for name, style in plan.styles.items() if style == "moe_region"]
     for name, style in plan.styles.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(style, getattr(parent, child), tp, plan.padded_vocab, config))
+        in_region = any(name.startswith(region + ".") for region in regions)
+        setattr(parent, child, _build(style, getattr(parent, child), tp, plan.padded_vocab, config, in_region))
     model.tie_weights()  # the head and the embedding hold the same vocabulary rows
     plan.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     if sequence_parallel:
-        plan.partial_grads = _sequence_split_params(model, plan.styles)
+        plan.partial_grads = _partial_params(model, plan.styles)
+    elif regions:
+        plan.partial_grads = _partial_params(model, plan.styles, regions)
     return plan
 
 
-def _sequence_split_params(model: nn.Module, styles: dict[str, str]) -> list[str]:
-    # under SP every replicated parameter but the position/type tables (split, then gathered in backward) sees
-    # only this rank's positions: LayerNorms, BERT's head transform, row-parallel biases
+def _partial_params(model: nn.Module, styles: dict[str, str], regions: list[str] | None = None) -> list[str]:
+    # replicated parameters whose gradient each rank holds a part of: under SP (every parameter but the
+    # position/type tables, split, then gathered in backward) each rank sees only its positions: LayerNorms,
+    # BERT's head transform, row-parallel biases; in MoE `regions` the router and the biases of the row-parallel
+    # layers see only this rank's partial expert outputs
     names = []
     for name, module in model.named_modules():
+        if regions is not None and not any(name.startswith(region + ".") for region in regions):
+            continue
         style = styles.get(name)
         names += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)
                   if style is None or (style == "rowwise" and p == "bias")]
