@@ -106,6 +106,8 @@ class Tracer:
 
     def _leave_module(self, is_layer: bool, skipped: bool, last: bool):
         def hook(_module, _args, out):
+            if torch.is_grad_enabled():  # what made the output without a torch function (a checkpoint) is ours
+                self.tag_autograd_nodes(out)
             self.modules.pop()
             call = self.layer_calls[-1] if self.layer_calls else None
             if skipped:
