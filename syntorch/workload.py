@@ -36,15 +36,17 @@ class Workload:
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
     hw_name: str | None = None
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
+    profile: str = "eager"  # software profile of the durations, when hw_name is set
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
-                   hw: HardwareConfig | None = None) -> Workload:
+                   hw: HardwareConfig | None = None, profile: str = "eager") -> Workload:
+    """`profile`: the software profile of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
-        return _trace_workload(config, plan, dtype, hw)
+        return _trace_workload(config, plan, dtype, hw, profile)
 
 
-def _trace_workload(config, plan, dtype, hw) -> Workload:
+def _trace_workload(config, plan, dtype, hw, profile) -> Workload:
     source = traced_stage_for(config, plan)
     probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
     moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
@@ -54,9 +56,9 @@ def _trace_workload(config, plan, dtype, hw) -> Workload:
     # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
     # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
     for graph in unscheduled if hw else ():
-        fill_durations(graph, hw)
+        fill_durations(graph, hw, profile)
     stages = [schedule_stage(graph, probes[source[s]][1], plan) for s, graph in enumerate(unscheduled)]
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes))
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes), profile)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -137,5 +139,5 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "schedule": graph.graph["pipeline_schedule"],
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
-            "hw_config": workload.hw_name, "traced_stages": workload.traced_stages,
+            "hw_config": workload.hw_name, "profile": workload.profile, "traced_stages": workload.traced_stages,
             "rank_layout": "rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank", "stages": stages}

@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     b.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
     out = p.add_argument_group("outputs")
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
+    out.add_argument("--profile", default="eager",
+                     help="software profile of the durations: eager (one kernel per aten op) or fused (Megatron's kernels)")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
     out.add_argument("--out", default="runs/trace", help="output folder")
     out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
@@ -41,14 +43,16 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.parallel.plans import TrainPlan
+    from syntorch.trace.cost import check_profile
     from syntorch.workload import trace_workload, write_workload
 
     check_output_dir(args.out, args.force, "--out")  # before the work, not after it
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)
+    check_profile(args.profile)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
-    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw)
+    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, args.profile)
     summary = write_workload(workload, args.out, args.trace_level, args.force, progress=not args.no_progress)
     print_summary(summary)
     return 0
