@@ -27,17 +27,23 @@ import argparse
 import collections
 import csv
 import dataclasses
+import hashlib
+import json
 import time
 from pathlib import Path
 
 import torch
 
 from syntorch.config import ModelConfig
-from syntorch.generate import Sampling
+from syntorch.generate import Sampling, generate
 from syntorch.hardware import load_hw_config
+from syntorch.models import build_model
+from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.plans import TrainPlan
-from syntorch.trace import cost
-from syntorch.trace.generation import trace_tp_rank
+from syntorch.parallel.tensor import apply_tp
+from syntorch.trace import cost, kernels, tracer
+from syntorch.trace.generation import trace_run
 from syntorch.trace.training import trace_stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,20 +63,46 @@ KORTHIKANTI = {  # experiment -> (sequence parallel, recompute)
 
 
 # --- FasterTransformer GPT-20B ------------------------------------------------------------------------
-def phase_kernels(graph, plan) -> dict[str, collections.Counter]:
-    """phase -> Counter of the kernels (cost.Kernel) its nodes launch: equal layers collapse into counts."""
+def phase_kernels(graph, plan, layers: int = 2) -> dict[str, collections.Counter]:
+    """phase -> Counter of the kernels (cost.Kernel) its nodes launch, from the trace of a two-layer model
+    whose second layer stands for the `layers` - 1 after the first (what replicate.py copies in a full trace;
+    the second, not the first, since a layer's first kernel takes in the last add of the layer before)."""
     phases = collections.defaultdict(collections.Counter)
     for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
-            phases[data["phase"]][cost.kernel_of(graph, node, plan)] += 1
+            copies = layers - 1 if data["module"].startswith("layers.1") else 1
+            phases[data["phase"]][cost.kernel_of(graph, node, plan)] += copies
     return phases
 
 
-def ft_step_kernels(batch: int, prompt: int, tp: int) -> dict[str, collections.Counter]:
-    """Prefill of `prompt` tokens and the decode step after it, one TP rank's kernels."""
-    tokens = torch.zeros(batch, prompt, dtype=torch.long)
-    graph, _ = trace_tp_rank(GPT20B, tokens, 2, tp, 0, dtype=torch.float16, sampling=Sampling(top_p=0.9))
-    return phase_kernels(graph, cost.kernel_plan(graph, PROFILE))
+def ft_kernels(keys: set, cache_path: Path) -> dict:
+    """(batch, prompt, tp) -> {phase: Counter of kernels} of the prefill of `prompt` tokens and the decode step
+    after it, one TP rank of GPT-20B on meta (two layers traced, the second counted 43 times); one model per TP degree.
+    Kept in `cache_path` (JSON) for the next run, valid while the cost model's source is unchanged."""
+    version = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (cost, kernels, tracer))).hexdigest()
+    cached = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    found = {tuple(json.loads(k)): {phase: collections.Counter({cost.Kernel(*_tuples(kernel)): n for kernel, n in v})
+                                    for phase, v in phases.items()}
+             for k, phases in cached.get("kernels", {}).items()} if cached.get("version") == version else {}
+    for tp in sorted({tp for _, _, tp in keys - set(found)}):
+        with symbolic_world(0, tp):
+            model = build_model(dataclasses.replace(GPT20B, n_layer=2), device="meta", dtype=torch.float16)
+            apply_tp(model, init_groups(Mesh(tp=tp)))
+            for batch, prompt, _ in sorted(k for k in keys - set(found) if k[2] == tp):
+                tokens = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
+                graph, _ = trace_run(model, lambda m, scope: generate(m, tokens, 2, Sampling(top_p=0.9),
+                                                                      phase_scope=scope), world_size=tp)
+                found[batch, prompt, tp] = phase_kernels(graph, cost.kernel_plan(graph, PROFILE), GPT20B.n_layer)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    cache_path.write_text(json.dumps({"version": version, "kernels": {
+        json.dumps(k): {phase: [[dataclasses.astuple(kernel), n] for kernel, n in counter.items()]
+                        for phase, counter in phases.items()} for k, phases in found.items()}}))
+    return found
+
+
+def _tuples(value):
+    """JSON lists back into the tuples a Kernel holds (shapes)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 @dataclasses.dataclass
@@ -91,22 +123,12 @@ class FTCase:
         return (us(self.first["prefill"]) + steps * mean_step) / 1e3
 
 
-def ft_cases(path: Path) -> list[FTCase]:
-    cases, cache = [], {}
-
-    def kernels(batch, prompt, tp):
-        if (batch, prompt, tp) not in cache:
-            cache[batch, prompt, tp] = ft_step_kernels(batch, prompt, tp)
-        return cache[batch, prompt, tp]
-
+def ft_cases(path: Path, cache_path: Path) -> list[FTCase]:
     with open(path) as f:
-        for row in csv.DictReader(f):
-            b, i, o = (int(row[k]) for k in ("batch", "input_len", "output_len"))
-            for tp in (1, 2, 4, 8):
-                if row[f"tp{tp}_ms"]:
-                    cases.append(FTCase(b, i, o, tp, float(row[f"tp{tp}_ms"]), kernels(b, i, tp),
-                                        kernels(b, i + o - 2, tp)))
-    return cases
+        cells = [(int(row["batch"]), int(row["input_len"]), int(row["output_len"]), tp, float(row[f"tp{tp}_ms"]))
+                 for row in csv.DictReader(f) for tp in (1, 2, 4, 8) if row[f"tp{tp}_ms"]]
+    found = ft_kernels({key for b, i, o, tp, _ in cells for key in ((b, i, tp), (b, i + o - 2, tp))}, cache_path)
+    return [FTCase(b, i, o, tp, ms, found[b, i, tp], found[b, i + o - 2, tp]) for b, i, o, tp, ms in cells]
 
 
 # --- Megatron-LM 22B layer --------------------------------------------------------------------------
@@ -219,7 +241,7 @@ def main():
     args = p.parse_args()
     hw, calibration, out = load_hw_config(args.hw_config), Path(args.calibration), Path(args.out)
     begin = time.perf_counter()
-    ft = ft_cases(calibration / "ft_gpt20b_a100.csv")
+    ft = ft_cases(calibration / "ft_gpt20b_a100.csv", out / "fidelity_ft_kernels.json")
     layers = layer_cases(calibration / "korthikanti2022_table4_22b_layer.csv")
     print(f"traced {len(ft)} FasterTransformer cells and {len(layers)} Megatron layers in "
           f"{time.perf_counter() - begin:.0f} s")

@@ -24,6 +24,8 @@ Profiles (the same trace, other kernels):
   kernel that reads its output (add-bias-residual-layernorm after an all-reduce). Their traffic that does
   not cancel inside the fused kernel -- everything but the one input they share with it and their own
   output -- is added to that kernel's bytes. Elementwise ops with no such neighbour fuse among themselves.
+  A cat that only lays out the chunks of a sequence-parallel all-gather or reduce-scatter is free
+  (Megatron's [s, b, h] layout has them in place; ours, [b, s, h], needs the copy in eager).
 """
 import math
 
@@ -111,7 +113,9 @@ class _FusedPlan:
 
     def visit(self, node, data):
         inputs = list(self.graph.preds[node])
-        if not launches_kernel(data):
+        if not launches_kernel(data) or self.layout_only(node, data, inputs):
+            if launches_kernel(data):
+                self.plan[node] = -1
             host = next((self.host_of[t] for t in inputs if t in self.host_of), None)
             self.mark_outputs(node, host)
             return
@@ -133,6 +137,19 @@ class _FusedPlan:
         self.flush()
         self.last_kernel = node
         self.mark_outputs(node, node)
+
+    def layout_only(self, node, data, inputs) -> bool:
+        """A cat that only arranges the chunks of an all-gather, or the chunks for a reduce-scatter, along
+        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place."""
+        if data["name"] != "aten.cat":
+            return False
+        nodes, graph = self.graph.node_attrs, self.graph
+        hosts = {self.host_of.get(t) for t in inputs}
+        from_collective = len(hosts) == 1 and None not in hosts and not isinstance(next(iter(hosts)), tuple) \
+            and nodes[next(iter(hosts))]["kind"] == "collective"
+        consumers = [c for t in graph.succs[node] for c in graph.succs[t]]
+        to_collective = bool(consumers) and all(nodes[c]["kind"] == "collective" for c in consumers)
+        return from_collective or to_collective
 
     def flush(self):
         """Pending ops no kernel read: one kernel of their own, hosted by the first."""
