@@ -19,8 +19,8 @@ forward and backward ops. Forward: serial (every all-reduce feeds the next op). 
 rank (cost.two_stream_us): Megatron launches the TP all-reduce of an input gradient asynchronously and
 computes the weight gradient meanwhile, which the trace's dependencies allow and the two streams realise.
 
-`--fit` refits the four fitted figures of the preset (gemm_efficiency, memory_efficiency, kernel_overhead_us,
-collective_latency_us) by Nelder-Mead on the mean of the two tables' MAPEs and prints them; the preset in
+`--fit` refits the four fitted figures of the preset (gemm_efficiency, memory_efficiency, collective_latency_us,
+intra_node_latency_us) by Nelder-Mead on the mean of the two tables' MAPEs and prints them; the preset in
 syntorch/hardware.py holds the rounded result. Everything else is a datasheet or vendor-benchmark figure.
 """
 import argparse
@@ -48,7 +48,7 @@ from syntorch.trace.training import trace_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "fused"
-FITTED = ("gemm_efficiency", "memory_efficiency", "kernel_overhead_us", "collective_latency_us")
+FITTED = ("gemm_efficiency", "memory_efficiency", "collective_latency_us", "intra_node_latency_us")
 GPT20B = ModelConfig(name="gpt-20b", arch="gpt", n_layer=44, d_model=6144, n_head=48, vocab_size=51200,
                      n_positions=2048)
 GPT22B_LAYER = ModelConfig(name="gpt-22b-layer", arch="gpt", n_layer=1, d_model=6144, n_head=64, vocab_size=51200,

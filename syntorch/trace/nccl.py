@@ -3,7 +3,9 @@
 A collective of n ranks on B bytes (the node's `bytes`: the larger of its input and output buffer, as
 nccl-tests count a collective's size) costs
     collective_latency_us + steps * step latency + moved(B) / (link bandwidth * bus efficiency)
-with, for a ring (NCCL's algorithm inside a node and for all but all-reduce across nodes):
+(NCCL's own tuning model has this form per protocol, src/graph/tuning.cc: a base latency, a latency per
+step, a bus bandwidth; the calibration lands near its LL128 ring figures on NVLink, 14 us + 1.9 us per
+step), with, for a ring (NCCL's algorithm inside a node and for all but all-reduce across nodes):
     all_reduce      2(n-1) steps, moves 2(n-1)/n B   (reduce-scatter then all-gather)
     reduce_scatter  (n-1) steps,  moves (n-1)/n B    (B is the input)
     all_gather      (n-1) steps,  moves (n-1)/n B    (B is the output)
