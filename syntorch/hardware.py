@@ -46,17 +46,23 @@ class HardwareConfig:
 # (600 GB/s A100, 900 GB/s H100/H200 -> 300 / 450 GB/s each way) and InfiniBand in Gbit/s per port
 # (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s; DGX nodes have one port per GPU).
 # Latency per ring step: inside a node, fitted (below; NCCL's own tuning model, src/graph/tuning.cc hwLat,
-# has 1.9 us per NVLink step for its LL128 ring); across nodes NCCL's LL128 ring figure, 4 us per network step.
+# has 1.9 us per NVLink step for its LL128 ring); across nodes NCCL's LL128 ring figure, 4 us per network
+# step (not calibrated: no multi-node table).
 # SM counts: NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs), H100 whitepaper (132 SMs, SXM5).
 #
-# The efficiencies below are fitted once, together, by bench/fidelity.py to the two tables of
-# ../shared/calibration (FasterTransformer GPT-20B inference latencies, Megatron-LM 22B per-layer training
-# times, Korthikanti et al. 2022 Table 4, all on A100-80GB SXM): gemm_efficiency, memory_efficiency,
-# kernel_overhead_us and collective_latency_us. The bus efficiencies are vendor benchmarks: nccl-tests
-# all_reduce bus bandwidth on DGX A100 (~230 GB/s of NVLink's 300: 0.77) and across HDR InfiniBand
-# (~23 GB/s of 25 per NIC: 0.92). Hopper presets take the same fractions (no calibration table for them):
-# a guess to replace when measurements come.
-A100_FIT = dict(gemm_efficiency=0.68, memory_efficiency=0.67, kernel_overhead_us=2.0, collective_latency_us=28.0)
+# Fitted once, together, by `python bench/fidelity.py --fit` (Nelder-Mead on the mean of the two tables'
+# MAPEs) to ../shared/calibration: FasterTransformer GPT-20B inference latencies at TP 1/2/4/8 (174 cells)
+# and Megatron-LM 22B per-layer forward/backward times (Korthikanti et al. 2022, Table 4), all on
+# A100-80GB SXM. Four figures, each a physical quantity; values rounded:
+#   gemm_efficiency 0.67       cuBLAS FP16 GEMMs reach ~2/3 of the 312 TFLOP/s tensor-core peak
+#   memory_efficiency 0.74     streaming kernels (decode GEMV, layer norm, KV-cache attention) ~1.5 TB/s
+#   collective_latency_us 50   one all-reduce call's fixed cost beside NCCL's ring steps (FT's TP scaling)
+#   intra_node_latency_us 2.2  per ring step over NVLink (NCCL's tuning model says 1.9 for LL128)
+# Not fitted: kernel_overhead_us 2 (the GPU-side gap between back-to-back kernels of one stream; launches
+# are asynchronous), and the bus efficiencies, vendor benchmarks: nccl-tests all_reduce bus bandwidth on
+# DGX A100 (~230 GB/s of NVLink's 300: 0.77) and across HDR InfiniBand (~23 GB/s of 25 per NIC: 0.92).
+# Hopper presets take the same fractions (no calibration table for them): to replace when measured.
+A100_FIT = dict(gemm_efficiency=0.67, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
 NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TFLOPS (no tensor cores; PyTorch
@@ -64,7 +70,7 @@ PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 3 600 GB/s. DGX A100: 8 GPUs, 8x HDR 200 Gb/s.
     HardwareConfig("a100-80gb", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0},
                    memory_bw_gb_s=2039.0, memory_gb=80.0,
-                   intra_node_bw_gb_s=300.0, intra_node_latency_us=4.6,
+                   intra_node_bw_gb_s=300.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=25.0, inter_node_latency_us=4.0, devices_per_node=8,
                    sm_count=108, **A100_FIT, **NCCL_BUS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
@@ -72,7 +78,7 @@ PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # 8x ConnectX-7 NDR 400 Gb/s.
     HardwareConfig("h100-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
                    memory_bw_gb_s=3350.0, memory_gb=80.0,
-                   intra_node_bw_gb_s=450.0, intra_node_latency_us=3.4,
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
                    sm_count=132, **A100_FIT, **NCCL_BUS),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM (FP32 67, BF16/FP16
@@ -80,7 +86,7 @@ PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # 8x NDR 400 Gb/s.
     HardwareConfig("h200-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
                    memory_bw_gb_s=4800.0, memory_gb=141.0,
-                   intra_node_bw_gb_s=450.0, intra_node_latency_us=3.4,
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
                    sm_count=132, **A100_FIT, **NCCL_BUS),
 ]}

@@ -5,7 +5,8 @@ Kernel time = kernel_overhead_us + one of
 - GEMM (mm, addmm, bmm, baddbmm): max(math, memory). Math: the output is cut into tiles of
   TILE_N columns and up to TILE_M rows (smaller for few rows, as cuBLAS picks narrow tiles for skinny
   GEMMs); each SM runs one tile at a time at `gemm_efficiency` of its share of peak, so the tiles run in
-  ceil(tiles / sm_count) waves (fewer tiles than SMs: split-K spreads them, no quantization).
+  ceil(tiles / sm_count) waves. Fewer tiles than SMs: split-K spreads them over sm_count // tiles slices
+  of K, whose FP32 partial sums a second pass writes and reads back.
   Memory: the bytes the op reads and writes at `memory_efficiency` of the bandwidth.
 - attention (the fused sdpa op): FlashAttention-style, one kernel, max(math, memory) -- for the eager
   profile (PyTorch picks a flash kernel on GPUs) and for decode (FasterTransformer's masked attention
@@ -69,7 +70,10 @@ def gemm_us(batch: int, m: int, n: int, k: int, nbytes: int, dtype: str, hw: Har
     tiles = batch * math.ceil(m / tile_m) * math.ceil(n / TILE_N)
     waves = math.ceil(tiles / hw.sm_count) if tiles >= hw.sm_count else tiles / hw.sm_count
     padded_flops = waves * hw.sm_count * 2 * tile_m * TILE_N * k
-    return hw.kernel_overhead_us + max(math_us(padded_flops, dtype, hw), memory_us(nbytes, hw))
+    # split-K: each of the `splits` slices of K writes FP32 partial sums that a second pass reads and adds
+    splits = hw.sm_count // tiles if tiles < hw.sm_count else 1
+    reduction_us = memory_us(2 * splits * batch * m * n * 4, hw) if splits > 1 else 0.0
+    return hw.kernel_overhead_us + max(math_us(padded_flops, dtype, hw), memory_us(nbytes, hw)) + reduction_us
 
 
 def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: str, hw: HardwareConfig,
