@@ -215,15 +215,19 @@ def plot(title: str, rows, path: Path) -> None:
 
     measured = [m for _, m, _ in rows]
     predicted = [p for _, _, p in rows]
-    fig, ax = plt.subplots(figsize=(6, 6))
-    ax.scatter(measured, predicted, s=14)
+    fig, ax = plt.subplots(figsize=(6.5, 6.5))
+    groups = sorted({label.split()[-1] for label, _, _ in rows})  # tp1..tp8, or forward / backward
+    for group in groups:
+        points = [(m, p) for label, m, p in rows if label.split()[-1] == group]
+        ax.scatter(*zip(*points), s=14, label=group)
     low, high = min(measured + predicted) * 0.8, max(measured + predicted) * 1.25
     ax.plot([low, high], [low, high], "k-", lw=0.8, label="predicted = published")
     for f, style in ((1.12, "r--"), (1 / 1.12, "r--")):
         ax.plot([low, high], [low * f, high * f], style, lw=0.6)
     ax.plot([], [], "r--", lw=0.6, label="±12%")
     ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="published (ms)",
-           ylabel="predicted (ms)", title=f"{title}\nMAPE {mape(rows):.1f}%")
+           ylabel="predicted (ms)")
+    ax.set_title(f"{title}\nMAPE {mape(rows):.1f}%", fontsize=9)
     ax.legend(loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
