@@ -194,3 +194,42 @@ def test_fused_profile_folds_bias_activation_and_residual_into_neighbouring_kern
 def test_unknown_profile_is_one_line():
     with pytest.raises(UserError, match="unknown --profile 'tuned'; use one of eager, fused"):
         cost.fill_durations(_tiny_tp_graph(), H100, "tuned")
+
+
+def test_two_streams_overlap_a_collective_with_compute_that_does_not_need_it():
+    """Megatron's backward: the input gradient's all-reduce runs while the weight gradient computes."""
+    g = TraceGraph(rank=0, world_size=2, tp=2)
+    t = lambda: g.add_tensor([1024, 1024], "bfloat16", 2 * 2**20)  # noqa: E731
+    grad, w, x, dx, dw, reduced, out = t(), t(), t(), t(), t(), t(), t()
+    dgrad = g.add_op("aten.mm", [grad, w], [dx], phase="backward", flops=2 * 2**30)
+    wgrad = g.add_op("aten.mm", [grad, x], [dw], phase="backward", flops=2 * 2**30)
+    ar = g.add_collective("all_reduce", [dx], [reduced], group=[0, 1], nbytes=2 * 2**20, phase="backward")
+    norm = g.add_op("aten.native_layer_norm_backward", [reduced], [out], phase="backward", bytes_read=2**21)
+    cost.fill_durations(g, H100, "fused")
+    us = {n: g.nodes[n]["duration_us"] for n in (dgrad, wgrad, ar, norm)}
+    expected = us[dgrad] + max(us[wgrad], us[ar]) + us[norm]  # the all-reduce starts when dgrad ends
+    assert cost.two_stream_us(g) == pytest.approx(expected)
+    assert cost.two_stream_us(g) < cost.latency_us(g)["serial_us"]
+
+
+def test_fused_profile_launches_fewer_kernels_for_a_traced_model():
+    import torch
+
+    from conftest import tiny_config
+    from syntorch.models import build_model
+    from syntorch.trace.tracer import SDPA, Tracer
+
+    model = build_model(tiny_config("gpt2"), device="meta")
+    with Tracer(model) as tracer:
+        model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    graph = tracer.graph
+    fused_plan = kernels.kernel_plan(graph, "fused")
+    assert kernels.kernel_plan(graph, "eager") == {}  # eager: every op that launches a kernel is one
+    ops = [n for n, d in graph.node_attrs.items() if d["kind"] == "op" and kernels.launches_kernel(d)]
+    joined = [graph.nodes[n]["name"] for n in ops if fused_plan.get(n) == -1]
+    # per layer at least the GeLU and the two residual adds join a neighbour
+    assert joined.count("aten.gelu") == len(model.layers) and joined.count("aten.add") >= 2 * len(model.layers)
+    attention = [n for n in ops if graph.nodes[n]["name"] == SDPA]
+    assert len(attention) == len(model.layers) and all(fused_plan.get(n, 0) >= 0 for n in attention)
+    eager = cost.latency_us(graph, H100, "eager")["serial_us"]
+    assert cost.latency_us(graph, H100, "fused")["serial_us"] < eager
