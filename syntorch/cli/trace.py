@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")
+    par.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models): splits the experts over "
+                     "groups of this many DP ranks; divides --dp")
     par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
     par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
@@ -31,6 +33,8 @@ def add_parser(sub) -> None:
     out.add_argument("--profile", default="eager",
                      help="software profile of the durations: eager (one kernel per aten op) or fused (Megatron's kernels)")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
+    out.add_argument("--predict_only", action="store_true",
+                     help="predict the step (needs --hw_config) without writing Chakra files: summary.json, timeline.json")
     out.add_argument("--out", default="runs/trace", help="output folder")
     out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -43,6 +47,9 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.parallel.plans import TrainPlan
+    from syntorch.cli.predict import print_prediction
+    from syntorch.errors import UserError
+    from syntorch.simulate.predict import predict_training, write_prediction
     from syntorch.trace.cost import check_profile
     from syntorch.workload import trace_workload, write_workload
 
@@ -50,11 +57,21 @@ def run(args) -> int:
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)
+    if args.predict_only and not args.hw_config:
+        raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     check_profile(args.profile)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
-    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, args.profile)
-    summary = write_workload(workload, args.out, args.trace_level, args.force, progress=not args.no_progress)
-    print_summary(summary)
+    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only,
+                              profile=args.profile)
+    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile) if hw else None
+    if args.predict_only:
+        record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
+                  "hw_config": hw.name, "predicted": prediction.summary}
+        write_prediction(args.out, record, prediction, "summary.json", args.force)
+    else:
+        print_summary(write_workload(workload, args.out, args.trace_level, args.force, not args.no_progress, prediction))
+    if prediction:
+        print_prediction(prediction.summary)
     return 0
 
 
