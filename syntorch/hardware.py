@@ -21,9 +21,17 @@ class HardwareConfig:
     memory_gb: float  # device memory capacity
     intra_node_bw_gb_s: float  # per device, one direction, to a device in the same node
     intra_node_latency_us: float  # per ring step
-    inter_node_bw_gb_s: float  # per device, one direction, to a device in another node
+    inter_node_bw_gb_s: float  # per device, one direction, to a device in another node (its own NIC)
     inter_node_latency_us: float  # per ring step
     devices_per_node: int
+    # --- the performance model (trace/kernels.py, trace/nccl.py): what a device achieves of the above
+    sm_count: int  # streaming multiprocessors: the waves a GEMM's tiles run in
+    gemm_efficiency: float  # fraction of peak a full wave of GEMM tiles reaches (cuBLAS, large shapes)
+    memory_efficiency: float  # fraction of memory bandwidth a streaming kernel reaches
+    kernel_overhead_us: float  # fixed cost of every kernel: launch, ramp-up and tail
+    intra_node_bus_efficiency: float  # NCCL bus bandwidth / link bandwidth inside a node (nccl-tests busbw)
+    inter_node_bus_efficiency: float  # the same across nodes, per NIC
+    collective_latency_us: float  # fixed cost of one NCCL collective (launch and synchronisation), beside its steps
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s for a dtype name ("bfloat16" or "torch.bfloat16"); unknown dtypes use float32's peak."""
@@ -37,30 +45,50 @@ class HardwareConfig:
 # NVLink and InfiniBand figures are per direction: NVIDIA prints NVLink as the bidirectional total
 # (600 GB/s A100, 900 GB/s H100/H200 -> 300 / 450 GB/s each way) and InfiniBand in Gbit/s per port
 # (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s; DGX nodes have one port per GPU).
-# Latencies per ring step are NCCL's own tuning model (src/graph/tuning.cc, hwLat: ~2 us per NVLink
-# step with LL128, ~5 us per network step), rounded.
+# Latency per ring step: inside a node, fitted (below; NCCL's own tuning model, src/graph/tuning.cc hwLat,
+# has 1.9 us per NVLink step for its LL128 ring); across nodes NCCL's LL128 ring figure, 4 us per network
+# step (not calibrated: no multi-node table).
+# SM counts: NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs), H100 whitepaper (132 SMs, SXM5).
+#
+# Fitted once, together, by `python bench/fidelity.py --fit` (Nelder-Mead on the mean of the two tables'
+# MAPEs) to ../shared/calibration: FasterTransformer GPT-20B inference latencies at TP 1/2/4/8 (174 cells)
+# and Megatron-LM 22B per-layer forward/backward times (Korthikanti et al. 2022, Table 4), all on
+# A100-80GB SXM. Four figures, each a physical quantity; values rounded:
+#   gemm_efficiency 0.67       cuBLAS FP16 GEMMs reach ~2/3 of the 312 TFLOP/s tensor-core peak
+#   memory_efficiency 0.74     streaming kernels (decode GEMV, layer norm, KV-cache attention) ~1.5 TB/s
+#   collective_latency_us 50   one all-reduce call's fixed cost beside NCCL's ring steps (FT's TP scaling)
+#   intra_node_latency_us 2.2  per ring step over NVLink (NCCL's tuning model says 1.9 for LL128)
+# Not fitted: kernel_overhead_us 2 (the GPU-side gap between back-to-back kernels of one stream; launches
+# are asynchronous), and the bus efficiencies, vendor benchmarks: nccl-tests all_reduce bus bandwidth on
+# DGX A100 (~230 GB/s of NVLink's 300: 0.77) and across HDR InfiniBand (~23 GB/s of 25 per NIC: 0.92).
+# Hopper presets take the same fractions (no calibration table for them): to replace when measured.
+A100_FIT = dict(gemm_efficiency=0.67, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
+NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TFLOPS (no tensor cores; PyTorch
     # keeps TF32 off for matmuls by default), BF16/FP16 tensor core 312 TFLOPS dense (624 with
     # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 3 600 GB/s. DGX A100: 8 GPUs, 8x HDR 200 Gb/s.
     HardwareConfig("a100-80gb", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0},
                    memory_bw_gb_s=2039.0, memory_gb=80.0,
-                   intra_node_bw_gb_s=300.0, intra_node_latency_us=2.0,
-                   inter_node_bw_gb_s=25.0, inter_node_latency_us=5.0, devices_per_node=8),
+                   intra_node_bw_gb_s=300.0, intra_node_latency_us=2.2,
+                   inter_node_bw_gb_s=25.0, inter_node_latency_us=4.0, devices_per_node=8,
+                   sm_count=108, **A100_FIT, **NCCL_BUS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
     # with sparsity = 989.4 dense, HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s. DGX H100: 8 GPUs,
     # 8x ConnectX-7 NDR 400 Gb/s.
     HardwareConfig("h100-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
                    memory_bw_gb_s=3350.0, memory_gb=80.0,
-                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.0,
-                   inter_node_bw_gb_s=50.0, inter_node_latency_us=5.0, devices_per_node=8),
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
+                   inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
+                   sm_count=132, **A100_FIT, **NCCL_BUS),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM (FP32 67, BF16/FP16
     # 1,979 sparse = 989.4 dense TFLOPS), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s. DGX H200: 8 GPUs,
     # 8x NDR 400 Gb/s.
     HardwareConfig("h200-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
                    memory_bw_gb_s=4800.0, memory_gb=141.0,
-                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.0,
-                   inter_node_bw_gb_s=50.0, inter_node_latency_us=5.0, devices_per_node=8),
+                   intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
+                   inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
+                   sm_count=132, **A100_FIT, **NCCL_BUS),
 ]}
 
 
@@ -111,8 +139,10 @@ def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:
     for f in fields(HardwareConfig):
         if f.name in ("name", "peak_tflops"):
             continue
-        is_latency = f.name.endswith("latency_us")
-        _check_number(source, f.name, data[f.name], allow_zero=is_latency, integer=f.type is int)
+        may_be_zero = f.name.endswith(("latency_us", "overhead_us"))
+        _check_number(source, f.name, data[f.name], allow_zero=may_be_zero, integer=f.type is int)
+        if f.name.endswith("efficiency") and data[f.name] > 1:
+            raise UserError(f"{source}: {f.name} is a fraction of a peak, in (0, 1]; got {data[f.name]}")
         values[f.name] = data[f.name]
     name = data.get("name", Path(source).stem)
     if not isinstance(name, str):
@@ -138,11 +168,15 @@ def calibrate_cpu(seconds: float = 1.0, matmul_size: int = 1024, copy_mb: int = 
     peak = {dtype: _matmul_tflops(getattr(torch, dtype), matmul_size, seconds) for dtype in ("float32", "bfloat16")}
     bw = _copy_gb_s(copy_mb, seconds)
     # Ranks on one machine talk through shared memory (gloo): a copy is the link. The inter-node
-    # figures assume 10 GbE and a TCP round trip, since a laptop has no fabric to measure.
+    # figures assume 10 GbE and a TCP round trip, since a laptop has no fabric to measure. The figures
+    # above are what this machine achieved (efficiencies 1); an op's fixed cost is PyTorch's CPU dispatch,
+    # ~10 us per aten op (its profiler on small ops), and one core is one "SM".
     return HardwareConfig("cpu", peak, memory_bw_gb_s=bw, memory_gb=_memory_gb(),
                           intra_node_bw_gb_s=bw / 2, intra_node_latency_us=10.0,
                           inter_node_bw_gb_s=1.25, inter_node_latency_us=50.0,
-                          devices_per_node=os.cpu_count() or 1)
+                          devices_per_node=os.cpu_count() or 1, sm_count=os.cpu_count() or 1,
+                          gemm_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_us=10.0,
+                          intra_node_bus_efficiency=1.0, inter_node_bus_efficiency=1.0, collective_latency_us=50.0)
 
 
 def save_cpu_config(config: HardwareConfig, path: Path | None = None) -> Path:

@@ -41,16 +41,18 @@ class Workload:
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
     probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
     source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
+    profile: str = "eager"  # software profile of the durations, when hw_name is set
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
-                   hw: HardwareConfig | None = None, schedule: bool = True) -> Workload:
-    """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step."""
+                   hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager") -> Workload:
+    """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step.
+    `profile`: the software profile of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
-        return _trace_workload(config, plan, dtype, hw, schedule)
+        return _trace_workload(config, plan, dtype, hw, schedule, profile)
 
 
-def _trace_workload(config, plan, dtype, hw, schedule) -> Workload:
+def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
     source = traced_stage_for(config, plan)
     probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
     probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
@@ -62,9 +64,9 @@ def _trace_workload(config, plan, dtype, hw, schedule) -> Workload:
     # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
     # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
     for graph in unscheduled.values() if hw else ():
-        fill_durations(graph, hw)
+        fill_durations(graph, hw, profile)
     stages = [schedule_stage(unscheduled[s], probes[source[s]][1], plan) for s in range(plan.pp)] if schedule else []
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source)
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source, profile)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -150,5 +152,5 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "schedule": graph.graph["pipeline_schedule"],
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
-            "hw_config": workload.hw_name, "traced_stages": workload.traced_stages,
+            "hw_config": workload.hw_name, "profile": workload.profile, "traced_stages": workload.traced_stages,
             "rank_layout": "rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank", "stages": stages}

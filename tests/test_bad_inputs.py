@@ -45,6 +45,8 @@ def ws(tmp_path_factory):
         "twelve.json": json.dumps({"base": "gpt2", "n_head": "twelve"}),
         "nan_eps.json": '{"base": "gpt2", "ln_eps": NaN}',
         "nan_hw.json": json.dumps({**PRESETS["h100-sxm"].to_dict(), "memory_bw_gb_s": float("nan")}),
+        "no_sm_hw.json": json.dumps({k: v for k, v in PRESETS["a100-80gb"].to_dict().items() if k != "sm_count"}),
+        "negative_hw.json": json.dumps({**PRESETS["a100-80gb"].to_dict(), "gemm_efficiency": -0.8}),
         "nodes_only.json": json.dumps({"nodes": [{"id": 0}], "edges": []}),
         "no_kind.json": json.dumps({"directed": True, "multigraph": False, "graph": {}, "edges": [],
                                     "nodes": [{"id": 0, "kind": "collective", "name": "allreduce"}]}),
@@ -338,6 +340,19 @@ CASES = [
         ("{ws}/chakra --hw_config {ws}/nan_hw.json", "memory_bw_gb_s must be a finite number"),
     ]),
     Case(TRACE + " --predict_only", "--predict_only predicts from a hardware model; give --hw_config", "out/"),
+    *cases(INFER, "out/", [  # the performance model (issue 14)
+        ("--hw_config a100-80gb --profile tuned", "unknown --profile 'tuned'; use one of eager, fused"),
+        ("--hw_config {ws}/no_sm_hw.json", "no_sm_hw.json: missing field(s) sm_count"),
+        ("--hw_config {ws}/negative_hw.json", "gemm_efficiency must be > 0, got -0.8"),
+        ("--recompute full", "--recompute full recomputes activations in backward, which inference has not"),
+    ]),
+    *cases(TRACE, "out/", [
+        ("--hw_config a100-80gb --profile tuned", "unknown --profile 'tuned'; use one of eager, fused"),
+        ("--hw_config {ws}/no_sm_hw.json", "no_sm_hw.json: missing field(s) sm_count"),
+        ("--hw_config {ws}/negative_hw.json", "gemm_efficiency must be > 0, got -0.8"),
+        ("--mode infer --recompute selective", "--recompute selective recomputes activations in backward"),
+        ("--recompute some", "argument --recompute: invalid choice: 'some'"),
+    ]),
 ]
 FORCE = {"infer", "trace", "export", "train", "predict"}  # the commands with --force, added when an earlier run is there
 

@@ -106,7 +106,12 @@ def test_durations_from_hw_config(tmp_path):
     fill_durations(graph, load_hw_config("a100-80gb"))
     write_chakra({0: graph}, tmp_path)
     header, nodes = read_et(tmp_path / "toy.0.et")
-    assert nodes[0].duration_micros == round(512e8 / 19.5e12 * 1e6)  # float32: 19.5 TFLOP/s
+    # a [4, 8] output from K = 512e8 / (2 * 4 * 8): one 16 x 128 tile at float32's 19.5 TFLOP/s, split over
+    # every SM along K, then the FP32 partial sums written and read back
+    a100 = load_hw_config("a100-80gb")
+    tile_us = 2 * 16 * 128 * (512e8 / 64) / (19.5e12 * a100.gemm_efficiency) * 1e6
+    reduction_us = 2 * a100.sm_count * 4 * 8 * 4 / (a100.memory_bw_gb_s * 1e3 * a100.memory_efficiency)
+    assert nodes[0].duration_micros == round(a100.kernel_overhead_us + tile_us + reduction_us)
     assert attrs(header)["durations"].string_val == "from hw_config"
 
 
@@ -254,7 +259,8 @@ def test_shared_ranks_get_durations_once(monkeypatch):
     ranks.put_shared(range(4), lambda: tp_rank(0, world=4))
     filled = []
     fill_durations = cost.fill_durations
-    monkeypatch.setattr(cost, "fill_durations", lambda graph, hw: filled.append(graph) or fill_durations(graph, hw))
+    monkeypatch.setattr(cost, "fill_durations", lambda graph, hw, *profile: filled.append(graph) or
+                        fill_durations(graph, hw, *profile))
     cost.fill_rank_durations(ranks, load_hw_config("h100-sxm"))
     assert len(filled) == 1  # the four ranks share one graph: costed once
     assert all(d["duration_us"] > 0 for _, d in ranks[3].nodes(data=True) if d["kind"] == "collective")

@@ -7,7 +7,7 @@ import pytest
 from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.hardware import PRESETS, calibrate_cpu, cpu_config_path, load_hw_config, save_cpu_config
-from syntorch.trace import cost
+from syntorch.trace import cost, kernels
 from syntorch.trace.graph import TraceGraph
 
 H100 = PRESETS["h100-sxm"]
@@ -35,6 +35,10 @@ def test_json_round_trip(tmp_path):
     (lambda d: d.update(peak_tflops={"bfloat16": 1.0}), "float32 entry"),
     (lambda d: d.update(peak_tflops={"float32": 0}), "peak_tflops.float32 must be > 0"),
     (lambda d: d.update(nvlink=True), "unknown field(s) nvlink"),
+    (lambda d: d.pop("sm_count"), "missing field(s) sm_count"),
+    (lambda d: d.update(gemm_efficiency=-0.5), "gemm_efficiency must be > 0, got -0.5"),
+    (lambda d: d.update(memory_efficiency=1.5), "memory_efficiency is a fraction of a peak, in (0, 1]; got 1.5"),
+    (lambda d: d.update(kernel_overhead_us=-1), "kernel_overhead_us must be >= 0, got -1"),
 ])
 def test_bad_json_is_one_line(tmp_path, change, message):
     data = H100.to_dict()
@@ -70,23 +74,56 @@ def test_calibrate_command(tmp_path, capsys):
     assert load_hw_config(str(tmp_path / "c.json")).name == "cpu"
 
 
-def test_compute_roofline():
+def test_compute_kernel_is_its_fixed_cost_plus_the_slower_of_math_and_memory():
     # 1 GFLOP with 1 MB is compute-bound; 1 MFLOP with 1 GB is memory-bound.
-    assert cost.compute_us(10**9, 10**6, "bfloat16", H100) == pytest.approx(1e6 * 1e9 / 989.4e12)
-    assert cost.compute_us(10**6, 10**9, "bfloat16", H100) == pytest.approx(1e6 * 1e9 / 3350e9)
-    assert cost.compute_us(10**9, 0, "float32", H100) == pytest.approx(1e6 * 1e9 / 67e12)
+    o, eff, mem = H100.kernel_overhead_us, H100.gemm_efficiency, H100.memory_efficiency
+    assert cost.compute_us(10**9, 10**6, "bfloat16", H100) == pytest.approx(o + 1e6 * 1e9 / (989.4e12 * eff))
+    assert cost.compute_us(10**6, 10**9, "bfloat16", H100) == pytest.approx(o + 1e6 * 1e9 / (3350e9 * mem))
+    assert cost.compute_us(10**9, 0, "float32", H100) == pytest.approx(o + 1e6 * 1e9 / (67e12 * eff))
 
 
-def test_ring_alpha_beta():
-    mb = 10**6
-    bw, lat = 450e9, 2.0
-    assert cost.collective_us("all_reduce", mb, list(range(8)), H100) == pytest.approx(14 * lat + 1e6 * 2 * 7 / 8 * mb / bw)
-    assert cost.collective_us("reduce_scatter", mb, list(range(8)), H100) == pytest.approx(7 * lat + 1e6 * 7 / 8 * mb / bw)
-    assert cost.collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(7 * lat + 1e6 * 7 / 8 * mb / bw)
-    assert cost.collective_us("send", mb, [0, 1], H100) == pytest.approx(lat + 1e6 * mb / bw)
-    # ranks 0 and 8 sit in different nodes: InfiniBand figures
-    assert cost.collective_us("all_reduce", mb, [0, 8], H100) == pytest.approx(2 * 5.0 + 1e6 * mb / 50e9)
+def test_gemm_runs_in_waves_of_tiles_over_the_sms():
+    o, sms, k = H100.kernel_overhead_us, H100.sm_count, 8192
+    one_tile = 2 * 128 * 128 * k / (989.4e12 * H100.gemm_efficiency / sms) * 1e6  # one SM's time for a tile
+    full = kernels.gemm_us(1, 128, 128 * sms, k, 0, "bfloat16", H100)  # one tile per SM: one wave
+    assert full == pytest.approx(o + one_tile)
+    assert kernels.gemm_us(1, 128, 128 * (sms + 1), k, 0, "bfloat16", H100) == pytest.approx(o + 2 * one_tile)
+    # fewer tiles than SMs: split-K spreads the work over 2 slices of K, whose FP32 partial sums are
+    # written and read back once more
+    n = 128 * sms // 2
+    reduction = 1e6 * 2 * 2 * 128 * n * 4 / (3350e9 * H100.memory_efficiency)
+    assert kernels.gemm_us(1, 128, n, k, 0, "bfloat16", H100) == pytest.approx(o + one_tile / 2 + reduction)
+    # a skinny GEMM (4 rows, decode) uses 16-row tiles and is memory-bound on its weights; 64 tiles: 2 slices
+    weights = 2 * k * 8192
+    assert kernels.gemm_us(1, 4, 8192, k, weights, "bfloat16", H100) == pytest.approx(
+        o + 1e6 * (weights + 2 * 2 * 4 * 8192 * 4) / (3350e9 * H100.memory_efficiency))
+
+
+def nvlink(nbytes, fraction):
+    return 1e6 * fraction * nbytes / (450e9 * H100.intra_node_bus_efficiency)
+
+
+def test_collectives_inside_a_node_are_rings_at_nccl_bus_bandwidth():
+    mb, lat, c = 10**6, H100.intra_node_latency_us, H100.collective_latency_us
+    assert cost.collective_us("all_reduce", mb, list(range(8)), H100) == pytest.approx(c + 14 * lat + nvlink(mb, 2 * 7 / 8))
+    assert cost.collective_us("reduce_scatter", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(mb, 7 / 8))
+    assert cost.collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(mb, 7 / 8))
+    assert cost.collective_us("send", mb, [0, 1], H100) == pytest.approx(c + lat + nvlink(mb, 1))
     assert cost.collective_us("all_reduce", mb, [3], H100) == 0.0
+
+
+def test_all_reduce_across_nodes_is_hierarchical_and_takes_the_tree_when_it_is_faster():
+    mb, lat, net, c = 10**6, H100.intra_node_latency_us, H100.inter_node_latency_us, H100.collective_latency_us
+    ib = 50e9 * H100.inter_node_bus_efficiency
+    # 2 nodes x 8: reduce-scatter and all-gather over NVLink, then each rank's 1/8 across its own NIC
+    inside = 2 * (7 * lat + nvlink(mb, 7 / 8))
+    assert cost.collective_us("all_reduce", mb, list(range(16)), H100) == pytest.approx(
+        c + inside + 2 * net + 1e6 * (mb / 8) / ib)
+    # 4 nodes, one rank each: the tree's 2 log2(4) = 4 steps beat the ring's 6, the bandwidth is the same
+    ranks = [0, 8, 16, 24]
+    assert cost.collective_us("all_reduce", mb, ranks, H100) == pytest.approx(c + 4 * net + 1e6 * 2 * 3 / 4 * mb / ib)
+    # other collectives spanning nodes: one ring at the NIC's figures
+    assert cost.collective_us("all_gather", mb, ranks, H100) == pytest.approx(c + 3 * net + 1e6 * 3 / 4 * mb / ib)
 
 
 def _tiny_tp_graph():
@@ -106,11 +143,93 @@ def test_fill_durations_and_latency():
     g = _tiny_tp_graph()
     cost.fill_durations(g, H100)
     mm, view, ar = (n for n, d in g.nodes(data=True) if d["kind"] != "tensor")
-    assert g.nodes[mm]["duration_us"] == pytest.approx(1e6 * 256 / 3350e9)  # tiny: memory-bound
+    assert g.nodes[mm]["duration_us"] == pytest.approx(kernels.gemm_us(1, 4, 8, 8, 256, "bfloat16", H100))
     assert g.nodes[view]["duration_us"] == 0.0
-    assert g.nodes[ar]["duration_us"] == pytest.approx(2 * 2.0 + 1e6 * 64 / 450e9)
+    assert g.nodes[ar]["duration_us"] == pytest.approx(
+        H100.collective_latency_us + 2 * H100.intra_node_latency_us + nvlink(64, 1))
     est = cost.latency_us(g)
     total = sum(g.nodes[n]["duration_us"] for n in (mm, view, ar))
     assert est["serial_us"] == pytest.approx(total)
     assert est["critical_path_us"] == pytest.approx(total)  # a chain: no overlap possible
     assert math.isclose(cost.latency_us(g, H100)["serial_us"], total)
+
+
+def _mlp_graph():
+    """mm -> add(bias) -> gelu -> all_reduce -> add(residual) -> layer norm, as an MLP and the next block's
+    first op run them."""
+    g = TraceGraph(rank=0, world_size=2, tp=2)
+    act = 1024 * 1024 * 2  # [1024, 1024] bf16
+
+    def t(nbytes=act):
+        return g.add_tensor([1024, 1024], "bfloat16", nbytes)
+    x, w, b, res = t(), t(), g.add_tensor([1024], "bfloat16", 2048), t()
+    y, yb, h, r, s, out = t(), t(), t(), t(), t(), t()
+    g.add_op("aten.mm", [x, w], [y], flops=2 * 1024**3, bytes_read=2 * act, bytes_written=act)
+    g.add_op("aten.add", [y, b], [yb], bytes_read=act + 2048, bytes_written=act)
+    g.add_op("aten.gelu", [yb], [h], bytes_read=act, bytes_written=act)
+    g.add_collective("all_reduce", [h], [r], group=[0, 1], nbytes=act)
+    g.add_op("aten.add", [r, res], [s], bytes_read=2 * act, bytes_written=act)
+    g.add_op("aten.native_layer_norm", [s], [out], bytes_read=act, bytes_written=act)
+    return g, act
+
+
+def test_fused_profile_folds_bias_activation_and_residual_into_neighbouring_kernels():
+    g, act = _mlp_graph()
+    ops = [n for n, d in g.nodes(data=True) if d["kind"] != "tensor"]
+    mm, bias, gelu, ar, residual, norm = ops
+    cost.fill_durations(g, H100, "eager")
+    eager = {n: g.nodes[n]["duration_us"] for n in ops}
+    assert all(eager[n] > H100.kernel_overhead_us for n in (bias, gelu, residual))  # one kernel each
+    cost.fill_durations(g, H100, "fused")
+    fused = {n: g.nodes[n]["duration_us"] for n in ops}
+    assert fused[bias] == fused[gelu] == fused[residual] == 0.0
+    # the bias joins the GEMM's epilogue (its 2 KB vector is the traffic left), the GeLU too (none left)
+    assert fused[mm] == pytest.approx(kernels.gemm_us(1, 1024, 1024, 1024, 3 * act + 2048, "bfloat16", H100))
+    # the residual add after the all-reduce joins the layer norm that reads it: one more activation read
+    assert fused[norm] == pytest.approx(cost.compute_us(0, 3 * act, "bfloat16", H100))
+    assert fused[ar] == eager[ar]
+    assert cost.latency_us(g, H100, "fused")["serial_us"] < cost.latency_us(g, H100, "eager")["serial_us"]
+
+
+def test_unknown_profile_is_one_line():
+    with pytest.raises(UserError, match="unknown --profile 'tuned'; use one of eager, fused"):
+        cost.fill_durations(_tiny_tp_graph(), H100, "tuned")
+
+
+def test_two_streams_overlap_a_collective_with_compute_that_does_not_need_it():
+    """Megatron's backward: the input gradient's all-reduce runs while the weight gradient computes."""
+    g = TraceGraph(rank=0, world_size=2, tp=2)
+    t = lambda: g.add_tensor([1024, 1024], "bfloat16", 2 * 2**20)  # noqa: E731
+    grad, w, x, dx, dw, reduced, out = t(), t(), t(), t(), t(), t(), t()
+    dgrad = g.add_op("aten.mm", [grad, w], [dx], phase="backward", flops=2 * 2**30)
+    wgrad = g.add_op("aten.mm", [grad, x], [dw], phase="backward", flops=2 * 2**30)
+    ar = g.add_collective("all_reduce", [dx], [reduced], group=[0, 1], nbytes=2 * 2**20, phase="backward")
+    norm = g.add_op("aten.native_layer_norm_backward", [reduced], [out], phase="backward", bytes_read=2**21)
+    cost.fill_durations(g, H100, "fused")
+    us = {n: g.nodes[n]["duration_us"] for n in (dgrad, wgrad, ar, norm)}
+    expected = us[dgrad] + max(us[wgrad], us[ar]) + us[norm]  # the all-reduce starts when dgrad ends
+    assert cost.two_stream_us(g) == pytest.approx(expected)
+    assert cost.two_stream_us(g) < cost.latency_us(g)["serial_us"]
+
+
+def test_fused_profile_launches_fewer_kernels_for_a_traced_model():
+    import torch
+
+    from conftest import tiny_config
+    from syntorch.models import build_model
+    from syntorch.trace.tracer import SDPA, Tracer
+
+    model = build_model(tiny_config("gpt2"), device="meta")
+    with Tracer(model) as tracer:
+        model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    graph = tracer.graph
+    fused_plan = kernels.kernel_plan(graph, "fused")
+    assert kernels.kernel_plan(graph, "eager") == {}  # eager: every op that launches a kernel is one
+    ops = [n for n, d in graph.node_attrs.items() if d["kind"] == "op" and kernels.launches_kernel(d)]
+    joined = [graph.nodes[n]["name"] for n in ops if fused_plan.get(n) == -1]
+    # per layer at least the GeLU and the two residual adds join a neighbour
+    assert joined.count("aten.gelu") == len(model.layers) and joined.count("aten.add") >= 2 * len(model.layers)
+    attention = [n for n in ops if graph.nodes[n]["name"] == SDPA]
+    assert len(attention) == len(model.layers) and all(fused_plan.get(n, 0) >= 0 for n in attention)
+    eager = cost.latency_us(graph, H100, "eager")["serial_us"]
+    assert cost.latency_us(graph, H100, "fused")["serial_us"] < eager

@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
     out.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                      help="graph level for images and exports (default: op, or coarser when too big to draw)")
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file")
+    out.add_argument("--profile", default="eager",
+                     help="software profile of the predicted durations: eager (one kernel per aten op, as PyTorch "
+                          "runs) or fused (FasterTransformer/Megatron kernels)")
+    out.add_argument("--recompute", default="none", help="training only (syntorch trace); inference recomputes nothing")
     out.add_argument("--chakra", action="store_true", help="write Chakra .et traces per rank into OUT/chakra")
     out.add_argument("--comm_debug", type=int, nargs="?", const=1, default=None, metavar="NOISE_LEVEL",
                      help="collective report (table, log, JSON, HTML) at noise level 0-3 (default 1)")
@@ -55,6 +59,9 @@ def run(args) -> int:
     from syntorch.config import from_args
     from syntorch.inference import InferenceSpec, RunOutputs, run_inference
 
+    from syntorch.parallel.recompute import check_recompute
+
+    check_recompute(args.recompute, mode="infer")
     outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
     record = run_inference(from_args(InferenceSpec, args), args.out, outputs, force=args.force)
     if record is not None:  # None on torchrun's other ranks

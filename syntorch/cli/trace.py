@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    par.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                     help="activation recomputation in backward: selective (the attention core) or full (each layer)")
     par.add_argument("--world_size", type=int, help="check that dp * tp * pp equals it")
     b = p.add_argument_group("batch")
     b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")
@@ -28,6 +30,8 @@ def add_parser(sub) -> None:
     b.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
     out = p.add_argument_group("outputs")
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
+    out.add_argument("--profile", default="eager",
+                     help="software profile of the durations: eager (one kernel per aten op) or fused (Megatron's kernels)")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
     out.add_argument("--predict_only", action="store_true",
                      help="predict the step (needs --hw_config) without writing Chakra files: summary.json, timeline.json")
@@ -46,6 +50,7 @@ def run(args) -> int:
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
     from syntorch.simulate.predict import predict_training, write_prediction
+    from syntorch.trace.cost import check_profile
     from syntorch.workload import trace_workload, write_workload
 
     check_output_dir(args.out, args.force, "--out")  # before the work, not after it
@@ -54,9 +59,11 @@ def run(args) -> int:
     plan.check(config, args.world_size, args.global_batch)
     if args.predict_only and not args.hw_config:
         raise UserError("--predict_only predicts from a hardware model; give --hw_config")
+    check_profile(args.profile)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
-    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only)
-    prediction = predict_training(workload.probes, workload.source, plan, hw, getattr(args, "profile", None)) if hw else None
+    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only,
+                              profile=args.profile)
+    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile) if hw else None
     if args.predict_only:
         record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
                   "hw_config": hw.name, "predicted": prediction.summary}

@@ -11,9 +11,11 @@
    EP (expert parallel) then keeps each MoE layer's share of the (TP-sharded) experts, over DP ranks.
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
-3. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
+3. Recomputation (none, selective, full) wraps the blocks or attention cores the stage kept
+   (recompute.py); it changes what backward runs, not the parameters.
+4. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
    Experts are synchronised over their expert-DP group instead (the replicas of the same experts).
-4. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
+5. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
 from syntorch.parallel.mesh import Mesh, MeshGroups
+from syntorch.parallel.recompute import apply_recompute, check_recompute
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
 
@@ -45,6 +48,7 @@ class TrainPlan:
     seq: int = 1024
     lr: float = 1e-4
     mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
+    recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
 
     @property
     def mesh(self) -> Mesh:
@@ -70,6 +74,7 @@ class TrainPlan:
         if self.mode not in ("train", "infer"):
             raise UserError(f"--mode must be train or infer, got {self.mode!r}")
         pp_.check_schedule(self.schedule)
+        check_recompute(self.recompute, self.mode)
 
     def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
         """What depends on the model and the run: the context, the layers and heads to split, the counts."""
@@ -105,7 +110,7 @@ class StageRun:
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32) -> StageRun:
-    """Build this rank's stage of `config` and apply TP, PP, DP/ZeRO and the optimizer in that order
+    """Build this rank's stage of `config` and apply TP, PP, recomputation, DP/ZeRO and the optimizer in that order
     (the module docstring says why)."""
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
@@ -113,6 +118,7 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     if plan.ep > 1:
         apply_ep(model, groups.ep)
     pp_.split_stage(model, stage)
+    apply_recompute(model, plan.recompute)
     model.train()
     grad_sync = _grad_sync(model, plan, groups, _partial_grads(model, tp_plan, groups))
 

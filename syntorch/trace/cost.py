@@ -1,72 +1,121 @@
-"""Per-node durations from a HardwareConfig: roofline for compute, ring alpha-beta for collectives.
+"""Per-node durations of a trace from a HardwareConfig and a software profile (eager | fused).
 
-Compute (op nodes):  max(flops / peak[dtype], (bytes_read + bytes_written) / memory bandwidth).
-Collectives (n ranks, B = the node's `bytes`: the larger of its input and output buffer, as nccl-tests
-count a collective's size; alpha = latency per ring step, beta = 1 / link bandwidth, inter-node figures
-when the group spans nodes):
-    all_reduce      2(n-1) alpha + 2(n-1)/n B beta     (reduce-scatter then all-gather)
-    reduce_scatter  (n-1) alpha  + (n-1)/n B beta      (B is the input)
-    all_gather      (n-1) alpha  + (n-1)/n B beta      (B is the output)
-    all_to_all      (n-1) alpha  + (n-1)/n B beta
-    broadcast       (n-1) alpha  + B beta              (pipelined ring)
-    send / recv     alpha + B beta
-    barrier         2(n-1) alpha                       (an all-reduce of nothing)
+Compute ops: kernels.py (which ops launch kernels under the profile; GEMM tiles and waves, achievable
+bandwidth, a fixed cost per kernel, fused attention). Collectives: nccl.py (ring or tree, bus bandwidth,
+per-step latency, hierarchical across nodes). An op that runs inside another op's kernel (fused profile)
+gets 0; the kernel it joins carries its time.
+
+    fill_durations(graph, hw, profile="fused")   # sets duration_us on every op and collective
+    latency_us(graph)                            # serial and critical-path sums of one rank
 """
+from dataclasses import dataclass
+
 import networkx as nx
 
+from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig
+from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, gemm_us, kernel_plan,
+                                    launches_kernel)
+from syntorch.trace.nccl import collective_us
+from syntorch.trace.tracer import SDPA
 
-# collective -> (ring steps, fraction of B each rank moves) for n ranks
-RING = {
-    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-    "all_gather": lambda n: (n - 1, (n - 1) / n),
-    "all_to_all": lambda n: (n - 1, (n - 1) / n),
-    "broadcast": lambda n: (n - 1, 1.0),
-    "send": lambda n: (1, 1.0),
-    "recv": lambda n: (1, 1.0),
-    "barrier": lambda n: (2 * (n - 1), 0.0),
-}
+__all__ = ["PROFILES", "Kernel", "check_profile", "collective_us", "compute_us", "fill_durations",
+           "fill_rank_durations", "kernel_of", "kernel_plan", "kernel_us", "latency_us", "node_us", "op_dtype",
+           "shared_key", "two_stream_us"]
 
 
-def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig) -> float:
-    """Roofline: the slower of doing the math and moving the bytes."""
-    return 1e6 * max(flops / hw.peak_flops(dtype), nbytes / (hw.memory_bw_gb_s * 1e9))
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise UserError(f"unknown --profile {profile!r}; use one of {', '.join(PROFILES)}")
+    return profile
 
 
-def collective_us(collective: str, nbytes: int, ranks: list[int], hw: HardwareConfig) -> float:
-    """Ring alpha-beta time of one collective over `ranks` (global ranks; p2p: the two peers)."""
-    n = len(set(ranks))
-    if n <= 1:
-        return 0.0
-    steps, fraction = RING[collective](n)
-    one_node = len({r // hw.devices_per_node for r in ranks}) == 1
-    bw = hw.intra_node_bw_gb_s if one_node else hw.inter_node_bw_gb_s
-    latency = hw.intra_node_latency_us if one_node else hw.inter_node_latency_us
-    return steps * latency + 1e6 * fraction * nbytes / (bw * 1e9)
+@dataclass(frozen=True)
+class Kernel:
+    """What a node's duration depends on, apart from the hardware: equal for the same op in every layer."""
+    kind: str  # "gemm" | "attention" | "compute" | "collective" | "none" (no kernel, or inside another's)
+    name: str = ""
+    flops: int = 0
+    nbytes: int = 0
+    dtype: str = "float32"
+    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks
 
 
-
-def node_us(graph: nx.DiGraph, node, hw: HardwareConfig) -> float:
+def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
+    """The kernel `node` launches under `plan` (kernel_plan(graph, profile))."""
     data = graph.node_attrs[node]
     if data["kind"] == "collective":
-        return collective_us(data["collective"], data["bytes"], _peers(graph, data), hw)
-    if data.get("is_view"):
-        return 0.0
-    return compute_us(data["flops"], data["bytes_read"] + data["bytes_written"], op_dtype(graph, node), hw)
+        return Kernel("collective", data["collective"], nbytes=data["bytes"], shape=tuple(_peers(graph, data)))
+    folded = plan.get(node, 0)
+    if not launches_kernel(data) or folded < 0:
+        return Kernel("none")
+    # a lookup reads the rows it returns, not the whole table it is given
+    read = data["bytes_written"] if data["name"] in LOOKUPS else data["bytes_read"]
+    nbytes, dtype = read + data["bytes_written"] + folded, op_dtype(graph, node)
+    if data["name"] in GEMMS:
+        return Kernel("gemm", data["name"], data["flops"], nbytes, dtype, _gemm_shape(graph, node, data))
+    if data["name"] in ATTENTION:
+        return Kernel("attention", data["name"], data["flops"], nbytes, dtype, _attention_shapes(graph, node, data))
+    return Kernel("compute", data["name"], data["flops"], nbytes, dtype)
 
 
-def fill_durations(graph: nx.DiGraph, hw: HardwareConfig) -> None:
+def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> float:
+    if kernel.kind == "collective":
+        return collective_us(kernel.name, kernel.nbytes, list(kernel.shape), hw)
+    if kernel.kind == "gemm":
+        return gemm_us(*kernel.shape, kernel.nbytes, kernel.dtype, hw)
+    if kernel.kind == "attention":
+        return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile)
+    if kernel.kind == "compute":
+        return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw)
+    return 0.0
+
+
+def node_us(graph: nx.DiGraph, node, hw: HardwareConfig, profile: str = "eager", plan: dict | None = None) -> float:
+    """Duration of one op or collective. `plan`: kernel_plan(graph, profile), when costing many nodes."""
+    plan = kernel_plan(graph, check_profile(profile)) if plan is None else plan
+    return kernel_us(kernel_of(graph, node, plan), hw, profile)
+
+
+LOOKUPS = frozenset({"aten.embedding", "aten.index_select", "aten.gather", "aten.index"})
+
+
+def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager") -> None:
     """Sets `duration_us` on every op and collective node of `graph` (in place)."""
+    plan = kernel_plan(graph, check_profile(profile))
     for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
-            data["duration_us"] = node_us(graph, node, hw)
+            data["duration_us"] = node_us(graph, node, hw, profile, plan)
 
 
 def op_dtype(graph: nx.DiGraph, node) -> str:
     """The dtype an op computes in: its first floating-point output, else input, else float32."""
     dtypes = (graph.node_attrs[t]["dtype"].removeprefix("torch.") for t in (*graph.succs[node], *graph.preds[node]))
     return next((d for d in dtypes if d.startswith(("float", "bfloat"))), "float32")
+
+
+def _inputs(graph, node) -> list:
+    """Input tensors in argument order."""
+    return [t for t, _ in sorted(graph.preds[node].items(), key=lambda item: item[1].get("arg", 0))]
+
+
+def _attention_shapes(graph, node, data) -> tuple:
+    """(q shape, k shape): the forward reads (q, k, v[, mask]), the backward (grad, q, k, v)."""
+    inputs = _inputs(graph, node)
+    q, k = inputs[:2] if data["name"] == SDPA else inputs[1:3]
+    return tuple(graph.node_attrs[q]["shape"]), tuple(graph.node_attrs[k]["shape"])
+
+
+def _gemm_shape(graph, node, data) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) from the output's shape and the FLOPs (2 m n k per batch entry)."""
+    out = next(iter(graph.succs[node]))
+    shape = graph.node_attrs[out]["shape"]
+    m, n = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    batch = 1
+    for size in shape[:-2]:
+        batch *= size
+    k = data["flops"] // max(1, 2 * batch * m * n)
+    return batch, m, n, k
 
 
 def _peers(graph: nx.DiGraph, data: dict) -> list[int]:
@@ -77,11 +126,16 @@ def _peers(graph: nx.DiGraph, data: dict) -> list[int]:
     return data["group"]
 
 
-def latency_us(graph: nx.DiGraph, hw: HardwareConfig | None = None) -> dict:
+def _durations(graph, hw, profile) -> dict:
+    plan = kernel_plan(graph, check_profile(profile)) if hw else None
+    return {n: (node_us(graph, n, hw, profile, plan) if hw else d.get("duration_us") or 0.0)
+            for n, d in graph.node_attrs.items() if d["kind"] != "tensor"}
+
+
+def latency_us(graph: nx.DiGraph, hw: HardwareConfig | None = None, profile: str = "eager") -> dict:
     """Per-rank estimate: `serial_us` (every node one after another: one stream, no overlap) and
     `critical_path_us` (longest dependency chain: perfect overlap). Uses `duration_us`, or `hw` if given."""
-    duration = {n: (node_us(graph, n, hw) if hw else d.get("duration_us") or 0.0)
-                for n, d in graph.nodes(data=True) if d["kind"] != "tensor"}
+    duration = _durations(graph, hw, profile)
     finish = {}
     for node in nx.topological_sort(graph):
         if node not in duration:
@@ -91,13 +145,33 @@ def latency_us(graph: nx.DiGraph, hw: HardwareConfig | None = None) -> dict:
     return {"serial_us": sum(duration.values()), "critical_path_us": max(finish.values(), default=0.0)}
 
 
+def two_stream_us(graph: nx.DiGraph, nodes=None) -> float:
+    """One rank's time with compute on one stream and collectives on another, each in traced order, a node
+    starting when its stream is free and its inputs exist (Megatron's backward: a TP all-reduce runs while
+    the weight-gradient GEMM that does not need it computes). `nodes`: a subset (others are taken as done)."""
+    nodes = sorted(graph.node_attrs if nodes is None else nodes)
+    free, finish = {"op": 0.0, "collective": 0.0}, {}
+    for node in nodes:
+        data = graph.node_attrs[node]
+        if data["kind"] == "tensor":
+            continue
+        ready = max((finish.get(p, 0.0) for t in graph.preds[node] for p in graph.preds[t]), default=0.0)
+        duration = data.get("duration_us", 0.0)
+        if not duration:  # a view, or an op inside another's kernel: no time on any stream
+            finish[node] = ready
+            continue
+        finish[node] = max(ready, free[data["kind"]]) + duration
+        free[data["kind"]] = finish[node]
+    return max(finish.values(), default=0.0)
+
+
 def shared_key(graph: nx.DiGraph) -> int:
     """Equal for ranks that share one graph's nodes (RankTraces.put_shared gives them views of it)."""
     return id(graph.nodes[next(iter(graph))]) if len(graph) else id(graph)
 
 
-def fill_rank_durations(graphs_by_rank, hw: HardwareConfig) -> None:
+def fill_rank_durations(graphs_by_rank, hw: HardwareConfig, profile: str = "eager") -> None:
     """fill_durations on every rank's graph, once per distinct graph (shared ones share durations)."""
     distinct = {shared_key(g): g for g in graphs_by_rank.values()}
     for graph in distinct.values():
-        fill_durations(graph, hw)
+        fill_durations(graph, hw, profile)

@@ -106,6 +106,8 @@ class Tracer:
 
     def _leave_module(self, is_layer: bool, skipped: bool, last: bool):
         def hook(_module, _args, out):
+            if torch.is_grad_enabled():  # what made the output without a torch function (a checkpoint) is ours
+                self.tag_autograd_nodes(out)
             self.modules.pop()
             call = self.layer_calls[-1] if self.layer_calls else None
             if skipped:
@@ -148,8 +150,9 @@ class Tracer:
         return self.modules[-1], self.phases[-1]
 
     def tag_autograd_nodes(self, out):
-        """Tag autograd nodes created by the call that just returned `out` with the current module."""
-        module = self.modules[-1]
+        """Tag autograd nodes created by the call that just returned `out` with the current module (in
+        backward, e.g. a recomputed forward, the module of the backward node running it)."""
+        module = self.where()[0]
         todo = [t.grad_fn for t in flat_tensors(out, keep_others=True) if t is not None and t.grad_fn is not None]
         while todo:
             node = todo.pop()

@@ -1,0 +1,182 @@
+"""How long a device takes for the ops of a trace: which ops launch kernels (the software profile), and
+each kernel's time from its shape and the device's achievable figures (hardware.py).
+
+Kernel time = kernel_overhead_us + one of
+- GEMM (mm, addmm, bmm, baddbmm): max(math, memory). Math: the output is cut into tiles of
+  TILE_N columns and up to TILE_M rows (smaller for few rows, as cuBLAS picks narrow tiles for skinny
+  GEMMs); each SM runs one tile at a time at `gemm_efficiency` of its share of peak, so the tiles run in
+  ceil(tiles / sm_count) waves. Fewer tiles than SMs: split-K spreads them over sm_count // tiles slices
+  of K, whose FP32 partial sums a second pass writes and reads back.
+  Memory: the bytes the op reads and writes at `memory_efficiency` of the bandwidth.
+- attention (the fused sdpa op): FlashAttention-style, one kernel, max(math, memory) -- for the eager
+  profile (PyTorch picks a flash kernel on GPUs) and for decode (FasterTransformer's masked attention
+  kernel). With more than one query in the fused profile it runs as Megatron-LM and FasterTransformer's
+  context attention do: a batched GEMM for QK^T, a softmax kernel and a batched GEMM over V, the score
+  matrix going through memory SCORE_PASSES times (forward: written, read and written by softmax, read;
+  backward: dP written, P read for dV, softmax backward reads P and dP and writes dS, dS read twice).
+- anything else: max(FLOPs at `gemm_efficiency` of peak, bytes at `memory_efficiency` of bandwidth).
+
+Profiles (the same trace, other kernels):
+- eager: one kernel per aten op, as PyTorch runs our traces; views and ops that only make metadata
+  (NO_KERNEL) launch nothing.
+- fused: elementwise ops (FUSIBLE: bias and residual adds, activations, casts, copies) launch nothing of
+  their own. Each joins a neighbouring kernel, as FasterTransformer and Megatron-LM fuse them: the kernel
+  that just produced its input (a GEMM's epilogue: bias, GeLU, the KV-cache write), or else the next
+  kernel that reads its output (add-bias-residual-layernorm after an all-reduce). Their traffic that does
+  not cancel inside the fused kernel -- everything but the one input they share with it and their own
+  output -- is added to that kernel's bytes. Elementwise ops with no such neighbour fuse among themselves.
+  A cat that only lays out the chunks of a sequence-parallel all-gather or reduce-scatter is free
+  (Megatron's [s, b, h] layout has them in place; ours, [b, s, h], needs the copy in eager).
+"""
+import math
+
+from syntorch.hardware import HardwareConfig
+from syntorch.trace.tracer import SDPA
+
+PROFILES = ("eager", "fused")
+GEMMS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+ATTENTION = frozenset({SDPA, SDPA + "_backward"})
+# ops that allocate or relabel a tensor without a kernel
+NO_KERNEL = frozenset({"aten._unsafe_view", "aten.new_empty", "aten.empty", "aten.empty_like", "aten.detach",
+                       "aten.alias", "aten.lift_fresh", "aten.scalar_tensor", "aten.empty_strided"})
+FUSIBLE = frozenset({
+    "aten.add", "aten.add_", "aten.sub", "aten.sub_", "aten.mul", "aten.mul_", "aten.div", "aten.div_",
+    "aten.gelu", "aten.gelu_backward", "aten.silu", "aten.silu_backward", "aten.relu", "aten.threshold_backward",
+    "aten.tanh", "aten.tanh_backward", "aten.pow", "aten.neg", "aten.rsqrt", "aten.exp", "aten.sigmoid",
+    "aten.copy_", "aten._to_copy", "aten.clone", "aten.masked_fill", "aten.masked_fill_", "aten.where",
+    "aten.fill_", "aten.zero_", "aten.addcmul", "aten.addcdiv", "aten.lerp",
+})
+TILE_M, TILE_N = 128, 128  # cuBLAS/CUTLASS's usual threadblock tile for large FP16/BF16 GEMMs on Ampere/Hopper
+MIN_TILE_M = 16  # the tensor cores' MMA height (m16n8k16): the narrowest tile a skinny GEMM uses
+SCORE_PASSES = {SDPA: 4, SDPA + "_backward": 7}
+
+
+def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig) -> float:
+    """One kernel that is not a GEMM: its fixed cost plus the slower of its math and its memory traffic."""
+    return hw.kernel_overhead_us + max(math_us(flops, dtype, hw), memory_us(nbytes, hw))
+
+
+def math_us(flops: float, dtype: str, hw: HardwareConfig) -> float:
+    return 1e6 * flops / (hw.peak_flops(dtype) * hw.gemm_efficiency)
+
+
+def memory_us(nbytes: float, hw: HardwareConfig) -> float:
+    return 1e6 * nbytes / (hw.memory_bw_gb_s * 1e9 * hw.memory_efficiency)
+
+
+def gemm_us(batch: int, m: int, n: int, k: int, nbytes: int, dtype: str, hw: HardwareConfig) -> float:
+    """A [batch x] (m x k) @ (k x n) GEMM moving `nbytes`: tile and wave quantization over the SMs."""
+    tile_m = min(TILE_M, max(MIN_TILE_M, 1 << max(0, m - 1).bit_length()))
+    tiles = batch * math.ceil(m / tile_m) * math.ceil(n / TILE_N)
+    waves = math.ceil(tiles / hw.sm_count) if tiles >= hw.sm_count else tiles / hw.sm_count
+    padded_flops = waves * hw.sm_count * 2 * tile_m * TILE_N * k
+    # split-K: each of the `splits` slices of K writes FP32 partial sums that a second pass reads and adds
+    splits = hw.sm_count // tiles if tiles < hw.sm_count else 1
+    reduction_us = memory_us(2 * splits * batch * m * n * 4, hw) if splits > 1 else 0.0
+    return hw.kernel_overhead_us + max(math_us(padded_flops, dtype, hw), memory_us(nbytes, hw)) + reduction_us
+
+
+def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: str, hw: HardwareConfig,
+                 profile: str) -> float:
+    """The fused sdpa op (forward or backward): one flash kernel, or the unfused core (module docstring)."""
+    queries = q_shape[-2]
+    if profile == "eager" or queries == 1:
+        return compute_us(flops, nbytes, dtype, hw)
+    scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk
+    kernels = 3 if name == SDPA else 5  # GEMM, softmax, GEMM / two GEMMs, softmax backward, two GEMMs
+    score_bytes = SCORE_PASSES[name] * scores * 2  # FP16 scores, as Megatron's fused softmax keeps them
+    return kernels * hw.kernel_overhead_us + math_us(flops, dtype, hw) + memory_us(nbytes + score_bytes, hw)
+
+
+def launches_kernel(data: dict) -> bool:
+    return data["kind"] == "collective" or not (data.get("is_view") or data["name"] in NO_KERNEL)
+
+
+def kernel_plan(graph, profile: str) -> dict[int, int]:
+    """For each op: the bytes it adds to the kernel it runs in, or -1 when it runs in another op's kernel
+    (it then costs nothing itself). Ops absent from the plan are their own kernel as traced."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
+    if profile == "eager":
+        return {}
+    return _FusedPlan(graph).plan
+
+
+class _FusedPlan:
+    """One pass in traced order (module docstring, fused profile)."""
+
+    def __init__(self, graph):
+        self.graph, self.plan = graph, {}
+        self.host_of = {}  # tensor -> the kernel (host op) that produced it, through views and fused ops
+        self.last_kernel = None  # the kernel-launching node that ran last (op or collective), with its phase
+        self.pending = []  # fusible ops waiting for the next kernel that reads them
+        for node, data in graph.node_attrs.items():
+            if data["kind"] != "tensor":
+                self.visit(node, data)
+        self.flush()
+
+    def visit(self, node, data):
+        inputs = list(self.graph.preds[node])
+        if not launches_kernel(data) or self.layout_only(node, data, inputs):
+            if launches_kernel(data):
+                self.plan[node] = -1
+            host = next((self.host_of[t] for t in inputs if t in self.host_of), None)
+            self.mark_outputs(node, host)
+            return
+        if self.pending and self.phase(self.pending[0]) != data["phase"]:
+            self.flush()  # a kernel runs within one phase
+        if data["kind"] == "op" and data["name"] in FUSIBLE:
+            host = self.last_kernel
+            if (host is not None and self.graph.node_attrs[host]["kind"] == "op" and self.phase(host) == data["phase"]
+                    and any(self.host_of.get(t) == host for t in inputs)):
+                self.join(node, host)
+            else:
+                self.pending.append(node)
+                self.mark_outputs(node, ("pending", node))
+            return
+        if data["kind"] == "op" and any(isinstance(self.host_of.get(t), tuple) for t in inputs):
+            for op in self.pending:
+                self.join(op, node)
+            self.pending = []
+        self.flush()
+        self.last_kernel = node
+        self.mark_outputs(node, node)
+
+    def layout_only(self, node, data, inputs) -> bool:
+        """A cat that only arranges the chunks of an all-gather, or the chunks for a reduce-scatter, along
+        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place."""
+        if data["name"] != "aten.cat":
+            return False
+        nodes, graph = self.graph.node_attrs, self.graph
+        hosts = {self.host_of.get(t) for t in inputs}
+        from_collective = len(hosts) == 1 and None not in hosts and not isinstance(next(iter(hosts)), tuple) \
+            and nodes[next(iter(hosts))]["kind"] == "collective"
+        consumers = [c for t in graph.succs[node] for c in graph.succs[t]]
+        to_collective = bool(consumers) and all(nodes[c]["kind"] == "collective" for c in consumers)
+        return from_collective or to_collective
+
+    def flush(self):
+        """Pending ops no kernel read: one kernel of their own, hosted by the first."""
+        if self.pending:
+            host = self.pending[0]
+            for op in self.pending[1:]:
+                self.join(op, host)
+            self.mark_outputs(host, host)
+            self.last_kernel, self.pending = host, []
+
+    def join(self, op, host):
+        self.plan[op] = -1
+        self.plan[host] = self.plan.get(host, 0) + self.folded_bytes(op)
+        self.mark_outputs(op, host)
+
+    def folded_bytes(self, op) -> int:
+        data, graph = self.graph.node_attrs[op], self.graph
+        largest = max((graph.node_attrs[t]["bytes"] for t in graph.preds[op]), default=0)
+        return max(0, data["bytes_read"] + data["bytes_written"] - 2 * largest)
+
+    def mark_outputs(self, node, host):
+        for t in self.graph.succs[node]:
+            self.host_of[t] = host
+
+    def phase(self, node):
+        return self.graph.node_attrs[node]["phase"]
