@@ -131,7 +131,7 @@ class LocalForward:
     def share(self, choice: tuple, sizes: list[int]) -> tuple:
         return choice
 
-    def share_rows(self, rows: list[list[int]] | None, width: int) -> list[list[int]] | None:
+    def share_rows(self, rows: list[list[int]] | None, batch: int, width: int) -> list[list[int]] | None:
         return rows
 
 
@@ -336,7 +336,7 @@ def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> 
     if beams is None:  # meta: placeholders of full length
         return torch.cat((_known(prompt), torch.zeros(B, max_new_tokens, dtype=torch.long)), 1).tolist()
     # the best beams are known where the choices were made (a pipeline's last stage), which shares them
-    return run.forward.share_rows(beams.best() if beams.chooses else None, T + max_new_tokens)
+    return run.forward.share_rows(beams.best() if beams.chooses else None, B, T + max_new_tokens)
 
 
 def reorder_caches(model: torch.nn.Module, rows: torch.Tensor) -> None:
