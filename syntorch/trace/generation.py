@@ -135,6 +135,9 @@ def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
                 "dst": None if d["dst"] is None else mesh.translate(d["dst"], rank)}
 
     out._node = {n: moved(d) for n, d in graph.node_attrs.items()}
+    if out._node:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
+        first = next(iter(out._node))
+        out._node[first] = dict(out._node[first])
     out._adj = out._succ = graph.succs  # read-only: networkx's DiGraph keeps _adj as _succ
     out._pred = graph.preds
     return out
