@@ -56,6 +56,8 @@ def ws(tmp_path_factory):
         "corrupt/bad.0.et": "\x05abc",
         "empty/bad.0.et": "",
         "nothing/notes.txt": "no traces here",
+        "blank.txt": "\n  \n",
+        "long.txt": "the cat sat " * 40 + "\n",
     }
     for name, text in texts.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +188,15 @@ CASES = [
         ("--trace_level bogus", "argument --trace_level: invalid choice: 'bogus'"),
         ("--num_output_tokens two", "argument --num_output_tokens: invalid int value: 'two'"),
         ("--no_such_option 1", "unrecognized arguments: --no_such_option 1"),
+        ("--pp 5", "--pp 5 is larger than the model's 2 layers; each stage needs a layer"),
+        ("--pp 0", "--pp must be positive, got 0"),
+        ("--pp 2 --tp 2 --sp", "--sp with --pp is not supported for inference"),
+        ("--pp 2 --chakra", "traces of a --pp run are made symbolically: add --device meta"),
+        ("--prompt_file {ws}/missing.txt --tokenizer {ws}/tok", "missing.txt not found"),
+        ("--prompt_file {ws}/blank.txt --tokenizer {ws}/tok", "blank.txt is empty; give one prompt per line"),
+        ("--prompt_file {ws}/long.txt --tokenizer {ws}/tok", "exceed the context of tiny-gpt2 (64)"),
+        ("--prompt_file {ws}/blank.txt", "--prompt_file needs --tokenizer"),
+        ("--input_ids 1,2 --input_ids 3 --batch_size 3", "--batch_size 3 does not match the 2 prompts given"),
     ]),
     *cases(INFER.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),

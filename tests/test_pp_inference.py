@@ -91,7 +91,7 @@ def test_real_ranks_generate_what_one_process_does_and_trace_like_symbolic(tmp_p
     real = {r: [tuple(c) for c in json.loads((tmp_path / f"collectives.rank{r}.json").read_text())] for r in range(4)}
     for stage in range(2):
         graph, _ = trace_pp_stage(config, lambda m, scope, forward: generate(
-            m, prompt, NEW, Sampling(temperature=0), phase_scope=scope, pads=pads, forward=forward), mesh, stage)
+            m, prompt.to("meta"), NEW, Sampling(temperature=0), phase_scope=scope, pads=pads, forward=forward), mesh, stage)
         assert [tuple(json.loads(json.dumps(c))) for c in collective_signature(graph)] == real[mesh.representative(stage)]
     # stage 0 sends each micro-batch's stream to the same TP rank of stage 1, which receives it in order
     sends = [(c[4], c[5], c[6]) for c in real[1] if c[1] == "send"]

@@ -67,7 +67,7 @@ class InferenceSpec:
         torch_dtype(self.dtype)
         given = [f for f in ("input_ids", "prompt", "prompt_file") if getattr(self, f) is not None]
         if len(given) > 1:
-            raise UserError(f"give one of --input_ids, --prompt, --prompt_file, not {' and '.join('--' + f for f in given)}")
+            raise UserError(f"give either --{given[0]} or --{given[1]}, not both")
         for flag in ("prompt", "prompt_file"):
             if getattr(self, flag) is not None and self.tokenizer is None:
                 raise UserError(f"--{flag} needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
