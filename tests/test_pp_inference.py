@@ -132,3 +132,13 @@ def test_bad_pipelines_are_one_line(tmp_path, spec, message):
     with pytest.raises(UserError, match=message):
         symbolic_run(tmp_path, "bad", model_config=str(config), **spec)
     assert not (tmp_path / "bad").exists()
+
+
+def test_run_inference_on_real_pipeline_ranks_writes_what_one_rank_does(tmp_path):
+    """The command's path: 2 spawned stages, rank 0 writes run.json; tokens as --pp 1 (ragged, greedy)."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(tiny_config("gptj-6b", n_layer=3).to_dict()))
+    spec = dict(model_config=str(config), input_ids=ROWS, num_output_tokens=4, temperature=0)
+    one = run_inference(InferenceSpec(**spec), tmp_path / "pp1")
+    two = run_inference(InferenceSpec(**spec, pp=2), tmp_path / "pp2")
+    assert two["output_ids"] == one["output_ids"] and two["pp"] == 2 and two["input_ids"] == ROWS
