@@ -114,11 +114,6 @@ class Padding:
         mask |= keys[None, None, :] == slots[None, :, None]  # a pad slot attends to itself: its softmax stays defined
         return {"positions": positions, "mask": mask[:, None]}
 
-    def rows(self, rows: slice) -> "Padding":
-        part = Padding([], self.pads.device)
-        part.pads = self.pads[rows]
-        return part
-
 
 class LocalForward:
     """How a step gets its logits and shares its choice when one process holds every layer: one call of the
