@@ -1,6 +1,7 @@
 """Ragged batches: prompts of different lengths, left-padded into one batch, generate what each generates
 alone (greedy, beam, seeded sampling; GPT-2 and GPT-J), stop tokens end rows separately, and the CLI takes
-several prompts (--input_ids repeated, --prompt_file) and records each row without padding."""
+several prompts (--input_ids repeated, --prompt_file) and records each row without padding; an encoder's
+right-padded rows predict what each predicts alone."""
 import json
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 from conftest import tiny_config
 from syntorch.errors import UserError
 from syntorch.generate import Sampling, generate, left_pad
-from syntorch.inference import InferenceSpec, run_inference
+from syntorch.fill_mask import predict_masked
+from syntorch.inference import InferenceSpec, make_prompt, run_inference
 from syntorch.models import build_model
 
 ROWS = [[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13, 14]]
@@ -71,9 +73,21 @@ def test_cli_spec_takes_several_prompts_and_records_rows_without_padding(tmp_pat
     assert [len(ids) - len(r) for ids, r in zip(record["output_ids"], ROWS)] == [4, 4, 4]
 
 
-def test_an_encoder_refuses_prompts_of_different_lengths(tmp_path):
-    config = tmp_path / "bert.json"
-    config.write_text(json.dumps(tiny_config("bert-base-uncased").to_dict()))
-    with pytest.raises(UserError, match="encoder and its prompts here differ in length"):
-        run_inference(InferenceSpec(model_config=str(config), input_ids=[[1, 2, 3], [4]]), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("mask", [None, 103], ids=["every-position", "masked"])
+def test_an_encoder_predicts_each_row_as_alone(mask):
+    """BERT's prompts of different lengths, right-padded with an attention mask: each row's predictions
+    (positions, top ids, probabilities) are those of the row run alone."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config("bert-base-uncased", vocab_size=128, mask_token_id=103)).eval()
+    rows = [[1, 5, 6, 7, 8, 2], [1, 9, 2], [1, 11, 12, 13, 2]]
+    if mask is not None:
+        rows = [r[:2] + [mask] + r[3:] for r in rows]
+    spec = InferenceSpec(model="bert-base-uncased", input_ids=rows)
+    config = tiny_config("bert-base-uncased", vocab_size=128, mask_token_id=103)
+    prompt = make_prompt(spec, config)
+    assert prompt.rows == rows and prompt.ids[1].tolist() == rows[1] + [0, 0, 0]  # right-padded
+    batch = predict_masked(model, prompt.ids, 103, lengths=[len(r) for r in rows])
+    for b, row in enumerate(rows):
+        alone = predict_masked(model, torch.tensor([row]), 103)
+        assert batch.positions[b] == alone.positions[0] and batch.top_ids[b] == alone.top_ids[0]
+        torch.testing.assert_close(torch.tensor(batch.top_probs[b]), torch.tensor(alone.top_probs[0]))

@@ -121,15 +121,17 @@ def load_model(spec: InferenceSpec, config: ModelConfig):
 
 @dataclass
 class Prompt:
-    """The batch a run feeds: ids [B, T], each row left-padded by pads[b] slots when the prompts differ in
-    length (generate.left_pad)."""
+    """The batch a run feeds: ids [B, T], each row padded by pads[b] slots when the prompts differ in length:
+    on the left for a decoder (generate.left_pad), on the right for an encoder (`right`)."""
     ids: torch.Tensor
     pads: list[int]
+    right: bool = False
 
     @property
     def rows(self) -> list[list[int]]:
         """Each prompt's own ids, without padding."""
-        return [row[p:] for row, p in zip(self.ids.tolist(), self.pads)]
+        T = self.ids.shape[1]
+        return [row[:T - p] if self.right else row[p:] for row, p in zip(self.ids.tolist(), self.pads)]
 
 
 def make_prompt(spec: InferenceSpec, config: ModelConfig) -> Prompt:
@@ -150,9 +152,10 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> Prompt:
     elif spec.batch_size not in (1, len(rows)):
         raise UserError(f"--batch_size {spec.batch_size} does not match the {len(rows)} prompts given; "
                         "several prompts make the batch, drop --batch_size")
-    if config.encoder and len(set(map(len, rows))) > 1:
-        raise UserError(f"{config.name} is an encoder and its prompts here differ in length "
-                        f"({', '.join(str(len(r)) for r in rows)} tokens); run prompts of different lengths separately")
+    if config.encoder:  # right-padded, as HuggingFace pads BERT: its positions count from the left
+        T = max(map(len, rows))
+        return Prompt(torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long),
+                      [T - len(r) for r in rows], right=True)
     return Prompt(*left_pad(rows))
 
 
@@ -211,7 +214,8 @@ def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, p
     (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction). `forward`:
     a pipeline stage's (generate.LocalForward otherwise)."""
     if config.encoder:
-        return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope)
+        return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
+                              lengths=[len(row) for row in prompt.rows])
     return generate_tokens(spec, model, prompt, phase_scope, forward)
 
 
