@@ -1,21 +1,24 @@
-"""Decoder-only family: GPT-2, GPT-3 (learned positions, sequential residual, tied head)
-and GPT-J (rotary, parallel residual, untied head with bias), chosen by ModelConfig flags."""
+"""Decoder-only family, chosen by ModelConfig flags: GPT-2, GPT-3 (learned positions, sequential residual, tied
+head), GPT-J (interleaved rotary, parallel residual, untied head with bias), and the Llama layout (RMSNorm,
+rotate-half rotary with Llama 3.1's scaling, grouped-query attention, SwiGLU, no biases, untied head) with
+Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP."""
 import torch
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
-from syntorch.models.layers import MLP, Attention, rotary_tables
+from syntorch.models.layers import MLP, Attention, make_norm, rotary_tables
+from syntorch.models.moe import MoE
 
 
 class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.parallel_residual = c.parallel_residual
-        self.ln1 = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.ln1 = make_norm(c)
         self.attn = Attention(c)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
-        self.ln2 = None if c.parallel_residual else nn.LayerNorm(c.d_model, eps=c.ln_eps)
-        self.mlp = MLP(c)
+        self.ln2 = None if c.parallel_residual else make_norm(c)
+        self.mlp = MoE(c) if c.n_experts else MLP(c)
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)
@@ -33,7 +36,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(c.n_positions, c.d_model) if c.pos == "learned" else None
         # a ModuleDict keeps names like layers.3 when a pipeline stage drops other layers
         self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
-        self.ln_f = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.ln_f = make_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.head_bias)
         self.tie_weights()
 
@@ -61,7 +64,7 @@ class GPT(nn.Module):
             x = self.tok_emb(x)  # [B, T, d]
         if learned:
             x = x + self.pos_emb(positions)
-        rope = rotary_tables(positions, self.config.rotary_dim) if rotary else None
+        rope = rotary_tables(positions, self.config) if rotary else None
         for block in self.layers.values():  # only the layers this stage holds
             x = block(x, start, rope, mask)
         if self.lm_head is None:
