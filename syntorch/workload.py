@@ -11,7 +11,7 @@ every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/gr
 """
 import json
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,10 +23,13 @@ from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.plans import TrainPlan
+from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
+from syntorch.simulate.predict import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for
+from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, schedule_stage, shift_stage,
+                                     traced_stage_for)
 
 
 @dataclass
@@ -36,38 +39,44 @@ class Workload:
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
     hw_name: str | None = None
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
+    probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
+    source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
-                   hw: HardwareConfig | None = None) -> Workload:
+                   hw: HardwareConfig | None = None, schedule: bool = True) -> Workload:
+    """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step."""
     with no_gc():
-        return _trace_workload(config, plan, dtype, hw)
+        return _trace_workload(config, plan, dtype, hw, schedule)
 
 
-def _trace_workload(config, plan, dtype, hw) -> Workload:
+def _trace_workload(config, plan, dtype, hw, schedule) -> Workload:
     source = traced_stage_for(config, plan)
-    probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
+    probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
+    probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
     moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
-                            plan.stage(config, source[s]).layers[0]) for s in range(plan.pp) if source[s] != s}
+                            plan.stage(config, source[s]).layers[0])
+             for s in range(plan.pp) if source[s] != s and schedule}
     # shifted first: schedule_stage may finish a probe in place (see there)
-    unscheduled = [moved[s] if s in moved else probes[s][0] for s in range(plan.pp)]
+    unscheduled = {s: moved[s] if s in moved else probes[s][0] for s in (range(plan.pp) if schedule else probes)}
     # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
     # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
-    for graph in unscheduled if hw else ():
+    for graph in unscheduled.values() if hw else ():
         fill_durations(graph, hw)
-    stages = [schedule_stage(graph, probes[source[s]][1], plan) for s, graph in enumerate(unscheduled)]
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes))
+    stages = [schedule_stage(unscheduled[s], probes[source[s]][1], plan) for s in range(plan.pp)] if schedule else []
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
-                   progress: bool = True) -> dict:
-    """Every rank's `<model>.<rank>.et`, `comm_groups.json`, `tensor_trace_chakra.json` (rank 0) and
-    `summary.json` into `out_dir`, whole or not at all. Returns the summary."""
+                   progress: bool = True, prediction: Prediction | None = None) -> dict:
+    """Every rank's `<model>.<rank>.et`, `comm_groups.json`, `tensor_trace_chakra.json` (rank 0), the rank
+    kinds `syntorch predict` reads (simulate/chakra_files.py) and `summary.json` (with the prediction and its
+    timeline when given) into `out_dir`, whole or not at all. Returns the summary."""
     with no_gc():
-        return _write_workload(workload, out_dir, level, force, progress)
+        return _write_workload(workload, out_dir, level, force, progress, prediction)
 
 
-def _write_workload(workload, out_dir, level, force, progress) -> dict:
+def _write_workload(workload, out_dir, level, force, progress, prediction) -> dict:
     config, plan = workload.config, workload.plan
     mesh, world = plan.mesh, plan.mesh.world_size
     views = [level_view(g, level) for g in workload.stages]
@@ -92,8 +101,12 @@ def _write_workload(workload, out_dir, level, force, progress) -> dict:
             total += written
             variants.add(variant)
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
+        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp))
         summary = summarize(workload, node_counts, level)
         summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
+        if prediction is not None:
+            summary["predicted"] = prediction.summary
+            prediction.write_timeline(tmp / TIMELINE)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
 

@@ -340,8 +340,17 @@ CASES = [
     *cases(TRACE, "out/", [
         ("--model_config {ws}/moe.json --tp 2 --sp", "--sp is not supported for mixtral-8x7b's mixture-of-experts layers"),
     ]),
+    *cases("predict --out {out}", "out/", [
+        ("{ws}/nothing", "no <prefix>.<rank>.et files at"),
+        ("{ws}/corrupt", "bad.0.et: corrupt .et"),
+        ("{ws}/chakra --profile fused", "--profile chooses how the performance model groups ops into kernels; give --hw_config too"),
+        ("{ws}/chakra --hw_config a100-80gb --profile slow", "argument --profile: invalid choice: 'slow'"),
+        ("{ws}/chakra --hw_config nope", "unknown --hw_config 'nope'"),
+        ("{ws}/chakra --hw_config {ws}/nan_hw.json", "memory_bw_gb_s must be a finite number"),
+    ]),
+    Case(TRACE + " --predict_only", "--predict_only predicts from a hardware model; give --hw_config", "out/"),
 ]
-FORCE = {"infer", "trace", "export", "train"}  # the commands with --force, added when an earlier run is there
+FORCE = {"infer", "trace", "export", "train", "predict"}  # the commands with --force, added when an earlier run is there
 
 
 def run_case(case: Case, variant: str, ws: Path, case_dir: Path, capsys, entry=main, prog=None):

@@ -17,6 +17,7 @@ LAYERS = [
     ("parallel", ["syntorch.parallel"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),
+    ("simulate", ["syntorch.simulate"]),  # reads TraceGraphs and Chakra files, predicts for the runs above
     ("runs", ["syntorch.inference", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
     ("cli", ["syntorch.cli"]),
     ("package", ["syntorch"]),  # its __init__ (lazy CommDebugMode for users)

@@ -79,9 +79,9 @@ def print_result(record: dict, out_dir) -> None:
 
 
 def _print_symbolic(console, record: dict, out_dir) -> None:
-    predicted = record.get("trace", {}).get("predicted_latency_us")
-    latency = (f"predicted latency {predicted['critical_path_us'] / 1e3:.1f} ms on {record['trace']['hw_config']} "
-               f"(serial {predicted['serial_us'] / 1e3:.1f} ms)" if predicted else
+    predicted = record.get("predicted")
+    latency = (f"predicted latency {predicted['latency_ms']:.1f} ms on {predicted['hw_config']} (prefill "
+               f"{predicted['prefill_ms']:.1f} ms, decode {predicted['decode_ms_per_token']:.2f} ms/token)" if predicted else
                "no values on meta; give --hw_config for a predicted latency")
     if "positions" in record:  # an encoder
         n = len(record["positions"][0])

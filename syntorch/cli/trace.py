@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     out = p.add_argument_group("outputs")
     out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
+    out.add_argument("--predict_only", action="store_true",
+                     help="predict the step (needs --hw_config) without writing Chakra files: summary.json, timeline.json")
     out.add_argument("--out", default="runs/trace", help="output folder")
     out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -41,16 +43,28 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.parallel.plans import TrainPlan
+    from syntorch.cli.predict import print_prediction
+    from syntorch.errors import UserError
+    from syntorch.simulate.predict import predict_training, write_prediction
     from syntorch.workload import trace_workload, write_workload
 
     check_output_dir(args.out, args.force, "--out")  # before the work, not after it
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)
+    if args.predict_only and not args.hw_config:
+        raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     hw = load_hw_config(args.hw_config) if args.hw_config else None
-    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw)
-    summary = write_workload(workload, args.out, args.trace_level, args.force, progress=not args.no_progress)
-    print_summary(summary)
+    workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only)
+    prediction = predict_training(workload.probes, workload.source, plan, hw, getattr(args, "profile", None)) if hw else None
+    if args.predict_only:
+        record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
+                  "hw_config": hw.name, "predicted": prediction.summary}
+        write_prediction(args.out, record, prediction, "summary.json", args.force)
+    else:
+        print_summary(write_workload(workload, args.out, args.trace_level, args.force, not args.no_progress, prediction))
+    if prediction:
+        print_prediction(prediction.summary)
     return 0
 
 

@@ -30,8 +30,7 @@ def _args(d: dict, estimated: bool) -> dict:
 
 
 def rank_events(graph: TraceGraph, rank: int) -> list[dict]:
-    events = [{"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
-              {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
+    events = track_names(rank, f"rank {rank}", {})
     now = 0.0
     for _, d in graph.work():
         dur, estimated = _duration(d)
@@ -48,11 +47,24 @@ def trace_events(graphs) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def track_names(pid: int, process: str, threads: dict[int, str]) -> list[dict]:
+    """Metadata events naming a process (sorted by pid) and its threads (tracks)."""
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}},
+              {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+    return events + [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+                     for tid, name in threads.items()]
+
+
+def write_events(events: list[dict], path) -> None:
+    """The events as one Chrome trace JSON file at `path`, whole or not at all."""
+    with atomic_output_file(path) as tmp:
+        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")))
+
+
 def export(graphs, path, level: str | None = None) -> None:
     from syntorch.trace.levels import level_view
     if level and not isinstance(graphs, Mapping):
         graphs = level_view(graphs, level)
     elif level:
         graphs = {r: level_view(g, level) for r, g in graphs.items()}
-    with atomic_output_file(path) as tmp:
-        tmp.write_text(json.dumps(trace_events(graphs), separators=(",", ":")))  # one-shot: the C encoder
+    write_events(trace_events(graphs)["traceEvents"], path)

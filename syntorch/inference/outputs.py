@@ -9,6 +9,7 @@ from syntorch.chakra.writer import write_chakra
 from syntorch.export import write_trace_outputs
 from syntorch.export.comm_report import write_comm_outputs
 from syntorch.hardware import load_hw_config
+from syntorch.simulate.predict import TIMELINE, predict_inference
 from syntorch.trace.comm_report import check_noise_level
 from syntorch.trace.cost import fill_rank_durations, latency_us
 
@@ -44,6 +45,9 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
         fill_rank_durations(traces, hw)
         record["hw_config"] = hw.name
         record["predicted_latency_us"] = latency_us(graph)
+        prediction = predict_inference(traces, hw.name)
+        record["predicted"] = prediction.summary
+        prediction.write_timeline(out_dir / TIMELINE)
     if outputs.visualize:
         record["files"] = write_trace_outputs(graph, out_dir, outputs.level)
     if outputs.chakra or (outputs.visualize and len(traces) > 1):

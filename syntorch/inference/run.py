@@ -74,6 +74,8 @@ def _finish(spec, config, prompt, result, graph, out_dir, outputs, traces: RankT
     record = run_record(spec, config, prompt, result)
     if outputs.any:
         record["trace"] = write_run_outputs(traces or _traces(graph, spec.tp), out_dir, outputs)
+        if "predicted" in record["trace"]:  # the simulated latency (syntorch/simulate) at the top, by the run
+            record["predicted"] = record["trace"].pop("predicted")
     write_run_json(record, out_dir)
     return record
 

@@ -36,6 +36,9 @@ from syntorch.trace.tracer import Tracer
 
 
 PROBE_MICROBATCHES = 4  # enough to see every kind of step: first, middle (after a middle), and last backward
+# what costing steps needs (syntorch/simulate): a middle backward after the first costs what one after a
+# middle does (the same ops; only their tensors' versions differ, which copies must get right)
+COST_MICROBATCHES = 3
 
 
 def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
@@ -50,10 +53,11 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
     return _finish(graph, plan, list(blocks), [start for start, _ in blocks.values()])
 
 
-def probe_stage(config, plan, stage, dtype=torch.float32, rank=None) -> tuple[TraceGraph, dict]:
-    """A short run of the stage -- min(microbatches, PROBE_MICROBATCHES) micro-batches, all forwards then all
+def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
+                microbatches: int = PROBE_MICROBATCHES) -> tuple[TraceGraph, dict]:
+    """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards -- and where each step's nodes are: {(kind, microbatch): (first node, end)}."""
-    probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, PROBE_MICROBATCHES), schedule="gpipe")
+    probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
     return _run_stage(config, probe, stage, dtype, rank)
 
 
@@ -96,7 +100,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     the probe itself: then `probe` is finished in place and returned."""
     stage, M = probe.graph["stage"], plan.microbatches
     probed = 1 + max(m for kind, m in blocks if kind != "optimizer")
-    order = [*(schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m) for m in range(M)]),
+    steps = schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m, 0) for m in range(M)]
+    order = [*((kind, m) for kind, m, _chunk in steps),
              *([("optimizer", M)] if ("optimizer", None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [("optimizer", None) if kind == "optimizer" else (kind, m) for kind, m in order]:

@@ -1,0 +1,51 @@
+"""`syntorch predict DIR`: the step time of Chakra traces already written (ours or converted captures), from a
+cross-rank simulation of them: prediction.json and a Perfetto timeline.json in --out."""
+PROFILES = ("eager", "fused")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("predict", help="simulate Chakra .et traces across ranks: step time, MFU, bubbles, timeline")
+    p.add_argument("path", help="folder of <prefix>.<rank>.et files, or the prefix itself")
+    p.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file; "
+                                       "without it, the files' own duration_micros")
+    p.add_argument("--profile", choices=PROFILES, help="software profile of the performance model (needs --hw_config)")
+    p.add_argument("--out", default="runs/predict", help="output folder (prediction.json, timeline.json)")
+    p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's outputs in --out")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from syntorch.errors import UserError
+    from syntorch.hardware import load_hw_config
+    from syntorch.outdir import check_output_dir
+    from syntorch.simulate.chakra_files import predict_traces
+    from syntorch.simulate.predict import write_prediction
+
+    if args.profile and not args.hw_config:
+        raise UserError("--profile chooses how the performance model groups ops into kernels; give --hw_config too")
+    check_output_dir(args.out, args.force, "--out")
+    hw = load_hw_config(args.hw_config) if args.hw_config else None
+    prediction = predict_traces(args.path, hw, args.profile)
+    write_prediction(args.out, {"predicted": prediction.summary}, prediction, "prediction.json", args.force)
+    print_prediction(prediction.summary)
+    print(f"-> {args.out}/prediction.json, {args.out}/timeline.json (open in ui.perfetto.dev)")
+    return 0
+
+
+def print_prediction(predicted: dict) -> None:
+    """The step and, per rank kind, where its time went."""
+    from rich.table import Table
+
+    from syntorch.console import console as make_console
+
+    head = f"predicted step {predicted['step_s'] * 1e3:.2f} ms"
+    if "mfu" in predicted:
+        head += f", MFU {predicted['mfu']:.1%}, HFU {predicted['hfu']:.1%}"
+    head += f", bubble {predicted['bubble_fraction']:.1%}, exposed comm {predicted['exposed_comm_s'] * 1e3:.2f} ms"
+    table = Table(title=head)
+    for column in ("rank kind", "ranks", "busy ms", "exposed comm ms", "idle ms"):
+        table.add_column(column, justify="right")
+    for k in predicted["rank_kinds"]:
+        table.add_row(k["kind"], str(k["ranks"]), f"{k['busy_s'] * 1e3:.2f}", f"{k['exposed_comm_s'] * 1e3:.2f}",
+                      f"{k['idle_s'] * 1e3:.2f}")
+    make_console().print(table)

@@ -1,0 +1,176 @@
+"""Chakra files already written (ours, or converted captures) as simulator programs.
+
+Each file becomes a TraceGraph (an op or collective per Chakra node, its data and ctrl deps as edges through
+one output tensor), so durations come from the same performance model as in-memory runs (trace/cost.py's
+fill_durations, with --hw_config) or, without one, from the files' `duration_micros`.
+
+Our writer (workload.py) writes every rank of a stage from one template in which only comm-group ids and
+p2p peers differ (chakra/writer.py's StageTemplate), and leaves RANK_KINDS beside the files: the mesh and
+each file's size and modification time. When every file is still as written there, each stage's
+representative is read and simulated for all its ranks (graphs.MeshFrame); otherwise (a file changed, or
+traces we did not write) every rank is read and simulated on its own.
+"""
+import json
+import re
+from pathlib import Path
+
+from chakra.schema.protobuf import et_def_pb2 as et
+
+from syntorch.chakra.reader import find_traces, read_trace
+from syntorch.chakra.validate import _load_groups as load_comm_groups
+from syntorch.errors import UserError
+from syntorch.parallel.mesh import Mesh
+from syntorch.simulate.engine import simulate
+from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program
+from syntorch.simulate.predict import Prediction, run_summary
+from syntorch.trace.cost import fill_durations
+from syntorch.trace.graph import TraceGraph, no_gc
+from syntorch.userfiles import read_json
+
+RANK_KINDS = "syntorch_ranks.json"
+COLLECTIVE_OF = {et.ALL_REDUCE: "all_reduce", et.REDUCE: "all_reduce", et.ALL_GATHER: "all_gather",
+                 et.GATHER: "all_gather", et.SCATTER: "all_gather", et.BROADCAST: "broadcast",
+                 et.ALL_TO_ALL: "all_to_all", et.REDUCE_SCATTER: "reduce_scatter", et.BARRIER: "barrier"}
+PER_RANK_PART = {"all_gather"}  # comm_size is each rank's part (chakra/nodes.py), the graph counts the output
+DTYPES = {"BFloat16": "bfloat16", "Half": "float16", "float": "float32", "double": "float64"}
+
+
+def rank_kinds_json(model: str, mesh: Mesh, folder: Path) -> str:
+    """The mesh and each rank's file as written (size and modification time: the quick check rsync and make
+    use; a file rewritten since, even to the same size, shows a new time)."""
+    stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
+    return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
+                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
+                       "files": [[st.st_size, st.st_mtime_ns] for st in stats]})
+
+
+def predict_traces(path, hw=None, profile: str | None = None) -> Prediction:
+    """A simulated step of the traces at `path` (DIR or PREFIX); durations from `hw`'s model, else the files'."""
+    with no_gc():  # many small dicts and lists, none cyclic
+        return _predict_traces(path, hw, profile)
+
+
+def _predict_traces(path, hw, profile) -> Prediction:
+    files = find_traces(path)
+    folder = files[0][1].parent
+    groups = {k: sorted(v) for k, v in load_comm_groups(folder / "comm_groups.json", explicit=False).items()}
+    world = len(files)
+    mesh, why = _symmetric_mesh(folder, files)
+    if mesh is not None:
+        paths = dict(files)
+        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.dp * mesh.tp)
+                 for s in range(mesh.pp)]
+        frame, note = MeshFrame(mesh), f"one program per pipeline stage, from {RANK_KINDS}"
+    else:
+        kinds = [(f"rank {rank}", rank, f, 1) for rank, f in files]
+        frame, note = RankFrame(), f"every rank simulated on its own: {why}"
+    programs, flops, dtypes = [], 0, {}
+    for name, rank, f, ranks in kinds:
+        graph = chakra_graph(f, rank, world, groups)
+        if hw is not None:
+            fill_durations(graph, hw, **({"profile": profile} if profile else {}))
+        programs.append(graph_program(graph, name, frame, ranks)[0])
+        for d in graph.node_attrs.values():
+            if d["kind"] == "op":
+                flops += ranks * d["flops"]
+                dtypes[d["dtype"]] = dtypes.get(d["dtype"], 0) + d["flops"]
+    run = simulate(programs)
+    # every COMP node counts: a Chakra file does not say which ops are recomputations or the optimizer's
+    peak = hw.peak_flops(max(dtypes, key=dtypes.get)) if hw is not None and dtypes else 0.0
+    summary = run_summary(run, flops, flops, peak)
+    summary.update(hw_config=hw.name if hw else None, profile=profile, traces=str(path), ranks=world,
+                   notes=[note, "durations from " + (f"--hw_config {hw.name}" if hw else "the files' duration_micros")])
+    return Prediction(run, summary)
+
+
+def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str]:
+    """The mesh of RANK_KINDS when every file is still as our writer left it (by size), else why not."""
+    path = folder / RANK_KINDS
+    if not path.is_file():
+        return None, f"no {RANK_KINDS} (traces not written by syntorch trace)"
+    data = read_json(path, "rank kinds file")
+    try:
+        mesh = Mesh(**data["mesh"])
+        written = [(int(size), int(mtime)) for size, mtime in data["files"]]
+        prefix = str(data["prefix"])
+    except (KeyError, TypeError, ValueError, UserError):
+        raise UserError(f"{path}: not a {RANK_KINDS} written by syntorch trace; delete it to simulate every rank") from None
+    if [r for r, _ in files] != list(range(mesh.world_size)) or len(written) != mesh.world_size:
+        return None, f"{RANK_KINDS} is for {mesh.world_size} ranks, the folder has {len(files)}"
+    for rank, f in files:
+        st = f.stat()
+        if not f.name.startswith(prefix + ".") or (st.st_size, st.st_mtime_ns) != written[rank]:
+            return None, f"{f.name} changed since syntorch trace wrote it (a copy keeps the fast path with cp -p)"
+    return mesh, ""
+
+
+def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:
+    """One .et file as a TraceGraph in dependency order; durations from `duration_micros`."""
+    header, nodes = read_trace(path)
+    graph = TraceGraph(rank=rank, world_size=world, model=path.name.split(".")[0])
+    index = {n.id: n for n in nodes}
+    specs, edges, place, orders = [], [], {}, {}
+    for node in _dependency_order(nodes, index, path):
+        op, out = 2 * len(place), 2 * len(place) + 1
+        place[node.id] = out
+        specs += [_node_attrs(node, rank, world, groups, orders, path),
+                  {"kind": "tensor", "name": f"t{out}", "shape": [], "dtype": _dtype(node), "bytes": 0,
+                   "is_param": False, "device": "meta", "version": 0}]
+        edges += [(place[d], op, {"arg": i}) for i, d in enumerate(dict.fromkeys([*node.data_deps, *node.ctrl_deps]))]
+        edges.append((op, out, {"arg": 0}))
+    graph.append(specs, edges)
+    return graph
+
+
+def _dependency_order(nodes, index, path):
+    """The nodes with each after its deps (ours already are: ids in traced order)."""
+    done, order = set(), []
+    for root in nodes:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node.id in done:
+                continue
+            if expanded:
+                done.add(node.id)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for d in [*node.data_deps, *node.ctrl_deps]:
+                if d not in index:
+                    raise UserError(f"{path}: node {node.id} depends on node {d}, which the file lacks")
+                if d not in done:
+                    stack.append((index[d], False))
+    return order
+
+
+def _node_attrs(node, rank, world, groups, orders, path) -> dict:
+    attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
+    module, _, what = node.name.rpartition(":")
+    base = {"name": what or node.name, "module": module or node.name, "phase": "", "duration_us": float(node.duration_micros)}
+    if node.type == et.COMP_NODE:
+        return {**base, "kind": "op", "flops": int(attrs.get("num_ops", 0)), "dtype": _dtype(node), "bytes_read": int(attrs.get("tensor_size", 0)),
+                "bytes_written": 0, "is_view": False}
+    size = int(attrs.get("comm_size", 0))
+    if node.type in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
+        send = node.type == et.COMM_SEND_NODE
+        peer = int(attrs.get("comm_dst" if send else "comm_src", 0))
+        return {**base, "kind": "collective", "collective": "send" if send else "recv", "reduce_op": None,
+                "group": sorted({rank, peer}), "bytes": size, "src": None if send else peer,
+                "dst": peer if send else None, "tag": int(attrs.get("comm_tag", 0)), "order": 0}
+    if node.type != et.COMM_COLL_NODE:
+        return {**base, "kind": "op", "flops": 0, "bytes_read": 0, "bytes_written": 0, "is_view": True}
+    pg = str(attrs.get("pg_name", ""))
+    if pg not in ("", "0") and pg not in groups:
+        raise UserError(f"{path}: node {node.id} names comm group {pg!r}, which comm_groups.json lacks")
+    group = groups.get(pg, list(range(world)))
+    kind = COLLECTIVE_OF.get(int(attrs.get("comm_type", 0)), "all_reduce")
+    order = orders[tuple(group)] = orders.get(tuple(group), -1) + 1
+    return {**base, "kind": "collective", "collective": kind, "reduce_op": None, "group": group,
+            "bytes": size * len(group) if kind in PER_RANK_PART else size, "src": None, "dst": None, "tag": 0,
+            "order": order}
+
+
+def _dtype(node) -> str:
+    found = re.search(r"(b?float\d+|BFloat16|Half|float|double)", node.outputs.types or node.inputs.types)
+    return DTYPES.get(found.group(1), found.group(1)) if found else "float32"

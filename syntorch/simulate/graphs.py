@@ -1,0 +1,99 @@
+"""TraceGraphs as simulator programs, once per rank kind.
+
+A frame says which ranks share a program and how the communication of one program meets another's:
+- `RankFrame`: every rank its own program (foreign traces, and the reference the symmetric form is tested
+  against); a collective waits for every rank of its group, a recv for its sender's send.
+- `MeshFrame`: the ranks of a pipeline stage run one graph (trace/training.py traces its representative,
+  dp 0 and tp 0; the others are translations along dp and tp, Mesh.translate). A group inside one stage
+  (TP, DP) has one member program: its ranks reach it at the same time. A group across stages (pipeline
+  pairs, the tied embedding) meets the other stages' representatives, which name it by the same
+  translation-free form: each rank moved along dp and tp by the coordinates of the group's lowest rank.
+"""
+from syntorch.parallel.mesh import Mesh
+from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync
+from syntorch.trace.graph import TraceGraph
+
+
+class RankFrame:
+    """`kind_of` (default: every rank its own): rank -> the program it runs, for ranks that share one graph
+    (RankTraces.put_shared) whose groups and peers name the other programs' ranks as they are."""
+
+    def __init__(self, kind_of: dict | None = None):
+        self.kind_of = kind_of
+
+    def kind(self, rank: int):
+        return rank if self.kind_of is None else self.kind_of.get(rank, rank)
+
+    def canonical(self, ranks) -> tuple:
+        return tuple(ranks)
+
+    def label(self, group) -> str:
+        group = sorted(group)
+        return "ranks " + ",".join(map(str, group[:4])) + (",…" if len(group) > 4 else "")
+
+
+class MeshFrame:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def kind(self, rank: int) -> int:
+        return self.mesh.coords(rank)[1]
+
+    def canonical(self, ranks) -> tuple:
+        mesh = self.mesh
+        d0, _, t0 = mesh.coords(min(ranks))
+        return tuple(mesh.rank((d - d0) % mesh.dp, s, (t - t0) % mesh.tp) for d, s, t in map(mesh.coords, ranks))
+
+    def label(self, group) -> str:
+        coords = list(zip(*map(self.mesh.coords, group)))
+        varying = [axis for axis, values in zip(("dp", "pp", "tp"), coords) if len(set(values)) > 1]
+        if varying == ["pp"]:
+            return "pp " + "-".join(map(str, sorted(coords[1])))
+        return "+".join(varying) or "self"
+
+
+def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=None,
+                  isolated: bool = False) -> tuple[Program, list[int]]:
+    """The program of `graph`'s ops and collectives (those in `nodes`, default all) in traced order, and the
+    graph node of each task. `isolated`: a step simulated on its own (steps.py): what meets other kinds
+    (p2p, groups across kinds) takes no time here, the step-level program adds it; dependencies on nodes
+    outside `nodes` are dropped."""
+    attrs, pred = graph.node_attrs, graph.preds
+    rank = graph.graph.get("rank", 0)
+    program, task_of, node_of, seen = Program(name, ranks), {}, [], {}
+    for n in (attrs if nodes is None else nodes):
+        d = attrs[n]
+        if d["kind"] == "tensor":
+            continue
+        deps = list({task_of[p] for t in pred[n] for p in pred[t] if p in task_of})
+        duration = d.get("duration_us") or 0.0
+        if d["kind"] == "op":
+            task_of[n] = program.add(d["name"], COMPUTE, duration, deps)
+            node_of.append(n)
+            continue
+        stream, sync = _comm(d, rank, frame, seen)
+        if isolated and sync is not None:  # it meets another kind: the step-level program runs it
+            duration, sync = 0.0, None
+        task_of[n] = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
+                                 stream, duration, deps, sync)
+        node_of.append(n)
+    return program, node_of
+
+
+def _comm(d: dict, rank: int, frame, seen: dict) -> tuple[str, Sync | None]:
+    kind = d["collective"]
+    if kind in ("send", "recv"):
+        src, dst = (rank, d["dst"]) if kind == "send" else (d["src"], rank)
+        pair = frame.canonical((src, dst))
+        occurrence = seen[(pair, d["tag"])] = seen.get((pair, d["tag"]), -1) + 1
+        return P2P, Sync(kind, ("p2p", pair, d["tag"], occurrence))
+    group = sorted(d["group"])
+    members = len({frame.kind(r) for r in group})
+    if members == 1:
+        return "comm " + frame.label(group), None
+    return "comm " + frame.label(group), Sync("coll", ("coll", frame.canonical(group), d["order"]), members)
+
+
+def kind_programs(graphs: dict, frame) -> list[Program]:
+    """One program per kind: `graphs` maps a kind's name to its (representative's) graph."""
+    return [graph_program(g, name, frame)[0] for name, g in graphs.items()]

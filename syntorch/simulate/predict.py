@@ -1,0 +1,131 @@
+"""Predictions from simulated runs: a training step (summary.json's `predicted`), an inference latency
+(run.json's `predicted`), and the Perfetto timeline of the simulated run (one process per rank kind, one
+track per stream)."""
+import json
+from dataclasses import dataclass
+
+from syntorch.export.perfetto import track_names, write_events
+from syntorch.hardware import HardwareConfig
+from syntorch.outdir import atomic_output_dir
+from syntorch.parallel.pipeline import schedule
+from syntorch.simulate.engine import COMPUTE, Run, simulate
+from syntorch.simulate.graphs import RankFrame, graph_program
+from syntorch.simulate.stats import kind_stats
+from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
+from syntorch.trace.cost import op_dtype, shared_key
+from syntorch.trace.graph import no_gc
+
+TIMELINE = "timeline.json"
+
+
+@dataclass
+class Prediction:
+    run: Run
+    summary: dict
+
+    def write_timeline(self, path) -> None:
+        write_events(timeline_events(self.run), path)
+
+
+def timeline_events(run: Run) -> list[dict]:
+    events = []
+    for pid, (p, starts, ends) in enumerate(zip(run.programs, run.starts, run.ends)):
+        tids = {s: t for t, s in enumerate(dict.fromkeys([COMPUTE, *p.streams]))}
+        events += track_names(pid, f"{p.name} ({p.ranks} rank{'s' * (p.ranks > 1)})", {t: s for s, t in tids.items()})
+        events += [{"ph": "X", "name": name, "pid": pid, "tid": tids[stream], "ts": a, "dur": b - a}
+                   for name, stream, a, b in zip(p.names, p.streams, starts, ends)]
+    return events
+
+
+def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_flops: float = 0.0) -> dict:
+    """Step (or latency) time, rank-weighted means of busy/idle/exposed communication, and per kind the same;
+    MFU/HFU when FLOPs (summed over all ranks) and a device peak are given."""
+    step = run.end_us
+    kinds = kind_stats(run)
+    world = sum(k["ranks"] for k in kinds)
+    mean = {f: sum(k[f] * k["ranks"] for k in kinds) / world for f in ("busy_us", "idle_us", "exposed_comm_us")}
+    out = {"step_s": step / 1e6, "exposed_comm_s": mean["exposed_comm_us"] / 1e6,
+           "bubble_fraction": mean["idle_us"] / step if step else 0.0, "busy_s": mean["busy_us"] / 1e6,
+           "ranks": world,
+           "rank_kinds": [{"kind": k["kind"], "ranks": k["ranks"], "busy_s": k["busy_us"] / 1e6,
+                           "idle_s": k["idle_us"] / 1e6, "exposed_comm_s": k["exposed_comm_us"] / 1e6,
+                           "bubble_fraction": k["idle_us"] / step if step else 0.0,
+                           "streams_busy_s": {s: v / 1e6 for s, v in k["streams_busy_us"].items()}} for k in kinds]}
+    if peak_flops and step:
+        capacity = step / 1e6 * world * peak_flops
+        out.update(mfu=model_flops / capacity, hfu=hw_flops / capacity, model_flops=model_flops,
+                   hardware_flops=hw_flops, peak_tflops=peak_flops / 1e12)
+    return out
+
+
+def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None) -> Prediction:
+    """A training step (or pipelined prefill) from per-stage probes (trace/training.py's probe_stage:
+    {stage: (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
+    with no_gc():  # many small lists, none cyclic
+        return _predict_training(probes, source, plan, hw, profile)
+
+
+def _predict_training(probes, source, plan, hw, profile) -> Prediction:
+    mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
+    costs = {s: probe_costs(graph, blocks, mesh) for s, (graph, blocks) in probes.items()}
+    optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
+                 for s, probed in costs.items()}
+    if plan.mode == "train":
+        schedules = [schedule(plan.schedule, s, plan.pp, M, virtual) for s in range(plan.pp)]
+    else:
+        schedules = [[("F", m, 0) for m in range(M)] for _ in range(plan.pp)]
+    per_step = [step_costs(costs[source[s]], schedules[s], M) for s in range(plan.pp)]
+    programs = pipeline_programs(schedules, per_step, plan.pp, virtual, [optimizer[source[s]] for s in range(plan.pp)],
+                                 ranks=mesh.dp * mesh.tp)
+    run = simulate(programs)
+    ranks = mesh.dp * mesh.tp
+    hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
+    # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
+    flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
+    summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)))
+    for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
+        kind["stage"] = s
+    summary["stages"] = summary["rank_kinds"]
+    summary.update(hw_config=hw.name, profile=profile, level="pipeline step", microbatches=M, virtual_stages=virtual)
+    return Prediction(run, summary)
+
+
+def _main_dtype(probes: dict) -> str:
+    """The dtype of the op with the most FLOPs: what MFU's peak is taken for."""
+    graph = probes[min(probes)][0]
+    biggest = max((n for n, d in graph.node_attrs.items() if d["kind"] == "op"),
+                  key=lambda n: graph.node_attrs[n]["flops"], default=None)
+    return "float32" if biggest is None else op_dtype(graph, biggest)
+
+
+def predict_inference(traces, hw_name: str, profile: str | None = None) -> Prediction:
+    """Latency of an inference run whose graphs have durations: `traces` maps each rank to its graph, ranks
+    that run one graph sharing it (RankTraces), each distinct graph simulated once.
+    run.json's `predicted`: latency_ms, prefill_ms (to the end of the prompt's pass), decode_ms_per_token."""
+    kinds = {}  # shared graph -> (graph, its ranks)
+    for rank in sorted(traces):
+        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
+    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
+    programs, phases = [], []
+    for graph, ranks in kinds.values():
+        name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+        program, nodes = graph_program(graph, name, frame, len(ranks))
+        programs.append(program)
+        phases.append([graph.node_attrs[n]["phase"] for n in nodes])
+    run = simulate(programs)
+    latency = run.end_us
+    prefill = max((e for ends, kind in zip(run.ends, phases) for e, ph in zip(ends, kind)
+                   if ph in ("prefill", "encode", "forward")), default=latency)
+    decodes = {ph for kind in phases for ph in kind if ph.startswith("decode")}
+    summary = {"latency_ms": latency / 1e3, "prefill_ms": prefill / 1e3,
+               "decode_ms_per_token": (latency - prefill) / 1e3 / len(decodes) if decodes else 0.0,
+               "exposed_comm_ms": max(k["exposed_comm_us"] for k in kind_stats(run)) / 1e3,
+               "hw_config": hw_name, "profile": profile}
+    return Prediction(run, summary)
+
+
+def write_prediction(out_dir, record: dict, prediction: Prediction, name: str, force: bool = False) -> None:
+    """`record` as `name` (JSON) and the prediction's timeline into `out_dir`, whole or not at all."""
+    with atomic_output_dir(out_dir, force, "--out") as tmp:
+        (tmp / name).write_text(json.dumps(record, indent=1))
+        prediction.write_timeline(tmp / TIMELINE)

@@ -1,0 +1,122 @@
+"""A training step predicted at the level of pipeline steps, without a node per micro-batch.
+
+trace/training.py probes each traced stage with a few micro-batches and knows where each step's nodes lie
+(a forward or backward of one micro-batch, and the optimizer). Each probed step is simulated once on its
+own (its ops, its TP collectives and, in the step's last backward, the DP gradient buckets overlapping it,
+as DDP launches them; graphs.py's `isolated` form), which gives its length, how much of it the compute
+stream was busy and how much communication it exposed. The step-level programs then run those lengths in
+each stage's schedule (pipeline.schedule: (step, micro-batch, chunk)), with the activations and their
+gradients sent between (virtual) stages, and, for a head tied to the embedding, the all-reduce between the
+first and the last stage before the optimizer. A step is copied from the probed step that plays its part
+(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward).
+
+Cost: (steps per stage) x stages tasks; a stage's DP and TP ranks share its program.
+"""
+from dataclasses import dataclass
+
+from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
+from syntorch.simulate.graphs import MeshFrame, graph_program
+from syntorch.simulate.stats import kind_stats
+from syntorch.trace.training import _template as probed_microbatch
+
+
+@dataclass(frozen=True)
+class StepCost:
+    us: float  # the step simulated on its own, start to end (its p2p and cross-stage parts take no time)
+    compute_us: float  # of which its compute stream was busy
+    exposed_us: float = 0.0  # communication with the compute stream idle
+    send_us: float = 0.0  # its p2p send (activations or their gradients), 0 if none
+    send_at_us: float | None = None  # when in the step the send is issued (None: at its end), e.g. a last
+    # backward sends its input's gradient before it synchronises the weights' gradients
+    cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
+    cross_at_us: float | None = None  # when in the step it is issued (the step's later work waits for it)
+    model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
+    # much is recomputed (MFU, as Megatron-LM and PaLM count it)
+    hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
+
+
+def step_cost(graph, start: int, end: int, frame) -> StepCost:
+    """Simulate graph nodes [start, end) (one probed step) on their own."""
+    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True)
+    run = simulate([program])
+    stats = kind_stats(run)[0]
+    attrs = graph.node_attrs
+    send = cross = 0.0
+    send_at = cross_at = None
+    model = hardware = 0
+    for task, n in enumerate(nodes):
+        d = attrs[n]
+        if d["kind"] == "collective":
+            if d["collective"] == "send":
+                send += d.get("duration_us") or 0.0
+                send_at = run.starts[0][task]
+            elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
+                cross += d.get("duration_us") or 0.0
+                cross_at = run.starts[0][task]
+        elif d["phase"] in ("forward", "backward"):
+            hardware += d["flops"]
+            model += 3 * d["flops"] if d["phase"] == "forward" else 0
+    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
+                    hardware)
+
+
+def probe_costs(probe, blocks: dict, mesh) -> dict:
+    """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
+    frame = MeshFrame(mesh)
+    return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
+
+
+def step_costs(costs: dict, schedule: list[tuple], microbatches: int) -> list[StepCost]:
+    """The cost of each scheduled step: that of the probed step it is a copy of (probe keys (kind, m) or,
+    interleaved, (kind, m, chunk))."""
+    probed = 1 + max(key[1] for key in costs if key[0] != "optimizer")
+    out = []
+    for kind, m, chunk in schedule:
+        m = probed_microbatch(kind, m, microbatches, probed)
+        out.append(costs[(kind, m, chunk)] if (kind, m, chunk) in costs else costs[(kind, m)])
+    return out
+
+
+def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]], pp: int, virtual: int = 1,
+                      optimizer: list | None = None, ranks: int = 1) -> list[Program]:
+    """One program per stage. `schedules[s]`: stage s's (step, micro-batch, chunk) order; `costs[s]`: the
+    StepCost of each; `optimizer[s]`: the optimizer's StepCost (None without one). Chunk c of stage s is
+    virtual stage c * pp + s; activations go from virtual stage j to j + 1, gradients back."""
+    last = virtual * pp - 1
+    programs = []
+    for s, order in enumerate(schedules):
+        p = Program(f"stage {s}", ranks)
+        prev = None
+        for (kind, m, chunk), c in zip(order, costs[s]):
+            j = chunk * pp + s
+            source = j - 1 if kind == "F" else j + 1
+            deps = []
+            if 0 <= source <= last:
+                deps.append(p.add(f"recv {kind}{m}", P2P, c.send_us, (), Sync("recv", (kind, m, j))))
+            target = j + 1 if kind == "F" else j - 1
+            prev = _add_step(p, f"{kind}{m}" + (f".{chunk}" if virtual > 1 else ""), c, deps,
+                             Sync("send", (kind, m, target)) if 0 <= target <= last else None)
+        if optimizer and optimizer[s] is not None:
+            o = optimizer[s]
+            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=(o.compute_us, o.exposed_us))
+        programs.append(p)
+    return programs
+
+
+def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None) -> int:
+    """The step's compute as pieces cut where it issues its send (which does not hold the compute stream)
+    and its collective across stages (which the rest of the step waits for); returns its last task."""
+    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
+                    *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
+    done, inner = 0.0, (c.compute_us, c.exposed_us)  # the step's own accounting, on its first piece
+    prev = None
+    for at, what in [*marks, (c.us, "end")]:
+        if prev is None or at > done:
+            prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
+                         inner=inner)
+            inner, done = (0.0, 0.0), at
+        if what == "send":
+            p.add(f"send {name}", P2P, c.send_us, [prev], send)
+        elif what == "cross":
+            prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev], Sync("coll", ("embedding",), 2))
+    return prev
