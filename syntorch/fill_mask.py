@@ -32,23 +32,26 @@ class MaskedPrediction:
 
 
 def predict_masked(model, prompt: torch.Tensor, mask_token_id: int, top: int = TOP,
-                   phase_scope=None) -> MaskedPrediction:
+                   phase_scope=None, lengths: list[int] | None = None) -> MaskedPrediction:
     """The `top` most likely tokens at each masked position of `prompt` ([B, T] ids on CPU: the positions are
     read from them, on every device). `phase_scope(name)`, if given, is entered around the pass (a tracer
     labels its ops with it). Under tensor parallelism the head's logits are gathered, so every rank predicts
-    the same tokens."""
+    the same tokens. `lengths`: prompts of different lengths, right-padded as HuggingFace pads for BERT: row b's
+    first lengths[b] positions are its own, the others are masked out of attention and never predicted."""
     device = next(model.parameters()).device
     _check_prompt(model.config, prompt, device)
-    rows, cols = (prompt == mask_token_id).nonzero(as_tuple=True)
+    real = torch.ones(prompt.shape, dtype=torch.bool) if lengths is None else \
+        torch.arange(prompt.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+    rows, cols = ((prompt == mask_token_id) & real).nonzero(as_tuple=True)
     masked = len(rows) > 0
     if not masked:  # every position of every row, in order
-        rows, cols = (i.reshape(-1) for i in torch.meshgrid(torch.arange(prompt.shape[0]),
-                                                             torch.arange(prompt.shape[1]), indexing="ij"))
+        rows, cols = real.nonzero(as_tuple=True)
+    inputs = {} if real.all() else {"attention_mask": real.long().to(device)}
     vocab = model.config.vocab_size
     begin = time.perf_counter()
     with torch.inference_mode(), (phase_scope or _no_scope)(PHASE):
         # a vocab-parallel head may pad the vocabulary; padding ids must never be predicted
-        logits = model(prompt.to(device))[rows.to(device), cols.to(device), :vocab].float()  # [N, V]
+        logits = model(prompt.to(device), **inputs)[rows.to(device), cols.to(device), :vocab].float()  # [N, V]
         probs, ids = logits.softmax(-1).topk(min(top, vocab))  # [N, top]
         if device.type != "meta":
             probs, ids = probs.cpu(), ids.cpu()

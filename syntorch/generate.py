@@ -41,17 +41,18 @@ class Sampling:
 
 @dataclass
 class GenerationResult:
-    """tokens: per sequence, the prompt followed by the generated ids. A sequence that produced a stop token
-    ends with that token (so sequences may differ in length); the others have max_new_tokens new ids.
-    On `meta` the ids (prompt and generated) are placeholder zeros: no values exist to read or choose from."""
+    """tokens: per sequence, its prompt (without padding) followed by the generated ids. A sequence that
+    produced a stop token ends with that token (so sequences may differ in length); the others have
+    max_new_tokens new ids. On `meta` the ids (prompt and generated) are placeholder zeros: no values exist
+    to read or choose from."""
     tokens: list[list[int]]
-    prompt_len: int
+    prompt_lens: list[int]  # per sequence: its prompt's own length (rows of a ragged batch differ)
     prefill_s: float
     decode_s: list[float]  # one entry per decode step (the prefill produces the first new token)
 
     @property
     def new_tokens(self) -> list[list[int]]:
-        return [seq[self.prompt_len:] for seq in self.tokens]
+        return [seq[n:] for seq, n in zip(self.tokens, self.prompt_lens)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +90,47 @@ def clear_caches(model: torch.nn.Module) -> None:
             attn.kv_cache = None
 
 
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Prompts of different lengths as one [B, T] batch, each row padded on the left (so every row's next
+    token goes to the same cache slot, as HuggingFace and FasterTransformer batch them), and each row's
+    number of pad slots."""
+    T = max(map(len, rows))
+    return torch.tensor([[pad_id] * (T - len(r)) + list(r) for r in rows], dtype=torch.long), [T - len(r) for r in rows]
+
+
+class Padding:
+    """What a left-padded batch adds to each forward: per-row positions (a row's first real token is at
+    position 0) and a mask that hides the pad slots, so every row computes what it would alone."""
+
+    def __init__(self, pads: list[int], device):
+        self.pads = torch.tensor(pads, dtype=torch.long, device=device)  # [R] pad slots per cache row
+
+    def inputs(self, start: int, T: int) -> dict:
+        """positions [R, T] and mask [R, 1, T, start+T] of the slots start..start+T (True = attend)."""
+        device = self.pads.device
+        slots = torch.arange(start, start + T, device=device)  # query slots
+        keys = torch.arange(start + T, device=device)
+        positions = (slots[None, :] - self.pads[:, None]).clamp(min=0)
+        mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= self.pads[:, None, None])
+        mask |= keys[None, None, :] == slots[None, :, None]  # a pad slot attends to itself: its softmax stays defined
+        return {"positions": positions, "mask": mask[:, None]}
+
+
+class LocalForward:
+    """How a step gets its logits and shares its choice when one process holds every layer: one call of the
+    model, and nothing to share. A pipeline stage brings its own (parallel/pipeline_inference.py): the logits
+    exist only on the last stage, which chooses and sends the choice to the others."""
+
+    def logits(self, model, idx: torch.Tensor, start: int, inputs: dict) -> torch.Tensor:
+        return model(idx, start=start, last_only=True, **inputs)[:, -1]  # [B, V]
+
+    def share(self, choice: tuple, sizes: list[int]) -> tuple:
+        return choice
+
+    def share_rows(self, rows: list[list[int]] | None, batch: int, width: int) -> list[list[int]] | None:
+        return rows
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Logits [.., V] with all but the k largest set to -inf (ties at the k-th value are kept)."""
     kth = torch.topk(logits, min(k, logits.shape[-1])).values[..., -1:]
@@ -122,7 +164,7 @@ def _no_scope(_phase: str):
     return contextlib.nullcontext()
 
 
-def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width: int) -> None:
+def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width: int, pads) -> None:
     if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
         raise UserError(f"the prompt must be a [batch, tokens] LongTensor with at least one token, "
                         f"got {prompt.dtype} of shape {list(prompt.shape)}")
@@ -130,6 +172,9 @@ def _check_request(model, prompt: torch.Tensor, max_new_tokens: int, beam_width:
         raise UserError(f"the number of new tokens must be positive, got {max_new_tokens}")
     if beam_width < 1:
         raise UserError(f"beam_width must be positive, got {beam_width}")
+    if pads is not None and (len(pads) != prompt.shape[0] or not all(0 <= p < prompt.shape[1] for p in pads)):
+        raise UserError(f"pads must give 0..{prompt.shape[1] - 1} pad slots for each of the {prompt.shape[0]} "
+                        f"prompt rows, got {pads}")
     check_context(model.config, prompt.shape[1], max_new_tokens, prompt.device)
 
 
@@ -154,7 +199,8 @@ def _warn_once(message: str) -> None:
 
 
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
-             stop_tokens=(), beam_width: int = 1, phase_scope=None) -> GenerationResult:
+             stop_tokens=(), beam_width: int = 1, phase_scope=None, pads: list[int] | None = None,
+             forward: LocalForward | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after each row of `prompt` ([B, T] on the model's device).
 
     The prompt runs once ("prefill"); then each step ("decode[i]") feeds one token per row and writes its keys
@@ -164,12 +210,18 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
     `generate(num_beams=N, do_sample=False)` does (stop tokens act as eos) and returns the best beam per row;
     it is deterministic, so temperature, top-k and top-p do not apply.
 
+    `pads` (left_pad's): row b's first pads[b] slots are padding; the positions and mask make every row
+    generate what it would alone, and the result holds no padding. `forward` (default LocalForward) runs a
+    step's model call and shares the choice: a pipeline stage's (parallel/pipeline_inference.py).
+
     On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
     The model's parameters are left as they are (values and memory); KV caches are attached for the run and
     removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster.
     """
-    _check_request(model, prompt, max_new_tokens, beam_width)
-    run = _Run(model, phase_scope or _no_scope)
+    _check_request(model, prompt, max_new_tokens, beam_width, pads)
+    pads = pads if pads and any(pads) else None  # without padding the model's own causal mask does it
+    run = _Run(model, phase_scope or _no_scope, forward or LocalForward(),
+               Padding([p for p in pads for _ in range(beam_width)], prompt.device) if pads else None)
     stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
     with torch.inference_mode():
         setup_caches(model, prompt.shape[0] * beam_width, prompt.shape[1] + max_new_tokens)
@@ -182,26 +234,31 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
                 tokens = _sample(run, prompt, max_new_tokens, sampling, stop_tokens)
         finally:
             clear_caches(model)
-    return GenerationResult(tokens, prompt.shape[1], run.times[0], run.times[1:])
+    pads = pads or [0] * prompt.shape[0]
+    return GenerationResult([row[p:] for row, p in zip(tokens, pads)], [prompt.shape[1] - p for p in pads],
+                            run.times[0], run.times[1:])
 
 
 class _Run:
     """Runs model steps, timing each and entering the phase scope around it."""
 
-    def __init__(self, model, phase_scope):
+    def __init__(self, model, phase_scope, forward: LocalForward, padding: Padding | None):
         self.model = model
         self.phase_scope = phase_scope
+        self.forward, self.padding = forward, padding
         self.device = next(model.parameters()).device
         self.symbolic = self.device.type == "meta"
         self.vocab_size = model.config.vocab_size
         self.times: list[float] = []
 
-    def step(self, idx: torch.Tensor, start: int, select, cache_rows: torch.Tensor | None = None):
-        """Logits of the last position of idx (positions start..) handed as float32 to `select` (on CPU; on
-        meta as they are, so the choice is traced too), whose result is returned (None without `select`).
-        idx is [B, T], or the [B] tokens the last step chose: they are fed in here, inside the step, so a
-        trace links each step to the one that chose its input. `cache_rows` (beam search) reorders the
-        KV cache first, inside the step too, so its copies are traced."""
+    def step(self, idx: torch.Tensor, start: int, select, sizes: list[int],
+             cache_rows: torch.Tensor | None = None):
+        """Logits of the last position of idx (cache slots start..) handed as float32 to `select` (on CPU;
+        on meta as they are, so the choice is traced too), whose result -- a tuple of 1-D long tensors of
+        `sizes` -- is shared by the forward (a pipeline's last stage sends it to the others) and returned
+        (None without `select`). idx is [B, T], or the [B] tokens the last step chose: they are fed in here,
+        inside the step, so a trace links each step to the one that chose its input. `cache_rows` (beam
+        search) reorders the KV cache first, inside the step too, so its copies are traced."""
         phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
         begin = time.perf_counter()
         with self.phase_scope(phase):
@@ -209,9 +266,14 @@ class _Run:
                 reorder_caches(self.model, cache_rows.to(self.device))
             if idx.dim() == 1:
                 idx = idx[:, None].to(self.device)  # [B, 1]
-            # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
-            logits = self.model(idx, start=start, last_only=True)[:, -1, :self.vocab_size].float()  # [B, V]
-            chosen = select(logits if self.symbolic else logits.cpu()) if select else None
+            inputs = self.padding.inputs(start, idx.shape[1]) if self.padding else {}
+            logits = self.forward.logits(self.model, idx, start, inputs)  # None on a pipeline stage before the last
+            chosen = None
+            if select and logits is not None:
+                # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
+                logits = logits[:, :self.vocab_size].float()  # [B, V]
+                chosen = select(logits if self.symbolic else logits.cpu())
+            chosen = self.forward.share(chosen, sizes)
         self.times.append(time.perf_counter() - begin)
         return chosen
 
@@ -224,14 +286,14 @@ def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[li
         generator.manual_seed(sampling.seed)
 
     def select(logits):
-        return choose_tokens(logits, sampling, generator)
+        return (choose_tokens(logits, sampling, generator),)
 
     B, T = prompt.shape
     placeholder = torch.zeros(B, dtype=torch.long)  # meta's tokens
     finished = torch.zeros(B, dtype=torch.bool)
     idx, new = prompt, []
     while True:
-        token = run.step(idx, T + len(new) - 1 if new else 0, select)
+        token, = run.step(idx, T + len(new) - 1 if new else 0, select, [B])
         if not run.symbolic:  # meta has no values, so no stop token can fire
             finished |= torch.isin(token, stop_tokens)
         new.append(placeholder if run.symbolic else token)
@@ -258,17 +320,19 @@ def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> 
     """The best beam per prompt row. Row b's beams are cache rows b*N .. b*N+N-1; after each step the cache
     rows are reordered to follow the beams they continue."""
     B, T = prompt.shape
+    R = B * beam_width
     beams = None if run.symbolic else _Beams(prompt.cpu(), beam_width, T + max_new_tokens, stop_tokens)
-    idx, rows = prompt.repeat_interleave(beam_width, 0), None  # [B*N, T]: every beam starts from its row's prompt
+    idx, rows = prompt.repeat_interleave(beam_width, 0), None  # [R, T]: every beam starts from its row's prompt
     for i in range(max_new_tokens):
-        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None, cache_rows=rows)
-        if (beams.done if beams else i == max_new_tokens - 1):
+        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None, [R, R, 1], cache_rows=rows)
+        if (bool(chosen[2]) if beams else i == max_new_tokens - 1):
             break
-        # [B*N] tokens and the cache row each beam continues; the next step feeds them
-        idx, rows = chosen or (torch.zeros(B * beam_width, dtype=torch.long), torch.arange(B * beam_width))
+        # [R] tokens and the cache row each beam continues; the next step feeds them
+        idx, rows = chosen[:2] if beams else (torch.zeros(R, dtype=torch.long), torch.arange(R))
     if beams is None:  # meta: placeholders of full length
         return torch.cat((_known(prompt), torch.zeros(B, max_new_tokens, dtype=torch.long)), 1).tolist()
-    return beams.best()
+    # the best beams are known where the choices were made (a pipeline's last stage), which shares them
+    return run.forward.share_rows(beams.best() if beams.chooses else None, B, T + max_new_tokens)
 
 
 def reorder_caches(model: torch.nn.Module, rows: torch.Tensor) -> None:
@@ -297,7 +361,7 @@ class _Beams:
         self.finished_len = torch.zeros(B, n, dtype=torch.long)
         self.is_finished = torch.zeros(B, n, dtype=torch.bool)
         self.improvable = torch.ones(B, 1, dtype=torch.bool)  # can a running beam still beat the finished?
-        self.done = False
+        self.chooses = False  # True once update ran here: on a pipeline only the last stage sees logits
 
     def update(self, logits: torch.Tensor):
         """logits [B*N, V] of every running beam -> (next token [B*N], cache row it continues [B*N])."""
@@ -321,8 +385,9 @@ class _Beams:
         generated = self.cur_len - self.prompt_len
         worst_finished = torch.where(self.is_finished, self.finished_scores.min(1, keepdim=True).values, -1e9)
         self.improvable &= (self.running_scores[:, :1] / generated > worst_finished).any(-1, keepdim=True)
-        self.done = bool(~self.improvable.any() | stops.all())
-        return self.running[:, :, self.cur_len - 1].reshape(-1), rows
+        self.chooses = True
+        done = ~self.improvable.any() | stops.all()
+        return self.running[:, :, self.cur_len - 1].reshape(-1), rows, done.view(1).long()
 
     def _add_finished(self, candidates, top_scores, stops):
         """Among the top N candidates, those that stopped join the finished set if they beat its worst."""

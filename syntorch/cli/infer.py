@@ -32,12 +32,17 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--beam_width", type=int, default=1)
     g.add_argument("--stop_tokens", type=int_list, default=[], help="token ids that end a sequence, e.g. 50256")
-    g.add_argument("--input_ids", type=int_list, help="prompt token ids, e.g. 1,2,3")
-    g.add_argument("--prompt", help="prompt text (needs --tokenizer); for BERT, [MASK] marks what to predict")
+    g.add_argument("--input_ids", type=int_list, action="append",
+                   help="prompt token ids, e.g. 1,2,3; repeat for a batch of prompts (lengths may differ)")
+    g.add_argument("--prompt", action="append",
+                   help="prompt text (needs --tokenizer), repeatable; for BERT, [MASK] marks what to predict")
+    g.add_argument("--prompt_file", help="text file of prompts, one per line (needs --tokenizer)")
     g.add_argument("--tokenizer", help="local HuggingFace tokenizer folder")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (real ranks on cpu/cuda, symbolic on meta)")
     par.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline-parallel degree: contiguous layer stages, the batch in micro-batches (FasterTransformer's rule)")
     out = p.add_argument_group("outputs")
     out.add_argument("--out", default="runs/infer", help="output folder (run.json, traces, images)")
     out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
@@ -92,13 +97,13 @@ def _print_symbolic(console, record: dict, out_dir) -> None:
             f"all {n} positions (no mask token in the prompt)")
     else:
         traced = f"{record['output_tokens_traced']} output tokens traced"
-    console.print(f"symbolic run: {len(record['input_ids'][0])} prompt tokens, {traced}; {latency} "
+    console.print(f"symbolic run: {max(map(len, record['input_ids']))} prompt tokens, {traced}; {latency} "
                   f"-> {out_dir}/run.json")
 
 
 def _print_generated(console, record: dict, out_dir) -> None:
-    prompt_len = len(record["input_ids"][0])
     for i, ids in enumerate(record["output_ids"]):
+        prompt_len = len(record["input_ids"][i])
         console.print(f"[bold]sequence {i}[/bold] ({prompt_len} prompt tokens) generated: {ids[prompt_len:]}")
         if "output_text" in record:
             console.print(f"  text: {record['output_text'][i]!r}")

@@ -58,7 +58,13 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
         record["chakra"] = {k: chakra[k] for k in ("ranks", "distinct_traces", "nodes", "et_bytes", "notes")}
         record["chakra"].update(dir="chakra", level=level)
     if outputs.comm_debug is not None:
+        names = ["comm_debug"]
         write_comm_outputs(graph, out_dir, noise_level=outputs.comm_debug)
+        # a pipeline's later stages issue other collectives (the recvs): one report per stage's first rank
+        tp, pp = graph.graph.get("tp", 1), graph.graph.get("pp", 1)
+        for stage in range(1, pp if len(traces) == tp * pp else 1):
+            names.append(f"comm_debug_stage{stage}")
+            write_comm_outputs(traces[stage * tp], out_dir, noise_level=outputs.comm_debug, name=names[-1])
         record["comm_debug"] = {"noise_level": outputs.comm_debug,
-                                "files": ["comm_debug_log.txt", "comm_debug.json", "comm_debug.html"]}
+                                "files": [f"{n}{suffix}" for n in names for suffix in ("_log.txt", ".json", ".html")]}
     return record

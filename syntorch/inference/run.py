@@ -2,9 +2,11 @@
 is carried out:
 
 - one rank (cpu/cuda, --tp 1): run the model in this process, traced when outputs are asked for;
-- real ranks (cpu/cuda, --tp N): N local processes spawned torchrun-style (gloo on CPU, NCCL on CUDA), or
-  the ranks torchrun started; each loads the model, keeps its shard and runs it; rank 0 writes;
-- symbolic (meta): rank 0 traced against the fake backend, every other TP rank sharing its graph.
+- real ranks (cpu/cuda, --tp N and/or --pp M): N*M local processes spawned torchrun-style (gloo on CPU,
+  NCCL on CUDA), or the ranks torchrun started; each loads the model, keeps its stage and shard and runs
+  it (pipeline stages as parallel/pipeline_inference.py says); rank 0 writes;
+- symbolic (meta): rank 0 traced against the fake backend, every other TP rank sharing its graph; with
+  --pp each stage traced once and its other TP ranks' graphs derived from it (trace/generation.py).
 
 What the model does is spec.run_model's choice, the same in all three: a decoder generates, an encoder
 predicts its masked tokens in one pass.
@@ -25,8 +27,10 @@ from syntorch.inference.spec import (InferenceSpec, check_fits_model, load_model
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.launch import check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.pipeline import split_stage
+from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, check_pipeline, stage_of
 from syntorch.parallel.tensor import apply_tp, check_tp
-from syntorch.trace.generation import trace_run, trace_tp_run
+from syntorch.trace.generation import trace_pp_symbolic, trace_run, trace_tp_run
 from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
 
@@ -42,9 +46,13 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
     check_fits_model(spec, config)
     prompt = make_prompt(spec, config)  # each rank of a real run makes the same one from the seed
     check_tp(config, spec.tp)
+    check_pipeline(config, spec.pp, spec.sp)
     if torch.device(spec.device).type == "meta":
         return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, config, prompt, tmp, outputs))
-    if spec.tp > 1 or under_torchrun():
+    if spec.pp > 1 and outputs.any:
+        raise UserError("traces of a --pp run are made symbolically: add --device meta for them, or drop "
+                        "--visualize_trace/--chakra/--hw_config/--comm_debug for a real run")
+    if spec.tp * spec.pp > 1 or under_torchrun():
         return _real_ranks(spec, out_dir, force, outputs)
     return _in_output_dir(out_dir, force, lambda tmp: _one_rank(spec, config, prompt, tmp, outputs))
 
@@ -61,11 +69,11 @@ def _traces(graph, world: int) -> RankTraces:
     return traces
 
 
-def _finish(spec, config, prompt, result, graph, out_dir, outputs) -> dict:
-    """run.json (and the outputs asked for, from `graph` standing for every rank) into out_dir."""
+def _finish(spec, config, prompt, result, graph, out_dir, outputs, traces: RankTraces | None = None) -> dict:
+    """run.json (and the outputs asked for, from `traces`, or `graph` standing for every rank) into out_dir."""
     record = run_record(spec, config, prompt, result)
     if outputs.any:
-        record["trace"] = write_run_outputs(_traces(graph, spec.tp), out_dir, outputs)
+        record["trace"] = write_run_outputs(traces or _traces(graph, spec.tp), out_dir, outputs)
         if "predicted" in record["trace"]:  # the simulated latency (syntorch/simulate) at the top, by the run
             record["predicted"] = record["trace"].pop("predicted")
     write_run_json(record, out_dir)
@@ -79,54 +87,67 @@ def _one_rank(spec, config, prompt, out_dir, outputs) -> dict:
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
 
 
-def _run(spec, config, model, prompt, outputs, **trace_args) -> tuple:
+def _run(spec, config, model, prompt, outputs, forward=None, **trace_args) -> tuple:
     """(graph, result) of run_model, traced only when outputs are asked for (graph None otherwise)."""
     def run(m, phase_scope):
-        return run_model(spec, config, m, prompt, phase_scope)
+        return run_model(spec, config, m, prompt, phase_scope, forward)
     if outputs.any:
         return trace_run(model, run, **trace_args)
     return None, run(model, None)
 
 
 def _symbolic(spec, config, prompt, out_dir, outputs) -> dict:
+    if spec.pp > 1:
+        traces, result = trace_pp_symbolic(
+            config, lambda m, scope, forward: run_model(spec, config, m, prompt, scope, forward),
+            Mesh(pp=spec.pp, tp=spec.tp), spec.beam_width, torch_dtype(spec.dtype))
+        return _finish(spec, config, prompt, result, None, out_dir, outputs, traces)
     graph, result = trace_tp_run(config, lambda m, scope: run_model(spec, config, m, prompt, scope), spec.tp, 0,
                                  spec.sp, "meta", torch_dtype(spec.dtype))
     return _finish(spec, config, prompt, result, graph, out_dir, outputs)
 
 
 def _real_ranks(spec, out_dir, force, outputs) -> dict | None:
-    """Spawn spec.tp local ranks (or join torchrun's); rank 0 writes into the output folder."""
+    """Spawn spec.tp * spec.pp local ranks (or join torchrun's); rank 0 writes into the output folder."""
+    world = spec.tp * spec.pp
     if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != spec.tp:
-            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp is {spec.tp}; "
-                            "make --nproc_per_node equal --tp")
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp {spec.tp} x --pp "
+                            f"{spec.pp} is {world}; make --nproc_per_node equal their product")
         if int(os.environ["RANK"]) != 0:  # only rank 0 writes, into a folder made whole at the end
             tp_inference_rank(spec, "", outputs)
             return None
     else:
-        check_devices(spec.device, spec.tp)
+        check_devices(spec.device, world)
 
     def write(tmp) -> dict:
         args = (spec, str(tmp), outputs)
         if under_torchrun():
             tp_inference_rank(*args)  # this process is rank 0
         else:
-            spawn(tp_inference_rank, spec.tp, args)  # a failing rank raises RankFailed, printed as one line
+            spawn(tp_inference_rank, world, args)  # a failing rank raises RankFailed, printed as one line
         return read_json(tmp / "run.json", "run record")
     return _in_output_dir(out_dir, force, write)
 
 
 def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
-    """One rank of a TP run: load the model, keep this rank's shard, run it; rank 0 writes."""
+    """One rank of a TP x PP run: load the model, keep this rank's stage and shard, run it; rank 0 writes."""
     rank, world = init_distributed(spec.device)
-    groups = init_groups(Mesh(tp=world))
+    mesh = Mesh(pp=spec.pp, tp=spec.tp)
+    groups = init_groups(mesh)
+    chain = chain_group(mesh) if spec.pp > 1 else None
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
-    model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
-    apply_tp(model, groups, spec.sp)
+    model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our stage and shard kept
+    if spec.tp > 1:
+        apply_tp(model, groups.tp, spec.sp)
+    forward = None
+    if spec.pp > 1:  # after TP, as apply_plans: a tied head is sharded like the embedding while both exist
+        forward = PipelineForward(groups, chain, config.n_layer, spec.beam_width)
+        split_stage(model, stage_of(groups, config.n_layer))
     stream_friendly_weights(model)
-    graph, result = _run(spec, config, model, prompt, outputs, rank=rank, world_size=world,
-                         meta={"tp": world, "sequence_parallel": spec.sp})
+    graph, result = _run(spec, config, model, prompt, outputs, forward, rank=rank, world_size=world,
+                         meta={"tp": spec.tp, "pp": spec.pp, "sequence_parallel": spec.sp})
     _check_same_tokens(_chosen(config, result), groups.tp)
     if rank == 0:
         _finish(spec, config, prompt, result, graph, out_dir, outputs)

@@ -14,9 +14,10 @@ from syntorch.checkpoints import load_checkpoint, resolve_model_config
 from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
 from syntorch.fill_mask import predict_masked
-from syntorch.generate import Sampling, check_context, generate
+from syntorch.generate import Sampling, check_context, generate, left_pad
 from syntorch.models import build_model
 from syntorch.parallel.tensor import check_sp
+from syntorch.userfiles import read_lines
 
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
 # what only a decoder's generation reads
@@ -39,15 +40,17 @@ class InferenceSpec:
     seed: int = 0
     beam_width: int = 1
     stop_tokens: list[int] = field(default_factory=list)
-    input_ids: list[int] | None = None
-    prompt: str | None = None
+    input_ids: list[int] | list[list[int]] | None = None  # one prompt's ids, or one list per prompt
+    prompt: str | list[str] | None = None  # one text or several
+    prompt_file: str | None = None  # text, one prompt per line
     tokenizer: str | None = None  # local HF tokenizer folder (tokenizer.json)
     tp: int = 1
     sp: bool = False
+    pp: int = 1
 
     def __post_init__(self):
         """Every option's own check, once, when the spec is made."""
-        if self.num_input_tokens <= 0 and not self.input_ids and not self.prompt:
+        if self.num_input_tokens <= 0 and not self.input_ids and not self.prompt and not self.prompt_file:
             raise UserError(f"--num_input_tokens must be positive, got {self.num_input_tokens}")
         if self.num_output_tokens is not None and self.num_output_tokens <= 0:
             raise UserError(f"--num_output_tokens must be positive, got {self.num_output_tokens}")
@@ -55,16 +58,19 @@ class InferenceSpec:
             raise UserError(f"--batch_size must be positive, got {self.batch_size}")
         if self.beam_width <= 0:
             raise UserError(f"--beam_width must be positive, got {self.beam_width}")
-        if self.tp <= 0:
-            raise UserError(f"--tp must be positive, got {self.tp}")
+        for flag in ("tp", "pp"):
+            if getattr(self, flag) <= 0:
+                raise UserError(f"--{flag} must be positive, got {getattr(self, flag)}")
         if not 0 <= self.seed < 2**63:  # what torch's generators take
             raise UserError(f"--seed must be in 0..2**63-1, got {self.seed}")
         check_sp(self.sp, self.tp)
         torch_dtype(self.dtype)
-        if self.prompt is not None and self.tokenizer is None:
-            raise UserError("--prompt needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
-        if self.input_ids is not None and self.prompt is not None:
-            raise UserError("give either --input_ids or --prompt, not both")
+        given = [f for f in ("input_ids", "prompt", "prompt_file") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise UserError(f"give either --{given[0]} or --{given[1]}, not both")
+        for flag in ("prompt", "prompt_file"):
+            if getattr(self, flag) is not None and self.tokenizer is None:
+                raise UserError(f"--{flag} needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
         check_device(self.device)
 
     @property
@@ -113,25 +119,57 @@ def load_model(spec: InferenceSpec, config: ModelConfig):
     return build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
 
 
-def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
-    """[batch, T] token ids: --input_ids, --prompt via --tokenizer, or random ids drawn from the seed."""
-    if spec.input_ids is not None:
-        ids = list(spec.input_ids)
-    elif spec.prompt is not None:
-        ids = encode(spec.tokenizer, spec.prompt, special_tokens=config.encoder)
-    else:
-        g = torch.Generator().manual_seed(spec.seed)
-        ids = torch.randint(0, config.vocab_size, (spec.num_input_tokens,), generator=g).tolist()
-    if not ids:
+@dataclass
+class Prompt:
+    """The batch a run feeds: ids [B, T], each row padded by pads[b] slots when the prompts differ in length:
+    on the left for a decoder (generate.left_pad), on the right for an encoder (`right`)."""
+    ids: torch.Tensor
+    pads: list[int]
+    right: bool = False
+
+    @property
+    def rows(self) -> list[list[int]]:
+        """Each prompt's own ids, without padding."""
+        T = self.ids.shape[1]
+        return [row[:T - p] if self.right else row[p:] for row, p in zip(self.ids.tolist(), self.pads)]
+
+
+def make_prompt(spec: InferenceSpec, config: ModelConfig) -> Prompt:
+    """The prompts: --input_ids, --prompt or --prompt_file via --tokenizer, or random ids drawn from the
+    seed; one prompt is repeated --batch_size times, several make the batch."""
+    rows = _prompt_rows(spec, config)
+    if any(not row for row in rows):
         raise UserError("the prompt is empty; give at least one token")
     prompt_flag = "--input_ids" if spec.input_ids is not None else "prompt"
-    for flag, tokens in ((prompt_flag, ids), ("--stop_tokens", spec.stop_tokens)):
+    for flag, tokens in ((prompt_flag, [i for row in rows for i in row]), ("--stop_tokens", spec.stop_tokens)):
         bad = [i for i in tokens if not 0 <= i < config.vocab_size]
         if bad:
             raise UserError(f"{flag} token id {bad[0]} is outside the vocabulary of {config.name} "
                             f"(0..{config.vocab_size - 1})")
-    check_context(config, len(ids), 0 if config.encoder else spec.output_tokens, spec.device)
-    return torch.tensor([ids] * spec.batch_size, dtype=torch.long)
+    check_context(config, max(map(len, rows)), 0 if config.encoder else spec.output_tokens, spec.device)
+    if len(rows) == 1:
+        rows = rows * spec.batch_size
+    elif spec.batch_size not in (1, len(rows)):
+        raise UserError(f"--batch_size {spec.batch_size} does not match the {len(rows)} prompts given; "
+                        "several prompts make the batch, drop --batch_size")
+    if config.encoder:  # right-padded, as HuggingFace pads BERT: its positions count from the left
+        T = max(map(len, rows))
+        return Prompt(torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long),
+                      [T - len(r) for r in rows], right=True)
+    return Prompt(*left_pad(rows))
+
+
+def _prompt_rows(spec: InferenceSpec, config: ModelConfig) -> list[list[int]]:
+    if spec.input_ids is not None:
+        ids = list(spec.input_ids)
+        return [list(row) for row in ids] if ids and isinstance(ids[0], list) else [ids]
+    texts = read_lines(spec.prompt_file, "--prompt_file") if spec.prompt_file is not None else spec.prompt
+    if texts is not None:
+        tokenizer = load_tokenizer(spec.tokenizer)
+        return [tokenizer.encode(t, add_special_tokens=config.encoder).ids
+                for t in ([texts] if isinstance(texts, str) else texts)]
+    g = torch.Generator().manual_seed(spec.seed)
+    return [torch.randint(0, config.vocab_size, (spec.num_input_tokens,), generator=g).tolist()]
 
 
 def load_tokenizer(folder: str):
@@ -159,9 +197,10 @@ def sampling_of(spec: InferenceSpec) -> Sampling:
     return Sampling(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
 
 
-def generate_tokens(spec: InferenceSpec, model, prompt: torch.Tensor, phase_scope=None):
-    return generate(model, prompt.to(spec.device), spec.output_tokens, sampling_of(spec),
-                    stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width, phase_scope=phase_scope)
+def generate_tokens(spec: InferenceSpec, model, prompt: Prompt, phase_scope=None, forward=None):
+    return generate(model, prompt.ids.to(spec.device), spec.output_tokens, sampling_of(spec),
+                    stop_tokens=tuple(spec.stop_tokens), beam_width=spec.beam_width, phase_scope=phase_scope,
+                    pads=prompt.pads, forward=forward)
 
 
 def mask_token_id(spec: InferenceSpec, config: ModelConfig) -> int:
@@ -170,22 +209,24 @@ def mask_token_id(spec: InferenceSpec, config: ModelConfig) -> int:
     return config.mask_token_id if found is None else found
 
 
-def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: torch.Tensor, phase_scope=None):
+def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, phase_scope=None, forward=None):
     """What the model does at inference, the same in every kind of run: a decoder generates
-    (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction)."""
+    (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction). `forward`:
+    a pipeline stage's (generate.LocalForward otherwise)."""
     if config.encoder:
-        return predict_masked(model, prompt, mask_token_id(spec, config), phase_scope=phase_scope)
-    return generate_tokens(spec, model, prompt, phase_scope)
+        return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
+                              lengths=[len(row) for row in prompt.rows])
+    return generate_tokens(spec, model, prompt, phase_scope, forward)
 
 
-def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result) -> dict:
+def run_record(spec: InferenceSpec, config: ModelConfig, prompt: Prompt, result) -> dict:
     """What run.json holds: the run's identity, what the model produced and its measured timings. A symbolic
     run (meta) has neither values nor a speed worth reporting (its wall time is the tracer's): it records
     the prompt and what was traced; its latency is predicted from --hw_config (run.json's trace)."""
     record = {
-        "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp,
-        "batch_size": spec.batch_size, "seed": spec.seed,
-        "input_ids": prompt.tolist(), "model_config": config.to_dict(),
+        "model": config.name, "device": spec.device, "dtype": spec.dtype, "tp": spec.tp, "pp": spec.pp,
+        "batch_size": len(prompt.pads), "seed": spec.seed,
+        "input_ids": prompt.rows, "model_config": config.to_dict(),
     }
     symbolic = torch.device(spec.device).type == "meta"
     if symbolic:
@@ -195,13 +236,13 @@ def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, r
     return {**record, **_decoder_record(spec, prompt, result, symbolic)}
 
 
-def _decoder_record(spec: InferenceSpec, prompt: torch.Tensor, result, symbolic: bool) -> dict:
+def _decoder_record(spec: InferenceSpec, prompt: Prompt, result, symbolic: bool) -> dict:
     sampling = {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
                 "beam_width": spec.beam_width, "stop_tokens": spec.stop_tokens}
     if symbolic:
         return {"sampling": sampling, "output_tokens_traced": len(result.decode_s) + 1}
     # the prompt from our side, then the generated ids
-    outputs = [row + list(map(int, new)) for row, new in zip(prompt.tolist(), result.new_tokens)]
+    outputs = [row + list(map(int, new)) for row, new in zip(prompt.rows, result.new_tokens)]
     decode_ms = [s * 1e3 for s in result.decode_s]
     record = dict(sampling=sampling, output_ids=outputs, prefill_ms=result.prefill_s * 1e3,
                   decode_ms_per_token=sum(decode_ms) / len(decode_ms) if decode_ms else 0.0,
@@ -211,7 +252,7 @@ def _decoder_record(spec: InferenceSpec, prompt: torch.Tensor, result, symbolic:
     return record
 
 
-def _encoder_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, result, symbolic: bool) -> dict:
+def _encoder_record(spec: InferenceSpec, config: ModelConfig, prompt: Prompt, result, symbolic: bool) -> dict:
     """Per prompt row, the positions predicted and (on a real device) each one's top ids, probabilities and,
     with --tokenizer, tokens; with a mask in the prompt also the text with each mask filled by its best."""
     record = {"mask_token_id": mask_token_id(spec, config), "predicted_positions": "masked" if result.masked else "all"}
@@ -222,7 +263,7 @@ def _encoder_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tens
                              for row in zip(result.positions, result.top_ids, result.top_probs)]
     record["encode_ms"] = result.encode_s * 1e3
     if tokenizer and result.masked:
-        record["filled_text"] = [tokenizer.decode(_filled(ids, row)) for ids, row in zip(prompt.tolist(),
+        record["filled_text"] = [tokenizer.decode(_filled(ids, row)) for ids, row in zip(prompt.rows,
                                                                                          record["predictions"])]
     return record
 

@@ -1,5 +1,5 @@
 """Tracing a whole run (generation: prefill + decode steps; an encoder's one pass) in one call, as `syntorch
-infer` does, on one rank or, symbolically, for every rank of a tensor-parallel run."""
+infer` does, on one rank or, symbolically, for every rank of a tensor-parallel or TP x PP run."""
 from collections.abc import Callable
 
 import torch
@@ -7,7 +7,9 @@ import torch
 from syntorch import generate as gen
 from syntorch.models import build_model, layer_path
 from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, stage_of
 from syntorch.parallel.tensor import apply_tp, check_tp
 from syntorch.trace.graph import RankTraces, TraceGraph
 from syntorch.trace.replicate import first_layer_only, replicate_layers
@@ -85,3 +87,58 @@ def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int
     ranks.put_shared(range(tp), lambda: trace_tp_rank(config, prompt, max_new_tokens, tp, 0, sequence_parallel,
                                                       "meta", dtype)[0])
     return ranks
+
+
+def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1,
+                      dtype=torch.float32) -> tuple[RankTraces, object]:
+    """Every rank's graph of a TP x PP generation on meta, and stage 0's result. `run(model, phase_scope,
+    forward)` runs the generation with a pipeline stage's forward. Each stage is traced once, as its
+    representative (tp rank 0); its other TP ranks run the same ops over groups and peers translated along
+    tp (Mesh.translate), so their graphs are the representative's with the collectives' ranks moved."""
+    check_tp(config, mesh.tp)
+    traces, result = RankTraces(mesh.world_size), None
+    for stage in range(mesh.pp):
+        graph, out = trace_pp_stage(config, run, mesh, stage, beam_width, dtype)
+        result = out if stage == 0 else result
+        for rank in (r for r in range(mesh.world_size) if mesh.coords(r)[1] == stage):
+            traces.put_shared([rank], lambda graph=graph, rank=rank: translated(graph, mesh, rank))
+    return traces, result
+
+
+def trace_pp_stage(config, run: Callable, mesh: Mesh, stage: int, beam_width: int = 1,
+                   dtype=torch.float32) -> tuple[TraceGraph, object]:
+    """The generation traced on `stage`'s representative rank against the fake backend: only the stage's
+    layers are built (pipeline.build_stage_model), TP applied before the stage drops its other parts."""
+    rank = mesh.representative(stage)
+    with symbolic_world(rank, mesh.world_size):
+        groups = init_groups(mesh, only_mine=True)
+        forward = PipelineForward(groups, chain_group(mesh, only_mine=True), config.n_layer, beam_width)
+        model = pp_.build_stage_model(config, stage_of(groups, config.n_layer), "meta", dtype)
+        if mesh.tp > 1:
+            apply_tp(model, groups.tp)
+        pp_.split_stage(model, forward.stage)
+        return trace_run(model, lambda m, scope: run(m, scope, forward), rank=rank, world_size=mesh.world_size,
+                         meta={"tp": mesh.tp, "pp": mesh.pp, "stage": stage, "sequence_parallel": False})
+
+
+def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
+    """`graph` (a stage representative's) as `rank` of the same stage runs it: every collective's group and
+    peers moved by Mesh.translate; the other nodes and all edges shared with `graph`, not copied."""
+    if graph.graph["rank"] == rank:
+        return graph
+    out = TraceGraph(**{**graph.graph, "rank": rank})
+
+    def moved(d: dict) -> dict:
+        if d["kind"] != "collective":
+            return d
+        return {**d, "group": [mesh.translate(r, rank) for r in d["group"]],
+                "src": None if d["src"] is None else mesh.translate(d["src"], rank),
+                "dst": None if d["dst"] is None else mesh.translate(d["dst"], rank)}
+
+    out._node = {n: moved(d) for n, d in graph.node_attrs.items()}
+    if out._node:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
+        first = next(iter(out._node))
+        out._node[first] = dict(out._node[first])
+    out._adj = out._succ = graph.succs  # read-only: networkx's DiGraph keeps _adj as _succ
+    out._pred = graph.preds
+    return out
