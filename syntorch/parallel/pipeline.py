@@ -46,16 +46,18 @@ def check_schedule(kind: str) -> None:
         raise UserError(f"unknown --schedule {kind!r}; choose one of: {', '.join(SCHEDULES)}")
 
 
-def schedule(kind: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
-    """The (step, micro-batch) order one stage runs: ("F", 0), ("F", 1), ..., ("B", 0), ..."""
+def schedule(kind: str, stage: int, pp: int, microbatches: int, virtual: int = 1) -> list[tuple[str, int, int]]:
+    """The (step, micro-batch, chunk) order one stage runs: ("F", 0, 0), ("F", 1, 0), ..., ("B", 0, 0), ...
+
+    `chunk` is which of the stage's `virtual` chunks of layers the step runs (0 without interleaving)."""
     check_schedule(kind)
     if kind == "gpipe":
-        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+        return [("F", m, 0) for m in range(microbatches)] + [("B", m, 0) for m in range(microbatches)]
     warmup = min(pp - stage - 1, microbatches)
-    steps = [("F", m) for m in range(warmup)]
+    steps = [("F", m, 0) for m in range(warmup)]
     for i in range(microbatches - warmup):
-        steps += [("F", warmup + i), ("B", i)]
-    return steps + [("B", m) for m in range(microbatches - warmup, microbatches)]
+        steps += [("F", warmup + i, 0), ("B", i, 0)]
+    return steps + [("B", m, 0) for m in range(microbatches - warmup, microbatches)]
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
         return None
     order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches))
     inputs, outputs, losses = {}, {}, []
-    for kind, m in order:
+    for kind, m, _chunk in order:
         if on_step:
             on_step(kind, m)
         if kind == "F":

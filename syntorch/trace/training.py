@@ -96,7 +96,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     the probe itself: then `probe` is finished in place and returned."""
     stage, M = probe.graph["stage"], plan.microbatches
     probed = 1 + max(m for kind, m in blocks if kind != "optimizer")
-    order = [*(schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m) for m in range(M)]),
+    steps = schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m, 0) for m in range(M)]
+    order = [*((kind, m) for kind, m, _chunk in steps),
              *([("optimizer", M)] if ("optimizer", None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [("optimizer", None) if kind == "optimizer" else (kind, m) for kind, m in order]:
