@@ -212,6 +212,10 @@ CASES = [
         ("--mode eval", "argument --mode: invalid choice: 'eval'"),
         ("--trace_level layer", "argument --trace_level: invalid choice: 'layer'"),
         ("--seq abc", "argument --seq: invalid int value: 'abc'"),
+        ("--pp 2 --microbatches 2 --virtual_stages 2", "--virtual_stages 2 must divide the layers per stage: "
+                                                       "2 layers over --pp 2 is 1 per stage"),
+        ("--pp 2 --microbatches 3 --virtual_stages 2", "--microbatches 3 must be a multiple of --pp 2"),
+        ("--virtual_stages 2", "it needs --pp > 1"),
     ]),
     *cases(TRACE.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),

@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    par.add_argument("--virtual_stages", type=int, default=1,
+                     help="interleaved 1F1B: chunks of layers per stage (Megatron's virtual pipeline; 1: none)")
     par.add_argument("--world_size", type=int, help="check that dp * tp * pp equals it")
     b = p.add_argument_group("batch")
     b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")

@@ -9,7 +9,8 @@ A TP group is tp consecutive ranks; a PP chain strides by tp; a DP group strides
 
 The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), each pair of
-neighbouring stages (pipeline send/recv), and the first/last-stage pair that shares a tied embedding.
+neighbouring stages (pipeline send/recv; with `ring`, also the last stage to the first, the link an interleaved
+pipeline's chunks wrap around), and the first/last-stage pair that shares a tied embedding.
 """
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ class Mesh:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ring: bool = False  # interleaved pipeline: the last stage also sends to the first
 
     def __post_init__(self):
         for dim in DIMS:
@@ -70,6 +72,8 @@ class Mesh:
         groups = [("tp", g) for g in self.groups("tp")] + [("dp", g) for g in self.groups("dp")]
         for chain in self.groups("pp"):
             groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
+            if self.ring and self.pp > 1:
+                groups.append(("stage_pair", [chain[-1], chain[0]]))
             if tied and self.pp > 1:
                 groups.append(("embedding", [chain[0], chain[-1]]))
         return groups
