@@ -11,7 +11,7 @@ every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/gr
 """
 import json
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from syntorch.chakra.writer import StageTemplate, write_json_form
 from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
+from syntorch.parallel import memory
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
@@ -36,6 +37,7 @@ class Workload:
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
     hw_name: str | None = None
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
+    memory: list[dict] = field(default_factory=list)  # per stage: parallel/memory.py's estimate of one rank
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
@@ -45,6 +47,9 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
 
 
 def _trace_workload(config, plan, dtype, hw) -> Workload:
+    estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
+    if hw:  # before the work: a plan that does not fit is refused, not traced
+        memory.check_fits(estimates, hw.memory_gb, hw.name)
     source = traced_stage_for(config, plan)
     probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
     moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
@@ -56,7 +61,7 @@ def _trace_workload(config, plan, dtype, hw) -> Workload:
     for graph in unscheduled if hw else ():
         fill_durations(graph, hw)
     stages = [schedule_stage(graph, probes[source[s]][1], plan) for s, graph in enumerate(unscheduled)]
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes))
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes), estimates)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -123,9 +128,10 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             by_kind.setdefault(d["collective"], [0, 0])
             by_kind[d["collective"]][0] += 1
             by_kind[d["collective"]][1] += d["bytes"]
-        layers = plan.stage(workload.config, s).layers
+        stage = plan.stage(workload.config, s)
         stages.append({
-            "stage": s, "layers": [layers[0], layers[-1]],
+            "stage": s, "layers": [stage.layers[0], stage.layers[-1]],
+            "chunks": [[chunk[0], chunk[-1]] for chunk in stage.chunks or (stage.layers,)],
             "ranks": [r for r in range(mesh.world_size) if mesh.coords(r)[1] == s],
             "flops": flops,
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),
@@ -135,6 +141,7 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "compute_us": sum(d.get("duration_us", 0.0) for d in ops),
             "comm_us": sum(d.get("duration_us", 0.0) for d in comms),
             "schedule": graph.graph["pipeline_schedule"],
+            "memory_bytes": workload.memory[s] if workload.memory else None,
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw_name, "traced_stages": workload.traced_stages,

@@ -60,13 +60,15 @@ def print_summary(summary: dict) -> None:
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
                         f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced)")
-    for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms"):
+    for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms",
+                   "memory GB"):
         table.add_column(column, justify="right")
     for s in summary["stages"]:
-        table.add_row(str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1]}", str(len(s["ranks"])),
+        table.add_row(str(s["stage"]), ",".join(f"{a}-{b}" for a, b in s["chunks"]), str(len(s["ranks"])),
                       f"{sum(s['flops'].values()) / 1e12:.1f}", f"{s['compute_bytes'] / 1e9:.1f}",
                       f"{s['comm_bytes'] / 1e9:.2f}", str(s["chakra_nodes"]),
-                      f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}")
+                      f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}",
+                      f"{s['memory_bytes']['total'] / 1e9:.1f}")
     console = make_console()
     console.print(table)
     console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "
