@@ -14,8 +14,9 @@
   and attention scores, which syntorch's models do not keep: they have no dropout and call
   scaled_dot_product_attention, which keeps no scores (so selective recompute, which recomputes just that
   core, saves nothing here). Under TP each rank keeps 12 of the 16 (the replicated layer-norm inputs and
-  outputs stay whole) or, with sequence parallel, 1/t of all. Recompute "full" keeps only each layer's input. The last stage also holds the logits the loss
-  reads (s·b·V/t, copied to fp32 for the loss, and its fp32 softmax).
+  outputs stay whole) or, with sequence parallel, 1/t of all. Recompute "full" keeps only each layer's input.
+  The last stage also holds the logits the loss reads (s·b·V: syntorch's head gathers the vocabulary-parallel
+  logits; copied to fp32, and its log-softmax).
   Times the layer-micro-batches in flight at the schedule's peak: counted from the schedule itself (1F1B:
   pp - stage micro-batches, interleaved more, GPipe all of them), each chunk's layers per step.
 """
@@ -71,8 +72,8 @@ def estimate(config: ModelConfig, plan, dtype: torch.dtype, stage_index: int) ->
     shard = n / plan.dp if plan.zero else 0  # what ZeRO's optimizer updates (padding left out)
     layers_per_step = len(stage.layers) / stage.virtual
     activations = peak_in_flight(plan, stage_index) * layers_per_step * layer_activation_bytes(config, plan, element)
-    if stage.last:  # the logits, their fp32 copy and its fp32 log-softmax, for the micro-batch in the loss
-        activations += plan.seq * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp) / plan.tp * (element + 8)
+    if stage.last:  # the logits, gathered to the whole vocabulary, their fp32 copy and its log-softmax
+        activations += plan.seq * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp) * (element + 8)
     out = {"weights": n * element, "gradients": n * element + shard * element,
            "optimizer": (2 * (shard or n) + shard) * element, "activations": activations}
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
