@@ -71,8 +71,10 @@ def test_tp_sp_and_zero_divide_what_they_shard():
     assert layer[()] == 16 * 2 * 64 * config.d_model  # Korthikanti's 34·s·b·h less dropout masks, fused attention
     assert layer[(("tp", 4),)] == (4 + 12 / 4) * 2 * 64 * config.d_model  # his 10 + 24/t, less the masks
     assert layer[(("tp", 4), ("sp", True))] == layer[()] / 4
+    n = base["weights"] / 2  # bf16
+    assert base["optimizer"] == 12 * n  # FP32 master and two FP32 moments
     zero = memory.estimate(config, TrainPlan(dp=4, zero=1, seq=64), torch.bfloat16, 0)
-    assert zero["optimizer"] == pytest.approx(3 * base["weights"] / 4, rel=1e-6)  # two moments and the shard, 1/4 each
+    assert zero["optimizer"] == pytest.approx((12 + 2) * n / 4, rel=1e-6)  # those and the bf16 shard, 1/4 each
 
 
 def test_estimate_over_the_device_is_one_line():

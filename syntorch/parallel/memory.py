@@ -5,7 +5,8 @@
 - gradients: one per parameter in the model dtype (syntorch keeps `.grad` whole, under ZeRO too), plus under
   ZeRO the reduced shard (1/dp);
 - optimizer: AdamW's two moments over what the rank updates: every parameter, or under ZeRO its 1/dp shard,
-  in the dtype of the parameters it updates (plus that shard itself under ZeRO);
+  in FP32, and in fp16/bf16 its FP32 master copy too (12 bytes per updated element, as Megatron's 16 bytes
+  per parameter less weight and gradient); under ZeRO also the shard itself in the model dtype;
 - activations: what backward needs of one layer and one micro-batch, after Korthikanti et al. 2022
   ("Reducing Activation Recomputation in Large Transformer Models", section 4.1): s·b·h·34 + 5·a·s²·b bytes
   with 16-bit activations, dropout and unfused attention. Counted here per tensor, so it holds for any
@@ -74,8 +75,11 @@ def estimate(config: ModelConfig, plan, dtype: torch.dtype, stage_index: int) ->
     activations = peak_in_flight(plan, stage_index) * layers_per_step * layer_activation_bytes(config, plan, element)
     if stage.last:  # the logits, gathered to the whole vocabulary, their fp32 copy and its log-softmax
         activations += plan.seq * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp) * (element + 8)
+    mixed = dtype != torch.float32  # FP32 masters beside AdamW's FP32 moments (parallel/precision.py)
+    updated = shard or n
+    optimizer = updated * (12 if mixed else 2 * element) + shard * element
     out = {"weights": n * element, "gradients": n * element + shard * element,
-           "optimizer": (2 * (shard or n) + shard) * element, "activations": activations}
+           "optimizer": optimizer, "activations": activations}
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
 
 

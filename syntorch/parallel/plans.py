@@ -24,6 +24,7 @@ from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.data import GradSync
 from syntorch.parallel.mesh import Mesh, MeshGroups
+from syntorch.parallel.precision import MixedPrecision
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
 
@@ -104,6 +105,7 @@ class StageRun:
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
+    precision: MixedPrecision | None = None  # fp16/bf16 training: FP32 masters the optimizer updates
 
     def chunk(self, index: int) -> nn.Module:
         """The model as the stage's chunk `index` runs it (the model itself without interleaving)."""
@@ -127,10 +129,12 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     grad_sync = GradSync(list(model.parameters()), groups.dp, plan.dp, plan.zero, plan.bucket_mb,
                          _partial_grads(model, tp_plan, groups))
 
+    precision = MixedPrecision.of(grad_sync.optimizer_params(), dtype) if plan.mode == "train" else None
     # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
-    optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
+    optimizer = torch.optim.AdamW(precision.masters if precision else grad_sync.optimizer_params(), lr=plan.lr,
+                                  foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision)
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:
@@ -189,6 +193,8 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
             run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but each chunk's last
             x, y = inputs.pop((m, c)), outputs.pop((m, c))
             grad = None if stage.holds_loss(c) else pp_.recv_backward(y, links, m, c, plan.virtual_stages)
+            if run.precision and stage.holds_loss(c):
+                y = run.precision.scale_loss(y)  # fp16: the loss scaled, so small gradients stay above fp16's least
             torch.autograd.backward(y, grad)
             if not stage.holds_input(c):
                 sends.append(pp_.send_backward(x.grad, links, m, stage.in_boundary(c), plan.virtual_stages))
@@ -198,7 +204,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     if on_step:
         on_step("optimizer", None, None)
     with phase("optimizer"):
-        run.optimizer.step()
+        run.precision.step(run.optimizer) if run.precision else run.optimizer.step()
         run.grad_sync.gather_params()
     return sum(losses) if losses else None  # outside every phase: not part of the step
 
