@@ -5,13 +5,16 @@ ones keep their names `layers.{i}`): the first stage keeps the embeddings, the l
 and the loss. The model's own forward skips what its stage lacks (as torchtitan's does); `stage_forward` adds
 only what the model must not know: the TP group's sequence state on stages without the embedding, the loss.
 
-Schedules are lists of steps ("F" or "B", micro-batch), the order one stage runs them:
+Schedules are lists of steps ("F" or "B", micro-batch, chunk), the order one stage runs them:
 - GPipe: every forward, then every backward (Huang et al. 2019).
 - 1F1B: `pp - stage - 1` warm-up forwards, then one forward and one backward alternating, then the
   remaining backwards (Narayanan et al. 2021, PipeDream-Flush), so at most `pp - stage` micro-batches
   of activations are alive on a stage.
+- Interleaved 1F1B (`virtual` V > 1): each stage holds V non-contiguous chunks of layers and runs them as
+  Megatron-LM does (`interleaved_schedule`); the bubble shrinks by V, more activations are alive.
 Activations go forward and their gradients backward as send/recv pairs over a 2-rank process group of
-neighbouring stages, tagged by micro-batch and direction so every send meets its recv.
+neighbouring stages (and, interleaved, from the last stage to the first), tagged by micro-batch, chunk
+boundary and direction so every send meets its recv. Sends do not wait for their recv (`send_forward`).
 """
 import copy
 import dataclasses
