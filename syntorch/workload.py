@@ -22,6 +22,7 @@ from syntorch.chakra.writer import StageTemplate, write_json_form
 from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
+from syntorch.parallel import memory
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.predict import TIMELINE, Prediction
@@ -42,6 +43,7 @@ class Workload:
     probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
     source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
     profile: str = "eager"  # software profile of the durations, when hw_name is set
+    memory: list[dict] = field(default_factory=list)  # per stage: parallel/memory.py's estimate of one rank
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
@@ -53,6 +55,9 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
 
 
 def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
+    estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
+    if hw:  # before the work: a plan that does not fit is refused, not traced
+        memory.check_fits(estimates, hw.memory_gb, hw.name)
     source = traced_stage_for(config, plan)
     probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
     probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
@@ -66,7 +71,7 @@ def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
     for graph in unscheduled.values() if hw else ():
         fill_durations(graph, hw, profile)
     stages = [schedule_stage(unscheduled[s], probes[source[s]][1], plan) for s in range(plan.pp)] if schedule else []
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source, profile)
+    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source, profile, estimates)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -138,9 +143,10 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             by_kind.setdefault(d["collective"], [0, 0])
             by_kind[d["collective"]][0] += 1
             by_kind[d["collective"]][1] += d["bytes"]
-        layers = plan.stage(workload.config, s).layers
+        stage = plan.stage(workload.config, s)
         stages.append({
-            "stage": s, "layers": [layers[0], layers[-1]],
+            "stage": s, "layers": [stage.layers[0], stage.layers[-1]],
+            "chunks": [[chunk[0], chunk[-1]] for chunk in stage.chunks or (stage.layers,)],
             "ranks": [r for r in range(mesh.world_size) if mesh.coords(r)[1] == s],
             "flops": flops,
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),
@@ -150,6 +156,7 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "compute_us": sum(d.get("duration_us", 0.0) for d in ops),
             "comm_us": sum(d.get("duration_us", 0.0) for d in comms),
             "schedule": graph.graph["pipeline_schedule"],
+            "memory_bytes": workload.memory[s] if workload.memory else None,
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw_name, "profile": workload.profile, "traced_stages": workload.traced_stages,

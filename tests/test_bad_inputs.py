@@ -234,6 +234,10 @@ CASES = [
         ("--seq abc", "argument --seq: invalid int value: 'abc'"),
         ("--dp 2 --ep 2", "--ep 2 splits the experts of a mixture-of-experts model; tiny-gpt2 has none"),
         ("--dp 2 --ep 3", "--ep 3 must divide --dp 2"),
+        ("--pp 2 --microbatches 2 --virtual_stages 2", "--virtual_stages 2 must divide the layers per stage: "
+                                                       "2 layers over --pp 2 is 1 per stage"),
+        ("--pp 2 --microbatches 3 --virtual_stages 2", "--microbatches 3 must be a multiple of --pp 2"),
+        ("--virtual_stages 2", "it needs --pp > 1"),
     ]),
     *cases(TRACE.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),

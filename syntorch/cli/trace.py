@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     par.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                      help="activation recomputation in backward: selective (the attention core) or full (each layer)")
+    par.add_argument("--virtual_stages", type=int, default=1,
+                     help="interleaved 1F1B: chunks of layers per stage (Megatron's virtual pipeline; 1: none)")
     par.add_argument("--world_size", type=int, help="check that dp * tp * pp equals it")
     b = p.add_argument_group("batch")
     b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")
@@ -81,13 +83,15 @@ def print_summary(summary: dict) -> None:
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
                         f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced)")
-    for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms"):
+    for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms",
+                   "memory GB"):
         table.add_column(column, justify="right")
     for s in summary["stages"]:
-        table.add_row(str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1]}", str(len(s["ranks"])),
+        table.add_row(str(s["stage"]), ",".join(f"{a}-{b}" for a, b in s["chunks"]), str(len(s["ranks"])),
                       f"{sum(s['flops'].values()) / 1e12:.1f}", f"{s['compute_bytes'] / 1e9:.1f}",
                       f"{s['comm_bytes'] / 1e9:.2f}", str(s["chakra_nodes"]),
-                      f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}")
+                      f"{s['compute_us'] / 1e3:.1f}", f"{s['comm_us'] / 1e3:.1f}",
+                      f"{s['memory_bytes']['total'] / 1e9:.1f}")
     console = make_console()
     console.print(table)
     console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "

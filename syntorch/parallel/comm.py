@@ -70,6 +70,11 @@ def send(x: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     dist.send(x.contiguous(), dst=dst, group=group, tag=tag)
 
 
+def isend(x: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """A send that does not wait for its recv (gloo's send does); returns the work to wait on."""
+    return dist.isend(x.contiguous(), dst=dst, group=group, tag=tag)
+
+
 def recv(x: torch.Tensor, src: int, group=None, tag: int = 0) -> torch.Tensor:
     """Fills x (already the right shape) from global rank `src`."""
     dist.recv(x, src=src, group=group, tag=tag)

@@ -13,7 +13,8 @@ and the expert-data-parallel group (the replicas of one expert, which reduce its
 
 The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), each pair of
-neighbouring stages (pipeline send/recv), and the first/last-stage pair that shares a tied embedding.
+neighbouring stages (pipeline send/recv; with `ring`, also the last stage to the first, the link an interleaved
+pipeline's chunks wrap around), and the first/last-stage pair that shares a tied embedding.
 """
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Mesh:
     pp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallel: divides dp (EP groups are made of DP ranks)
+    ring: bool = False  # interleaved pipeline: the last stage also sends to the first
 
     def __post_init__(self):
         for dim in (*DIMS, "ep"):
@@ -85,6 +87,8 @@ class Mesh:
             groups += [("ep", g) for g in self.groups("ep")] + [("expert_dp", g) for g in self.groups("expert_dp")]
         for chain in self.groups("pp"):
             groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
+            if self.ring and self.pp > 1:
+                groups.append(("stage_pair", [chain[-1], chain[0]]))
             if tied and self.pp > 1:
                 groups.append(("embedding", [chain[0], chain[-1]]))
         return groups

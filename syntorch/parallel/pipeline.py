@@ -5,14 +5,18 @@ ones keep their names `layers.{i}`): the first stage keeps the embeddings, the l
 and the loss. The model's own forward skips what its stage lacks (as torchtitan's does); `stage_forward` adds
 only what the model must not know: the TP group's sequence state on stages without the embedding, the loss.
 
-Schedules are lists of steps ("F" or "B", micro-batch), the order one stage runs them:
+Schedules are lists of steps ("F" or "B", micro-batch, chunk), the order one stage runs them:
 - GPipe: every forward, then every backward (Huang et al. 2019).
 - 1F1B: `pp - stage - 1` warm-up forwards, then one forward and one backward alternating, then the
   remaining backwards (Narayanan et al. 2021, PipeDream-Flush), so at most `pp - stage` micro-batches
   of activations are alive on a stage.
+- Interleaved 1F1B (`virtual` V > 1): each stage holds V non-contiguous chunks of layers and runs them as
+  Megatron-LM does (`interleaved_schedule`); the bubble shrinks by V, more activations are alive.
 Activations go forward and their gradients backward as send/recv pairs over a 2-rank process group of
-neighbouring stages, tagged by micro-batch and direction so every send meets its recv.
+neighbouring stages (and, interleaved, from the last stage to the first), tagged by micro-batch, chunk
+boundary and direction so every send meets its recv. Sends do not wait for their recv (`send_forward`).
 """
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -41,6 +45,18 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
+def stage_chunks(n_layer: int, pp: int, virtual: int = 1) -> list[tuple[range, ...]]:
+    """Each stage's chunks of layers. With `virtual` V > 1 the layers are cut into pp·V equal chunks and
+    stage s holds chunks s, s + pp, s + 2pp, ... (Megatron's virtual pipeline); else its one contiguous range."""
+    if virtual == 1:
+        return [(layers,) for layers in stage_layers(n_layer, pp)]
+    if n_layer % pp or (n_layer // pp) % virtual:
+        raise UserError(f"--virtual_stages {virtual} must divide the layers per stage: {n_layer} layers over "
+                        f"--pp {pp} is {n_layer / pp:g} per stage; pick a V (and pp) that divide it evenly")
+    size = n_layer // (pp * virtual)
+    return [tuple(range((c * pp + s) * size, (c * pp + s + 1) * size) for c in range(virtual)) for s in range(pp)]
+
+
 def check_schedule(kind: str) -> None:
     if kind not in SCHEDULES:
         raise UserError(f"unknown --schedule {kind!r}; choose one of: {', '.join(SCHEDULES)}")
@@ -51,8 +67,11 @@ def schedule(kind: str, stage: int, pp: int, microbatches: int, virtual: int = 1
 
     `chunk` is which of the stage's `virtual` chunks of layers the step runs (0 without interleaving)."""
     check_schedule(kind)
-    if kind == "gpipe":
-        return [("F", m, 0) for m in range(microbatches)] + [("B", m, 0) for m in range(microbatches)]
+    if kind == "gpipe":  # chunk by chunk forward, the reverse backward
+        return ([("F", m, c) for c in range(virtual) for m in range(microbatches)] +
+                [("B", m, c) for c in reversed(range(virtual)) for m in range(microbatches)])
+    if virtual > 1:
+        return interleaved_schedule(stage, pp, microbatches, virtual)
     warmup = min(pp - stage - 1, microbatches)
     steps = [("F", m, 0) for m in range(warmup)]
     for i in range(microbatches - warmup):
@@ -60,11 +79,58 @@ def schedule(kind: str, stage: int, pp: int, microbatches: int, virtual: int = 1
     return steps + [("B", m, 0) for m in range(microbatches - warmup, microbatches)]
 
 
+def interleaved_schedule(stage: int, pp: int, microbatches: int, virtual: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B as Megatron-LM runs it (Narayanan et al. 2021, section 2.2): the stage's M·V
+    (micro-batch, chunk) steps go in groups of pp micro-batches per chunk, chunk 0 first forward and last
+    first backward; warm-up is (pp - stage - 1)·2 + (V - 1)·pp forwards (all of them when M == pp), then
+    one forward and one backward alternate, then the remaining backwards."""
+    check_interleaving(pp, microbatches, virtual)
+    total = microbatches * virtual
+
+    def step(kind: str, k: int) -> tuple[str, int, int]:
+        group, within = divmod(k, pp * virtual)
+        chunk = within // pp
+        return kind, group * pp + within % pp, chunk if kind == "F" else virtual - 1 - chunk
+
+    warmup = total if microbatches == pp else min((pp - stage - 1) * 2 + (virtual - 1) * pp, total)
+    steps = [step("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        steps += [step("F", warmup + k), step("B", k)]
+    return steps + [step("B", k) for k in range(total - warmup, total)]
+
+
+def check_interleaving(pp: int, microbatches: int, virtual: int) -> None:
+    if virtual < 1:
+        raise UserError(f"--virtual_stages must be at least 1, got {virtual}")
+    if virtual > 1 and pp < 2:
+        raise UserError(f"--virtual_stages {virtual} interleaves pipeline stages; it needs --pp > 1")
+    if virtual > 1 and microbatches % pp:
+        raise UserError(f"--microbatches {microbatches} must be a multiple of --pp {pp} with --virtual_stages "
+                        f"{virtual} (Megatron's interleaved schedule runs micro-batches in groups of pp)")
+
+
 @dataclass(frozen=True)
 class Stage:
     index: int
     count: int
-    layers: range
+    layers: range | tuple[int, ...]  # every layer the stage holds, in order
+    chunks: tuple[range, ...] = ()  # under interleaving, its V chunks of layers
+
+    @property
+    def virtual(self) -> int:
+        return max(len(self.chunks), 1)
+
+    def holds_input(self, chunk: int) -> bool:
+        """Whether the chunk takes the tokens (the first chunk of the first stage) rather than a stream."""
+        return self.first and chunk == 0
+
+    def holds_loss(self, chunk: int) -> bool:
+        return self.last and chunk == self.virtual - 1
+
+    def in_boundary(self, chunk: int) -> int:
+        """Which chunk boundary the chunk's input crosses (see `tag`): from the previous stage's same chunk,
+        or on the first stage from the last stage's previous chunk."""
+        return chunk if not self.first else chunk - 1
 
     @property
     def first(self) -> bool:
@@ -107,6 +173,23 @@ def split_stage(model: nn.Module, stage: Stage) -> nn.Module:
     return model
 
 
+def chunk_view(model: nn.Module, stage: Stage, chunk: int) -> nn.Module:
+    """The stage's model as chunk `chunk` runs it: the same modules and parameters, only the chunk's layers,
+    the embeddings only on the input chunk and the head only on the loss chunk. Without interleaving, the model."""
+    if stage.virtual == 1:
+        return model
+    view = copy.copy(model)
+    view._modules = dict(model._modules)  # its own table of children; the children themselves are shared
+    view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in stage.chunks[chunk]})
+    for name in FIRST_STAGE if not stage.holds_input(chunk) else ():
+        if hasattr(view, name):
+            setattr(view, name, None)
+    for name in LAST_STAGE if not stage.holds_loss(chunk) else ():
+        if hasattr(view, name):
+            setattr(view, name, None)
+    return view
+
+
 def tp_group_of(model: nn.Module):
     """The TPGroup apply_tp shared among the model's parallel modules, or None without TP."""
     return next((m.tp for m in model.modules() if hasattr(m, "tp") and hasattr(m.tp, "seq_split")), None)
@@ -142,25 +225,30 @@ def _received_stream(model: nn.Module, x: torch.Tensor) -> dict:
     return {"seq_len": T} if model.config.arch == "gpt" else {}
 
 
-def tag(microbatch: int, backward: bool) -> int:
-    """Activations of micro-batch m travel with tag 2m, their gradients with 2m + 1."""
-    return 2 * microbatch + int(backward)
+def tag(microbatch: int, backward: bool, boundary: int = 0, virtual: int = 1) -> int:
+    """Activations of micro-batch m crossing chunk boundary c (c: the sending chunk, 0 without interleaving)
+    travel with tag 2(mV + c), their gradients with 2(mV + c) + 1: one tag per message on every link."""
+    return 2 * (microbatch * virtual + boundary) + int(backward)
 
 
-def send_forward(x: torch.Tensor, links, microbatch: int) -> None:
+def send_forward(x: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1):
+    """Returns the send's work, or None: the caller waits on it at the end of the schedule, so a stage never
+    waits for its peer to reach the matching recv (with interleaving, the peer may first send it something)."""
     if links.next is not None:
-        comm.send(x.detach(), links.next_rank, links.next, tag(microbatch, False))
+        return comm.isend(x.detach(), links.next_rank, links.next, tag(microbatch, False, boundary, virtual))
 
 
-def recv_forward(shape, dtype, device, links, microbatch: int) -> torch.Tensor:
+def recv_forward(shape, dtype, device, links, microbatch: int, boundary: int = 0, virtual: int = 1) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype, device=device)
-    return comm.recv(x, links.prev_rank, links.prev, tag(microbatch, False)).requires_grad_(torch.is_grad_enabled())
+    return comm.recv(x, links.prev_rank, links.prev,
+                     tag(microbatch, False, boundary, virtual)).requires_grad_(torch.is_grad_enabled())
 
 
-def send_backward(grad: torch.Tensor, links, microbatch: int) -> None:
+def send_backward(grad: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1):
+    """Returns the send's work, or None (see send_forward)."""
     if links.prev is not None:
-        comm.send(grad, links.prev_rank, links.prev, tag(microbatch, True))
+        return comm.isend(grad, links.prev_rank, links.prev, tag(microbatch, True, boundary, virtual))
 
 
-def recv_backward(like: torch.Tensor, links, microbatch: int) -> torch.Tensor:
-    return comm.recv(torch.empty_like(like), links.next_rank, links.next, tag(microbatch, True))
+def recv_backward(like: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1) -> torch.Tensor:
+    return comm.recv(torch.empty_like(like), links.next_rank, links.next, tag(microbatch, True, boundary, virtual))

@@ -30,6 +30,7 @@ from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.recompute import apply_recompute, check_recompute
+from syntorch.parallel.precision import MixedPrecision
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
 
@@ -49,10 +50,11 @@ class TrainPlan:
     lr: float = 1e-4
     mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
     recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
+    virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.tp, self.ep)
+        return Mesh(self.dp, self.pp, self.tp, self.ep, ring=self.virtual_stages > 1)
 
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
@@ -75,6 +77,10 @@ class TrainPlan:
             raise UserError(f"--mode must be train or infer, got {self.mode!r}")
         pp_.check_schedule(self.schedule)
         check_recompute(self.recompute, self.mode)
+        if self.virtual_stages > 1 and self.mode == "infer":
+            raise UserError("--virtual_stages interleaves a training schedule; drop it with --mode infer")
+        if self.schedule == "1f1b":
+            pp_.check_interleaving(self.pp, self.microbatches, self.virtual_stages)
 
     def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
         """What depends on the model and the run: the context, the layers and heads to split, the counts."""
@@ -88,12 +94,15 @@ class TrainPlan:
             raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
                             f" * micro_batch_size({self.micro_batch_size}) = "
                             f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
-        pp_.stage_layers(config.n_layer, self.pp)
+        pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages)
         check_tp(config, self.tp)
         check_ep(config, self.ep)
 
     def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
-        return pp_.Stage(index, self.pp, pp_.stage_layers(config.n_layer, self.pp)[index])
+        chunks = pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages)[index]
+        if len(chunks) == 1:
+            return pp_.Stage(index, self.pp, chunks[0])
+        return pp_.Stage(index, self.pp, tuple(i for chunk in chunks for i in chunk), chunks)
 
 
 @dataclass
@@ -106,6 +115,16 @@ class StageRun:
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
+    precision: MixedPrecision | None = None  # fp16/bf16 training: FP32 masters the optimizer updates
+
+    def chunk(self, index: int) -> nn.Module:
+        """The model as the stage's chunk `index` runs it (the model itself without interleaving)."""
+        if index not in self._chunks:
+            self._chunks[index] = pp_.chunk_view(self.model, self.stage, index)
+        return self._chunks[index]
+
+    def __post_init__(self):
+        self._chunks = {}
 
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
@@ -122,10 +141,12 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     model.train()
     grad_sync = _grad_sync(model, plan, groups, _partial_grads(model, tp_plan, groups))
 
+    precision = MixedPrecision.of(grad_sync.optimizer_params(), dtype) if plan.mode == "train" else None
     # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
-    optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
+    optimizer = torch.optim.AdamW(precision.masters if precision else grad_sync.optimizer_params(), lr=plan.lr,
+                                  foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision)
 
 
 def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial) -> GradSync | GradSyncs:
@@ -166,57 +187,71 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], phase=None, on_step=None):
     """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch) in the stage's schedule.
 
-    `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch)` is called
-    before each schedule step and once with ("optimizer", None). Returns the summed loss on the last stage (else None).
+    `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch, chunk)` is
+    called before each schedule step and once with ("optimizer", None, None). Returns the summed loss on the last stage (else None).
     In "infer" mode only the forwards run, in micro-batch order, without gradients."""
     phase = phase or (lambda name: nullcontext())
     plan, stage, links = run.plan, run.stage, run.groups
+    sends = []  # the sends' works, waited on once the schedule is done (see pipeline.send_forward)
     if plan.mode == "infer":
         with torch.no_grad():
             for m, (tokens, _) in enumerate(batches):
                 if on_step:
-                    on_step("F", m)
-                _forward(run, tokens, m, phase)
+                    on_step("F", m, 0)
+                _forward(run, tokens, m, phase, sends)
+        _wait(sends)
         return None
-    order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches))
+    order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches), plan.virtual_stages)
     inputs, outputs, losses = {}, {}, []
-    for kind, m, _chunk in order:
+    for kind, m, c in order:
         if on_step:
-            on_step(kind, m)
+            on_step(kind, m, c)
         if kind == "F":
             tokens, targets = batches[m]
-            inputs[m], outputs[m] = _forward(run, tokens, m, phase, targets)
-            if stage.last:
-                outputs[m] = outputs[m] / len(batches)  # gradients accumulate to the mean over micro-batches
-                losses.append(outputs[m].detach())
+            inputs[m, c], outputs[m, c] = _forward(run, tokens, m, phase, sends, targets, c)
+            if stage.holds_loss(c):
+                outputs[m, c] = outputs[m, c] / len(batches)  # gradients accumulate to the mean over micro-batches
+                losses.append(outputs[m, c].detach())
             continue
         with phase("backward"):
-            run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but the last
-            x, y = inputs.pop(m), outputs.pop(m)
-            grad = None if stage.last else pp_.recv_backward(y, links, m)
+            run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but each chunk's last
+            x, y = inputs.pop((m, c)), outputs.pop((m, c))
+            grad = None if stage.holds_loss(c) else pp_.recv_backward(y, links, m, c, plan.virtual_stages)
+            if run.precision and stage.holds_loss(c):
+                y = run.precision.scale_loss(y)  # fp16: the loss scaled, so small gradients stay above fp16's least
             torch.autograd.backward(y, grad)
-            if not stage.first:
-                pp_.send_backward(x.grad, links, m)
+            if not stage.holds_input(c):
+                sends.append(pp_.send_backward(x.grad, links, m, stage.in_boundary(c), plan.virtual_stages))
     with phase("backward"):
+        _wait(sends)
         run.grad_sync.finish()
     if on_step:
-        on_step("optimizer", None)
+        on_step("optimizer", None, None)
     with phase("optimizer"):
-        run.optimizer.step()
+        run.precision.step(run.optimizer) if run.precision else run.optimizer.step()
         run.grad_sync.gather_params()
     return sum(losses) if losses else None  # outside every phase: not part of the step
 
 
-def _forward(run: StageRun, tokens, m: int, phase, targets=None):
-    """Micro-batch m through this stage: receive (or take the tokens), run, send on. Returns (input, output)."""
+def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, chunk: int = 0):
+    """Micro-batch m through one chunk of this stage: receive (or take the tokens), run, send on.
+    Returns (input, output)."""
     plan, stage, links = run.plan, run.stage, run.groups
     with phase("forward"):
-        if stage.first:
+        if stage.holds_input(chunk):
             x = tokens
         else:
             param = next(run.model.parameters())
             shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
-            x = pp_.recv_forward(shape, param.dtype, param.device, links, m)
-        y = pp_.stage_forward(run.model, x, targets if stage.last else None)
-        pp_.send_forward(y, links, m)
+            x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
+                                 plan.virtual_stages)
+        y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None)
+        if not stage.holds_loss(chunk):
+            sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages))
     return x, y
+
+
+def _wait(sends: list) -> None:
+    for work in sends:
+        if work is not None:
+            work.wait()

@@ -56,7 +56,8 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
 def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
                 microbatches: int = PROBE_MICROBATCHES) -> tuple[TraceGraph, dict]:
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
-    backwards -- and where each step's nodes are: {(kind, microbatch): (first node, end)}."""
+    backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
+    {(kind, microbatch, chunk): (first node, end)}."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
     return _run_stage(config, probe, stage, dtype, rank)
 
@@ -78,7 +79,7 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
                       *(v for state in run.optimizer.state.values() for v in state.values())]:
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
-                             on_step=lambda kind, m: steps.append(((kind, m), len(tracer.graph))))
+                             on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
 
@@ -99,12 +100,17 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned."""
     stage, M = probe.graph["stage"], plan.microbatches
-    probed = 1 + max(m for kind, m in blocks if kind != "optimizer")
-    steps = schedule(plan.schedule, stage, plan.pp, M) if plan.mode == "train" else [("F", m, 0) for m in range(M)]
-    order = [*((kind, m) for kind, m, _chunk in steps),
-             *([("optimizer", M)] if ("optimizer", None) in blocks else [])]
+
+    def source(kind, m, c):
+        """The probed step a step is copied from (the optimizer's one step for itself)."""
+        return ("optimizer", None, None) if kind == "optimizer" else (kind, _template(kind, m, M, probed), c)
+
+    probed = 1 + max(m for kind, m, _ in blocks if kind != "optimizer")
+    steps = (schedule(plan.schedule, stage, plan.pp, M, plan.virtual_stages) if plan.mode == "train"
+             else [("F", m, 0) for m in range(M)])
+    order = [*steps, *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
-    if [key for _, _, key in found] == [("optimizer", None) if kind == "optimizer" else (kind, m) for kind, m in order]:
+    if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
         _renumber_orders(probe)
         return _finish(probe, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
@@ -113,27 +119,25 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
             ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix))
     placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
 
-    def source(kind, m):
-        return ("optimizer", None) if kind == "optimizer" else (kind, _template(kind, m, M, probed))
 
     def image(u, shift):
         """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
         the same node of the step in `out` that plays u's step's part."""
         if u < prefix:
             return u
-        start, end, (kind, k) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
-        a, b = blocks[source(kind, k + shift)]
-        assert b - a == end - start, f"probed steps {source(kind, k + shift)} and {(kind, k)} differ"
-        return placed[(kind, k + shift)] + u - start
+        start, end, (kind, k, c) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        a, b = blocks[source(kind, k + shift, c)]
+        assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
+        return placed[(kind, k + shift, c)] + u - start
 
-    for kind, m in order:
-        key = source(kind, m)
+    for kind, m, c in order:
+        key = source(kind, m, c)
         if key not in steps:  # each probed step prepared once, however many copies it makes
             steps[key] = _Step(probe, *blocks[key])
         step = steps[key]
-        base = placed[(kind, m)] = len(out)
+        base = placed[(kind, m, c)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
-        out.append(step.copy(base, shift, lambda u: image(u, shift), out),
+        out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out),
                 ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges))
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
@@ -157,15 +161,15 @@ class _Step:
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
             self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
 
-    def copy(self, base: int, shift: int, image, out: TraceGraph) -> list[dict]:
-        """The nodes' attributes for a copy at `base`, `shift` micro-batches later: a send's or recv's tag
-        (the micro-batch's), default tensor names, and the version of a tensor written in place (one past
+    def copy(self, base: int, tag_shift: int, image, out: TraceGraph) -> list[dict]:
+        """The nodes' attributes for a copy at `base`, `tag_shift` tag pairs later (micro-batches times chunks):
+        a send's or recv's tag (the micro-batch's), default tensor names, and the version of a tensor written in place (one past
         its earlier version there, e.g. a gradient accumulated over one more micro-batch)."""
         nodes = list(self.nodes)
         for off, (what, earlier) in self.moving.items():
             data = nodes[off]
             if what == "tag":
-                nodes[off] = {**data, "tag": data["tag"] + 2 * shift}  # pipeline.tag: 2m (+1 for gradients)
+                nodes[off] = {**data, "tag": data["tag"] + 2 * tag_shift}  # pipeline.tag: 2(mV + c) (+1 for gradients)
                 continue
             data = {**data, "name": f"t{base + off}"} if data["name"] == f"t{self.a + off}" else dict(data)
             if earlier is not None:
@@ -186,7 +190,8 @@ def _renumber_orders(graph: TraceGraph) -> None:
 
 def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
     graph.graph.update(schedule=plan.schedule, microbatches=plan.microbatches,
-                       pipeline_schedule=[f"{kind}{m}" for kind, m in order if kind != "optimizer"])
+                       pipeline_schedule=[f"{kind}{m}" + (f".{c}" if plan.virtual_stages > 1 else "")
+                                          for kind, m, c in order if kind != "optimizer"])
     add_schedule_deps(graph, starts)
     return graph
 
