@@ -47,16 +47,18 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
 def _trace_workload(config, plan, dtype, hw) -> Workload:
     source = traced_stage_for(config, plan)
     probes = {s: probe_stage(config, plan, s, dtype) for s in sorted(set(source))}
-    moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
-                            plan.stage(config, source[s]).layers[0]) for s in range(plan.pp) if source[s] != s}
-    # shifted first: schedule_stage may finish a probe in place (see there)
-    unscheduled = [moved[s] if s in moved else probes[s][0] for s in range(plan.pp)]
-    # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
-    # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
-    for graph in unscheduled if hw else ():
-        fill_durations(graph, hw)
-    stages = [schedule_stage(graph, probes[source[s]][1], plan) for s, graph in enumerate(unscheduled)]
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes))
+    stages = {}
+    # shifted copies first: schedule_stage may finish a probe in place (see there); each copy is scheduled
+    # before the next is made, so only one unscheduled copy is alive at a time (peak RSS)
+    for s in sorted(range(plan.pp), key=lambda s: source[s] == s):
+        graph = probes[s][0] if source[s] == s else shift_stage(
+            probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0])
+        # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
+        # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
+        if hw:
+            fill_durations(graph, hw)
+        stages[s] = schedule_stage(graph, probes[source[s]][1], plan)
+    return Workload(config, plan, [stages[s] for s in range(plan.pp)], hw.name if hw else None, len(probes))
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
