@@ -9,6 +9,7 @@ from syntorch.errors import UserError
 from syntorch.userfiles import read_json
 
 # --dtype names -> torch dtype attribute names (strings: this module does not import torch)
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu")  # what models.layers.MLP applies (silu: SwiGLU with gated_mlp)
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -38,14 +39,35 @@ class ModelConfig:
     n_positions: int  # context length
     d_head: int = 0  # 0: d_model // n_head
     d_ff: int = 0  # 0: 4 * d_model, as in GPT-2/GPT-3/BERT
-    pos: str = "learned"  # "learned" (GPT-2/3, BERT) | "rotary" (GPT-J)
-    rotary_dim: int = 0  # rotary applies to the first rotary_dim dims of each head (GPT-J: 64)
+    n_kv_head: int = 0  # grouped-query attention (Ainslie et al. 2023): K/V heads, each shared by n_head / n_kv_head
+    # query heads; 0: n_head (multi-head attention)
+    pos: str = "learned"  # "learned" (GPT-2/3, BERT) | "rotary" (GPT-J, Llama)
+    rotary_dim: int = 0  # rotary applies to the first rotary_dim dims of each head (GPT-J: 64); 0: all of them
+    rotary_style: str = "interleaved"  # pairs (x0, x1), (x2, x3).. (GPT-J) | "half": pairs (x_i, x_{i+r/2}) (Llama, NeoX)
+    rope_theta: float = 10000.0  # rotary base (Llama 3: 500000, Mixtral and Qwen2: 1e6)
+    # Llama 3.1's frequency scaling (HF rope_type "llama3"): long wavelengths slowed by rope_factor, short ones kept,
+    # those between blended; rope_original_positions is the context the model was pre-trained at. "": none
+    rope_scaling: str = ""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
+    sliding_window: int = 0  # Mistral: each query sees the last sliding_window positions (itself included); 0: all
+    norm: str = "layernorm"  # "layernorm" (GPT, BERT) | "rmsnorm" (Llama, Mistral, Qwen2, Mixtral)
     parallel_residual: bool = False  # GPT-J: attn and MLP read one LayerNorm, added together
     tied_head: bool = True  # LM head shares the token embedding (GPT-2/3, BERT)
     head_bias: bool = False  # GPT-J's untied head has a bias
     qkv_bias: bool = True  # GPT-J projections have no bias
     proj_bias: bool = True  # attention output projection (GPT-J has none)
-    activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf
+    activation: str = "gelu_tanh"  # GPT-2/3/J use the tanh approximation; BERT the exact erf; Llama "silu"
+    gated_mlp: bool = False  # SwiGLU (Shazeer 2020; Llama, Mistral, Qwen2, every Mixtral expert): act(gate x) * fc1 x
+    mlp_bias: bool = True  # GPT/BERT MLPs have biases; Llama's have none
+    # mixture of experts (Mixtral; DeepSeek-style with shared experts): 0 experts is a dense MLP
+    n_experts: int = 0  # routed experts per MoE layer (Mixtral: 8)
+    moe_top_k: int = 2  # experts each token is routed to (Mixtral: 2; HF num_experts_per_tok)
+    d_ff_expert: int = 0  # each routed expert's hidden size; 0: d_ff (Mixtral's experts are full-size MLPs)
+    n_shared_experts: int = 0  # DeepSeekMoE: experts every token passes through, unweighted (one MLP of n x d_ff_expert)
+    moe_renormalize: bool = True  # Mixtral renormalizes the top-k softmax weights to sum to 1; DeepSeek-V2 does not
     ln_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT segment embeddings
     pad_token_id: int = 0
@@ -55,6 +77,19 @@ class ModelConfig:
         self.d_head = self.d_head or self.d_model // self.n_head
         self.d_ff = self.d_ff or 4 * self.d_model
         check_config(self)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def rotary_dims(self) -> int:
+        """Dims of each head that rotary rotates (0 with learned positions)."""
+        return (self.rotary_dim or self.d_head) if self.pos == "rotary" else 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.d_ff_expert or self.d_ff
 
     @property
     def causal(self) -> bool:
@@ -76,11 +111,32 @@ def check_config(c: ModelConfig) -> None:
 
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
-    need(c.activation in ("gelu_tanh", "gelu"), f"activation must be 'gelu_tanh' or 'gelu', got {c.activation!r}")
+    need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
+    need(c.rope_scaling in ("", "llama3"), f"rope_scaling must be '' or 'llama3', got {c.rope_scaling!r}")
+    need(c.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
+    need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
         need(isinstance(getattr(c, k), int) and getattr(c, k) > 0, f"{k} must be a positive integer, got {getattr(c, k)!r}")
-    need(c.pos != "rotary" or 0 < c.rotary_dim <= c.d_head and c.rotary_dim % 2 == 0,
-         f"rotary_dim must be even and in (0, d_head={c.d_head}], got {c.rotary_dim}")
+    for k in ("n_experts", "d_ff_expert", "n_shared_experts"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+    need(not c.n_experts or 1 <= c.moe_top_k <= c.n_experts,
+         f"moe_top_k must be between 1 and n_experts ({c.n_experts}), got {c.moe_top_k}")
+    need(c.arch == "gpt" or not c.n_experts, "bert has no mixture-of-experts layers")
+    for k in ("n_kv_head", "sliding_window", "rotary_dim"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+    need(c.n_head % c.kv_heads == 0,
+         f"n_kv_head ({c.n_kv_head}) must divide n_head ({c.n_head}): each K/V head serves a whole group of query heads")
+    need(c.rotary_dims <= c.d_head and c.rotary_dims % 2 == 0,
+         f"rotary_dim must be even and at most d_head={c.d_head}, got {c.rotary_dim}")
+    for k in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        need(isinstance(getattr(c, k), (int, float)) and math.isfinite(getattr(c, k)) and getattr(c, k) > 0,
+             f"{k} must be a positive finite number, got {getattr(c, k)!r}")
+    need(c.rope_high_freq_factor > c.rope_low_freq_factor,
+         f"rope_high_freq_factor ({c.rope_high_freq_factor}) must exceed rope_low_freq_factor ({c.rope_low_freq_factor})")
+    need(isinstance(c.rope_original_positions, int) and c.rope_original_positions > 0,
+         f"rope_original_positions must be a positive integer, got {c.rope_original_positions!r}")
+    need(c.arch == "gpt" or (c.norm, c.kv_heads, c.sliding_window, c.gated_mlp) == ("layernorm", c.n_head, 0, False),
+         "bert supports only its own layout (layernorm, multi-head attention, no sliding window, GELU MLP)")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
     need(isinstance(c.ln_eps, (int, float)) and math.isfinite(c.ln_eps) and c.ln_eps > 0,
          f"ln_eps must be a positive finite number, got {c.ln_eps!r}")
@@ -100,6 +156,39 @@ def _bert(name, n_layer, d_model, n_head):
                        activation="gelu", ln_eps=1e-12, head_bias=True)
 
 
+def _llama(name, n_layer, d_model, n_head, n_kv_head, d_ff, vocab_size, n_positions, **fields):
+    # the Llama layout (Touvron et al. 2023) Mistral, Qwen2 and Mixtral share: pre-RMSNorm, rotary on whole heads
+    # in rotate-half form, SwiGLU, no biases, untied head
+    layout = dict(pos="rotary", rotary_style="half", norm="rmsnorm", activation="silu", gated_mlp=True,
+                  mlp_bias=False, qkv_bias=False, proj_bias=False, tied_head=False)
+    return ModelConfig(name, "gpt", n_layer, d_model, n_head, vocab_size, n_positions, d_ff=d_ff, n_kv_head=n_kv_head,
+                       **{**layout, **fields})
+
+
+_LLAMA3_SCALING = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                       rope_original_positions=8192)
+
+# shapes from each model's HuggingFace config.json (hidden_size, num_hidden_layers, num_attention_heads,
+# num_key_value_heads, intermediate_size, vocab_size, max_position_embeddings, rope_theta, rms_norm_eps, ...)
+LLAMA_FAMILY = [
+    # meta-llama/Llama-2-{7b,13b,70b}-hf: rope_theta 10000, rms_norm_eps 1e-5
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # meta-llama/Meta-Llama-3-{8B,70B}: rope_theta 500000
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
+    # meta-llama/Llama-3.1-405B: rope_scaling {rope_type llama3, factor 8, low 1, high 4, original 8192}
+    _llama("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256, 131072, rope_theta=500000.0, **_LLAMA3_SCALING),
+    # mistralai/Mistral-7B-v0.1: sliding_window 4096
+    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768, sliding_window=4096),
+    # Qwen/Qwen2-7B: qkv biases, rope_theta 1e6, rms_norm_eps 1e-6 (use_sliding_window false)
+    _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, 131072, rope_theta=1e6, ln_eps=1e-6, qkv_bias=True),
+    # mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1: 8 experts, top 2, rope_theta 1e6, sliding_window null
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, rope_theta=1e6, n_experts=8, moe_top_k=2),
+    _llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 65536, rope_theta=1e6, n_experts=8, moe_top_k=2),
+]
+
 REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -111,6 +200,7 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
                 pos="rotary", rotary_dim=64, parallel_residual=True, tied_head=False,
                 head_bias=True, qkv_bias=False, proj_bias=False),
     _bert("bert-base-uncased", 12, 768, 12), _bert("bert-large-uncased", 24, 1024, 16),
+    *LLAMA_FAMILY,
 ]}
 ALIASES = {"gpt2-small": "gpt2", "gpt-j-6b": "gptj-6b", "gpt-j-6B": "gptj-6b", "bert-base": "bert-base-uncased",
            "bert-large": "bert-large-uncased"}

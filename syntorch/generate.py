@@ -65,8 +65,9 @@ def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
     for attn in model.modules():
         if isinstance(attn, Attention):
             weight = attn.qkv.weight
-            n_head = weight.shape[0] // (3 * attn.d_head)  # the local head count, so a TP-sharded qkv works
-            attn.kv_cache = KVCache(batch, n_head, max_seq, attn.d_head, weight.dtype, weight.device)
+            # K/V heads only (grouped-query attention), and this rank's, so a TP-sharded qkv works
+            _, n_kv = attn.local_heads(weight.shape[0] // attn.d_head)
+            attn.kv_cache = KVCache(batch, n_kv, max_seq, attn.d_head, weight.dtype, weight.device)
 
 
 def stream_friendly_weights(model: torch.nn.Module) -> None:

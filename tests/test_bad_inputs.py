@@ -56,6 +56,13 @@ def ws(tmp_path_factory):
         "corrupt/bad.0.et": "\x05abc",
         "empty/bad.0.et": "",
         "nothing/notes.txt": "no traces here",
+        "kv3.json": json.dumps({"base": "llama-3-8b", "n_kv_head": 3}),
+        "topk.json": json.dumps({"base": "mixtral-8x7b", "moe_top_k": 9}),
+        "kv6.json": json.dumps({"base": "llama-3-8b", "n_layer": 2, "d_model": 96, "n_head": 12, "n_kv_head": 6,
+                                "d_ff": 64, "vocab_size": 128, "n_positions": 64}),
+        "moe.json": json.dumps({"base": "mixtral-8x7b", "n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2,
+                                "d_ff": 64, "vocab_size": 128, "n_positions": 64}),
+        "gemma/config.json": json.dumps({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}),
     }
     for name, text in texts.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +219,8 @@ CASES = [
         ("--mode eval", "argument --mode: invalid choice: 'eval'"),
         ("--trace_level layer", "argument --trace_level: invalid choice: 'layer'"),
         ("--seq abc", "argument --seq: invalid int value: 'abc'"),
+        ("--dp 2 --ep 2", "--ep 2 splits the experts of a mixture-of-experts model; tiny-gpt2 has none"),
+        ("--dp 2 --ep 3", "--ep 3 must divide --dp 2"),
     ]),
     *cases(TRACE.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),
@@ -310,6 +319,16 @@ CASES = [
     ]),
     Case(TRAIN.replace("train gpt2", "train llama"), "argument family: invalid choice: 'llama'", "ckpt/"),
     Case(TRAIN.replace(" --data {ws}/squad.json", ""), "the following arguments are required: --data", "ckpt/"),
+    # issue 16: the Llama layout's models
+    *cases(INFER, "out/", [
+        ("--model_config {ws}/kv3.json", "n_kv_head (3) must divide n_head (32)"),
+        ("--model_config {ws}/topk.json", "moe_top_k must be between 1 and n_experts (8), got 9"),
+        ("--checkpoint {ws}/gemma", "model_type 'gemma' (architectures ['GemmaForCausalLM']) is not supported"),
+        ("--model_config {ws}/kv6.json --tp 4 --device meta", "--tp 4 neither divides nor is a multiple of"),
+    ]),
+    *cases(TRACE, "out/", [
+        ("--model_config {ws}/moe.json --tp 2 --sp", "--sp is not supported for mixtral-8x7b's mixture-of-experts layers"),
+    ]),
 ]
 FORCE = {"infer", "trace", "export", "train"}  # the commands with --force, added when an earlier run is there
 

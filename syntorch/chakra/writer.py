@@ -180,7 +180,8 @@ class StageTemplate:
         where = list(self.mesh.coords(self.mesh.translate(group[0], rank)))
         if len(group) > 1:
             axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.coords, group[:2]))) if a != b)
-            where[axis] = None
+            if len(group) == (self.mesh.dp, self.mesh.pp, self.mesh.tp)[axis]:  # a whole line; EP groups are parts
+                where[axis] = None
         key = (group, *where)
         if key not in self._ids_seen:
             self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")
+    par.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models): splits the experts over "
+                     "groups of this many DP ranks; divides --dp")
     par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
     par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")

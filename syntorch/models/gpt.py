@@ -1,27 +1,30 @@
-"""Decoder-only family: GPT-2, GPT-3 (learned positions, sequential residual, tied head)
-and GPT-J (rotary, parallel residual, untied head with bias), chosen by ModelConfig flags."""
+"""Decoder-only family, chosen by ModelConfig flags: GPT-2, GPT-3 (learned positions, sequential residual, tied
+head), GPT-J (interleaved rotary, parallel residual, untied head with bias), and the Llama layout (RMSNorm,
+rotate-half rotary with Llama 3.1's scaling, grouped-query attention, SwiGLU, no biases, untied head) with
+Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP."""
 import torch
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
-from syntorch.models.layers import MLP, Attention, rotary_tables
+from syntorch.models.layers import MLP, Attention, make_norm, rotary_tables
+from syntorch.models.moe import MoE
 
 
 class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.parallel_residual = c.parallel_residual
-        self.ln1 = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.ln1 = make_norm(c)
         self.attn = Attention(c)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
-        self.ln2 = None if c.parallel_residual else nn.LayerNorm(c.d_model, eps=c.ln_eps)
-        self.mlp = MLP(c)
+        self.ln2 = None if c.parallel_residual else make_norm(c)
+        self.mlp = MoE(c) if c.n_experts else MLP(c)
 
-    def forward(self, x, start: int = 0, rope=None):
+    def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)
         if self.parallel_residual:
-            return x + self.attn(h, start, rope) + self.mlp(h)
-        x = x + self.attn(h, start, rope)
+            return x + self.attn(h, start, rope, mask) + self.mlp(h)
+        x = x + self.attn(h, start, rope, mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -33,7 +36,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(c.n_positions, c.d_model) if c.pos == "learned" else None
         # a ModuleDict keeps names like layers.3 when a pipeline stage drops other layers
         self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
-        self.ln_f = nn.LayerNorm(c.d_model, eps=c.ln_eps)
+        self.ln_f = make_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.head_bias)
         self.tie_weights()
 
@@ -43,22 +46,27 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, x: torch.Tensor, start: int = 0, last_only: bool = False,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [B, T] at positions start..start+T, or, on a pipeline stage without the embeddings,
         the residual stream [B, T, d] the stage before sent. `seq_len`: the sequence's length when x holds
-        only part of it (a stream split along T); positions come from it. Returns logits [B, T, V]
+        only part of it (a stream split along T); positions come from it. `start` is where the tokens go in
+        the KV cache. `positions` ([T] or [B, T]): each token's position, for the embeddings and rotary, when
+        it is not its cache slot (left-padded rows, non-contiguous chunks); `mask` (bool, broadcastable to
+        [B, 1, T, keys], True = attend) replaces the causal mask in every layer. Returns logits [B, T, V]
         ([B, 1, V] if last_only), or the stream [B, T, d] on a stage without the head."""
         learned = self.pos_emb is not None  # a later pipeline stage has none: the stream it gets holds them
         rotary = self.config.pos == "rotary"  # every stage needs the tables, for its own layers
         T = seq_len or x.shape[1]
-        positions = torch.arange(start, start + T, device=x.device) if learned or rotary else None
+        if positions is None and (learned or rotary):
+            positions = torch.arange(start, start + T, device=x.device)
         if self.tok_emb is not None:
             x = self.tok_emb(x)  # [B, T, d]
         if learned:
             x = x + self.pos_emb(positions)
-        rope = rotary_tables(positions, self.config.rotary_dim) if rotary else None
+        rope = rotary_tables(positions, self.config) if rotary else None
         for block in self.layers.values():  # only the layers this stage holds
-            x = block(x, start, rope)
+            x = block(x, start, rope, mask)
         if self.lm_head is None:
             return x
         if last_only:  # the head's work for one position only

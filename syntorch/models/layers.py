@@ -35,60 +35,126 @@ class KVCache(nn.Module):
         self.rows = index
 
 
-def rotary_tables(positions: torch.Tensor, rotary_dim: int):
-    """cos, sin of shape [T, rotary_dim] for GPT-J's interleaved rotary embedding (base 10000)."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim))
-    angles = torch.outer(positions.float(), inv_freq)  # [T, rotary_dim/2]
-    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+def rope_frequencies(c: ModelConfig, device=None) -> torch.Tensor:
+    """The rotary angle per position of each dim pair, [rotary_dims / 2]: theta^(-2i/r), with Llama 3.1's
+    scaling when configured (HF's rope_type "llama3")."""
+    r = c.rotary_dims
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
+    if c.rope_scaling != "llama3":
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    slow = inv_freq / c.rope_factor  # wavelengths beyond the pre-training context: slowed by the factor
+    # between: a blend, 0 at original/low_freq_factor wavelengths, 1 at original/high_freq_factor
+    blend = ((c.rope_original_positions / wavelength - c.rope_low_freq_factor)
+             / (c.rope_high_freq_factor - c.rope_low_freq_factor)).clamp(0, 1)
+    return (1 - blend) * slow + blend * inv_freq
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, D]; rotates pairs (x0, x1), (x2, x3), ... of the first rotary_dim dims
+def rotary_tables(positions: torch.Tensor, c: ModelConfig):
+    """cos, sin of shape [*positions.shape, rotary_dims] ([T, r], or [B, T, r] for per-row positions), laid out
+    for the config's rotary_style."""
+    angles = positions.float()[..., None] * rope_frequencies(c, positions.device)  # [..., T, r/2]
+    if c.rotary_style == "interleaved":  # GPT-J: dims (2i, 2i+1) share an angle
+        angles = angles.repeat_interleave(2, -1)
+    else:  # Llama/NeoX: dims i and i + r/2 share one
+        angles = torch.cat((angles, angles), -1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    # x: [B, T, H, D]; rotates the pairs of the first r = rotary_dims dims, as rotary_tables laid them out
     r = cos.shape[-1]
     x_rot, x_pass = x[..., :r], x[..., r:]
-    pairs = x_rot.unflatten(-1, (-1, 2))
-    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
-    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    if style == "interleaved":
+        pairs = x_rot.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+    else:
+        first, second = x_rot.chunk(2, -1)
+        rotated = torch.cat((-second, first), -1)
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [(B,) T, 1, r]: one per head
     return torch.cat((x_rot * cos + rotated * sin, x_pass), -1)
+
+
+def make_norm(c: ModelConfig) -> nn.Module:
+    return nn.RMSNorm(c.d_model, eps=c.ln_eps) if c.norm == "rmsnorm" else nn.LayerNorm(c.d_model, eps=c.ln_eps)
 
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.d_head = c.d_head
+        self.d_head, self.n_head, self.n_kv_head = c.d_head, c.n_head, c.kv_heads
         self.causal = c.causal
-        # q, k and v in one matrix laid out [3, heads, d_head] along the output dim
-        self.qkv = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=c.qkv_bias)
+        self.rotary_style = c.rotary_style
+        self.sliding_window = c.sliding_window
+        # q, k and v in one matrix laid out [q heads, k heads, v heads] x d_head along the output dim
+        self.qkv = nn.Linear(c.d_model, (c.n_head + 2 * c.kv_heads) * c.d_head, bias=c.qkv_bias)
         self.proj = nn.Linear(c.n_head * c.d_head, c.d_model, bias=c.proj_bias)
         self.kv_cache: KVCache | None = None  # attached by generate.setup_caches
 
+    def local_heads(self, qkv_heads: int) -> tuple[int, int]:
+        """(query heads, K/V heads) of a qkv output holding `qkv_heads` heads in all: the model's, or one TP
+        rank's: n_head/tp query heads with n_kv_head/tp K/V heads, or with one K/V head when tp exceeds n_kv_head
+        (replicated, as Megatron and vLLM do; then fewer than one K/V head's worth is left by the formula)."""
+        kv = max(1, self.n_kv_head * qkv_heads // (self.n_head + 2 * self.n_kv_head))
+        return qkv_heads - 2 * kv, kv
+
     def forward(self, x, start: int = 0, rope=None, mask=None):
         B, T, _ = x.shape
-        # the head count comes from the weight, so a sharded qkv works unchanged
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.d_head).unbind(2)  # each [B, T, H, D]
+        qkv = self.qkv(x).view(B, T, -1, self.d_head)
+        # the head counts come from the output, so a sharded qkv works unchanged
+        n_q, n_kv = self.local_heads(qkv.shape[2])
+        q, k, v = qkv.split((n_q, n_kv, n_kv), dim=2)  # [B, T, H, D], K/V with n_kv heads
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, *rope, self.rotary_style), apply_rotary(k, *rope, self.rotary_style)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start, k, v)
-        is_causal = self.causal and T > 1 and mask is None
-        if is_causal and k.shape[2] != T:  # a chunk after cached positions: causal w.r.t. absolute positions
-            q_pos = torch.arange(start, start + T, device=x.device)
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos[:, None]
-            is_causal = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        mask, is_causal = self.attention_mask(start, T, k.shape[2], mask, x.device)
+        gqa = {"enable_gqa": True} if n_q != n_kv else {}  # each K/V head serves n_q / n_kv query heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attention_mask(self, start: int, T: int, keys: int, mask, device):
+        """(mask, is_causal) for T queries at cache slots start.. over `keys` keys: a given mask as it is, else
+        SDPA's own causal mask when queries and keys coincide, else causal by slot; narrowed to the sliding window
+        where it cuts. Slot distance is position distance, also in left-padded rows, so the window works on slots."""
+        window = self.sliding_window if 0 < self.sliding_window < start + T else 0
+        if not window and (mask is not None or not self.causal or T == 1):
+            return mask, False
+        if not window and keys == T:
+            return None, True
+        q_slot = torch.arange(start, start + T, device=device)[:, None]
+        k_slot = torch.arange(keys, device=device)[None, :]
+        allowed = k_slot <= q_slot
+        if window:
+            allowed = allowed & (q_slot - k_slot < window)
+        return allowed if mask is None else mask & allowed, False
+
+
+_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """fc2(act(fc1 x)) (GPT, BERT), or gated (SwiGLU: Llama, and each Mixtral expert) fc2(act(gate) * up) with
+    fc1 x = [gate; up] fused, as Megatron's linear_fc1 (HF's gate_proj and up_proj). `d_ff` overrides the
+    config's (MoE experts have their own size)."""
+
+    def __init__(self, c: ModelConfig, d_ff: int = 0):
         super().__init__()
-        self.fc1 = nn.Linear(c.d_model, c.d_ff)  # every family here has MLP biases
-        self.fc2 = nn.Linear(c.d_ff, c.d_model)
-        self.approximate = "tanh" if c.activation == "gelu_tanh" else "none"
+        d_ff = d_ff or c.d_ff
+        self.gated = c.gated_mlp
+        self.fc1 = nn.Linear(c.d_model, (2 if c.gated_mlp else 1) * d_ff, bias=c.mlp_bias)
+        self.fc2 = nn.Linear(d_ff, c.d_model, bias=c.mlp_bias)
+        self.act = _ACTIVATIONS[c.activation]
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, -1)  # halves of the local output, so a TP-sharded fc1 works unchanged
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.fc2(h)
 
 
 def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0):
@@ -104,6 +170,8 @@ def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0)
         if isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+        if isinstance(m, nn.RMSNorm):
+            nn.init.ones_(m.weight)
     if not residual_layers:
         return
     for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it

@@ -76,10 +76,14 @@ def recv(x: torch.Tensor, src: int, group=None, tag: int = 0) -> torch.Tensor:
     return x
 
 
-def all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Chunk i of x (along dim 0) goes to group rank i; chunk j of the result came from group rank j."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+def all_to_all(x: torch.Tensor, group=None, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Chunk i of x (along dim 0) goes to group rank i; chunk j of the result came from group rank j. Equal
+    chunks by default; `in_splits` (rows sent to each rank) and `out_splits` (rows received from each) for
+    variable ones, as MoE dispatch needs."""
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -189,6 +193,23 @@ class _SplitToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable all-to-all forward; the gradients go back the way the rows came (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, *ctx.splits), None, None, None
+
+
+def all_to_all_autograd(x, out_splits: list[int], in_splits: list[int], group=None):
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def copy_to_tp(x, group=None):

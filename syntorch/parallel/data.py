@@ -62,8 +62,12 @@ class GradSync:
     partial: list[tuple[list[nn.Parameter], object]] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
     active: bool = False  # True during the backward of the step's last micro-batch
+    # what the summed gradients are divided by, when not the group's size: expert gradients already sum the
+    # tokens of every EP rank, so their expert-DP group averages them over all dp ranks
+    divisor: int = 0
 
     def __post_init__(self):
+        self.divisor = self.divisor or self.dp
         pad, cap = (self.dp if self.zero else 1), int(self.bucket_mb * 2**20)
         late = {id(p) for params, group in self.partial if group is not None for p in params}
         self.buckets = make_buckets([p for p in self.params if id(p) not in late], cap, pad) if self.dp > 1 else []
@@ -102,9 +106,9 @@ class GradSync:
     def _launch(self, bucket: Bucket) -> None:
         flat = _flat([p.grad for p in bucket.params], bucket.size)
         if self.zero:
-            bucket.flat = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.dp)
+            bucket.flat = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.divisor)
         else:
-            bucket.flat = comm.all_reduce(flat.div_(self.dp), "sum", self.dp_group)
+            bucket.flat = comm.all_reduce(flat.div_(self.divisor), "sum", self.dp_group)
         bucket.ready = 0
 
     @torch.no_grad()
@@ -127,6 +131,8 @@ class GradSync:
             torch._foreach_copy_([p.grad for p in bucket.params], _split(bucket.flat, bucket.params))
         for bucket in self.all_buckets:
             bucket.flat = None
+        if self.dp == 1 and self.divisor > 1:  # no replica to reduce with (EP over all of DP): just the average
+            torch._foreach_div_([p.grad for p in self.params if p.grad is not None], self.divisor)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -149,3 +155,33 @@ def _flat(tensors: list[torch.Tensor], size: int) -> torch.Tensor:
 def _split(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
     chunks = flat[:sum(p.numel() for p in params)].split([p.numel() for p in params])
     return [c.view_as(p) for c, p in zip(chunks, params)]
+
+
+@dataclass
+class GradSyncs:
+    """Several GradSyncs driven as one: the dense parameters over DP, the experts over expert-DP."""
+    syncs: list[GradSync]
+
+    @property
+    def active(self) -> bool:
+        return self.syncs[0].active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        for sync in self.syncs:
+            sync.active = value
+
+    @property
+    def all_buckets(self) -> list[Bucket]:
+        return [b for sync in self.syncs for b in sync.all_buckets]
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [p for sync in self.syncs for p in sync.optimizer_params()]
+
+    def finish(self) -> None:
+        for sync in self.syncs:
+            sync.finish()
+
+    def gather_params(self) -> None:
+        for sync in self.syncs:
+            sync.gather_params()

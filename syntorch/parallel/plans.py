@@ -1,6 +1,6 @@
 """One training plan over the (dp, pp, tp) mesh: which parallelisms, in which order, and one step of it.
 
-    plan = TrainPlan(dp=4, tp=8, pp=8, sp=True, zero=1, microbatches=8, seq=2048)
+    plan = TrainPlan(dp=4, tp=8, pp=8, sp=True, zero=1, microbatches=8, seq=2048)  # ep=4: experts over DP
     plan.check(config)
     run = apply_plans(config, plan, groups, device="meta")
     train_step(run, batches)
@@ -8,9 +8,11 @@
 `apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
 1. TP (+SP) on a model holding the stage's layers and still both ends: the vocab-parallel head is tied to the
    vocab-parallel embedding while both exist, so the last stage's copy of a tied embedding is sharded alike.
+   EP (expert parallel) then keeps each MoE layer's share of the (TP-sharded) experts, over DP ranks.
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
 3. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
+   Experts are synchronised over their expert-DP group instead (the replicas of the same experts).
 4. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
 """
 from contextlib import nullcontext
@@ -22,7 +24,8 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
-from syntorch.parallel.data import GradSync
+from syntorch.parallel.data import GradSync, GradSyncs
+from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
@@ -32,6 +35,7 @@ class TrainPlan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel, within dp (mesh.py)
     sp: bool = False
     zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2
     bucket_mb: float = 25.0
@@ -44,7 +48,7 @@ class TrainPlan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.tp)
+        return Mesh(self.dp, self.pp, self.tp, self.ep)
 
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
@@ -81,6 +85,7 @@ class TrainPlan:
                             f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
         pp_.stage_layers(config.n_layer, self.pp)
         check_tp(config, self.tp)
+        check_ep(config, self.ep)
 
     def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
         return pp_.Stage(index, self.pp, pp_.stage_layers(config.n_layer, self.pp)[index])
@@ -105,15 +110,28 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
+    if plan.ep > 1:
+        apply_ep(model, groups.ep)
     pp_.split_stage(model, stage)
     model.train()
-    grad_sync = GradSync(list(model.parameters()), groups.dp, plan.dp, plan.zero, plan.bucket_mb,
-                         _partial_grads(model, tp_plan, groups))
+    grad_sync = _grad_sync(model, plan, groups, _partial_grads(model, tp_plan, groups))
 
     # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
     optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
     _init_optimizer_state(optimizer)
     return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
+
+
+def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial) -> GradSync | GradSyncs:
+    params = list(model.parameters())
+    if plan.ep == 1:
+        return GradSync(params, groups.dp, plan.dp, plan.zero, plan.bucket_mb, partial)
+    experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
+    dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
+                     partial)
+    expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
+                      plan.bucket_mb, divisor=plan.dp)
+    return GradSyncs([dense, expert])
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:

@@ -4,11 +4,15 @@ As in gpt-fast's tp.py the model knows nothing of ranks: apply_tp swaps the Line
 in the plan for parallel ones holding this rank's shard (same module and parameter names, so traces and
 state dicts keep their keys). As in torchtitan the plan is data, {module suffix: style}:
 
-- colwise_qkv / colwise: output features split (q, k and v each by heads). Megatron's f before: identity
-  forward, all-reduce of the gradient backward.
+- colwise_qkv / colwise_gated / colwise: output features split (q, k and v each by heads, K/V heads replicated
+  when TP exceeds their count, as Megatron and vLLM do; a SwiGLU fc1's gate and up halves each). Megatron's f
+  before: identity forward, all-reduce of the gradient backward.
 - rowwise: input features split; g after: all-reduce forward; the bias is added once, after it.
 - vocab_embedding: rows of the padded vocabulary split; masked lookup, then all-reduce.
 - vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling.
+
+MoE layers: the router is replicated; each expert's MLP is sharded like the dense MLP (one all-reduce per expert
+that received tokens: its row-parallel fc2); expert parallelism, which splits the experts instead, is a plan of its own.
 
 Sequence parallel (Korthikanti et al. 2022) keeps the residual stream and LayerNorms split along the sequence:
 each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) plus an all-gather (before a
@@ -30,8 +34,8 @@ TP_PLAN = {
     "tok_emb": "vocab_embedding",
     "attn.qkv": "colwise_qkv",
     "attn.proj": "rowwise",
-    "mlp.fc1": "colwise",
-    "mlp.fc2": "rowwise",
+    "fc1": "colwise",  # every MLP's: dense, each MoE expert's, the shared experts'
+    "fc2": "rowwise",
     "lm_head": "vocab_head",
 }
 # sequence parallel also splits what is added to the embedding and gathers the sequence where attention and
@@ -66,15 +70,24 @@ class TPPlan:
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
-    """TP splits heads and FFN columns evenly; say in one line when it cannot."""
-    if tp > config.n_head:
-        raise UserError(f"--tp {tp} is larger than {config.name}'s {config.n_head} attention heads; "
-                        f"use a --tp that divides {config.n_head}")
-    for what, n in (("attention heads", config.n_head), ("FFN size", config.d_ff)):
+    """TP splits heads and FFN columns evenly (K/V heads may instead be replicated); say in one line when it cannot."""
+    c = config
+    if tp > c.n_head:
+        raise UserError(f"--tp {tp} is larger than {c.name}'s {c.n_head} attention heads; "
+                        f"use a --tp that divides {c.n_head}")
+    ffn = {c.d_ff} if not c.n_experts else {c.expert_d_ff, c.expert_d_ff * c.n_shared_experts} - {0}
+    for what, n in (("attention heads", c.n_head), *(("FFN size", d) for d in sorted(ffn))):
         if n % tp:
-            fits = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and config.d_ff % d == 0]
-            raise UserError(f"--tp {tp} does not divide {config.name}'s {what} ({n}); "
+            fits = [d for d in range(1, c.n_head + 1) if all(x % d == 0 for x in (c.n_head, *ffn)) and _kv_fits(c, d)]
+            raise UserError(f"--tp {tp} does not divide {c.name}'s {what} ({n}); "
                             f"choose --tp from {', '.join(map(str, fits))}")
+    if not _kv_fits(c, tp):
+        raise UserError(f"--tp {tp} neither divides nor is a multiple of {c.name}'s {c.kv_heads} K/V heads; "
+                        "each rank must hold whole K/V heads or one replicated K/V head")
+
+
+def _kv_fits(c: ModelConfig, tp: int) -> bool:
+    return c.kv_heads % tp == 0 or tp % c.kv_heads == 0
 
 
 def check_sp(sp: bool, tp: int, seq: int | None = None) -> None:
@@ -93,7 +106,8 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     """{module name: style} for this model: every module whose name ends with a plan key."""
-    rules = {**TP_PLAN, **(SP_PLAN if sequence_parallel else {})}
+    gated = {"fc1": "colwise_gated"} if model.config.gated_mlp else {}
+    rules = {**TP_PLAN, **gated, **(SP_PLAN if sequence_parallel else {})}
     plan = {}
     for name, _ in model.named_modules():
         for suffix, style in rules.items():
@@ -118,20 +132,32 @@ def _vocab_rows(full, rank: int, size: int, vocab_pad: int) -> torch.Tensor:
     return torch.cat((rows, pad)) if local > n else rows
 
 
-def take_shard(style: str, param: str, full, rank: int, size: int, vocab_pad: int, d_head: int) -> torch.Tensor:
+def _split_blocks(full, blocks: tuple, unit: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s part of each of the consecutive row blocks of `full` (sizes in units of `unit` rows): an
+    even share, or, for a block of fewer units than ranks, the one unit rank * units // size (replicated)."""
+    parts, start = [], 0
+    for units in blocks:
+        first, count = rank * units // size, max(1, units // size)
+        parts.append(full[start + first * unit:start + (first + count) * unit])
+        start += units * unit
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def take_shard(style: str, param: str, full, rank: int, size: int, vocab_pad: int, d_head: int,
+               kv_heads: int = 0) -> torch.Tensor:
     """This rank's part of the full tensor `full` (a tensor, or a safetensors slice read lazily).
 
-    `param` is "weight" or "bias" of a module with that style.
+    `param` is "weight" or "bias" of a module with that style; `kv_heads`: the model's K/V heads (0: as many
+    as query heads).
     """
     shape = _shape(full)
     if style == "colwise":
-        n = shape[0] // size
-        return full[rank * n:(rank + 1) * n]
-    if style == "colwise_qkv":  # out dim laid out [3, heads, d_head]: take our heads of each of q, k, v
-        heads = shape[0] // (3 * d_head)
-        rows = heads // size * d_head
-        return torch.cat([full[j * heads * d_head + rank * rows:j * heads * d_head + (rank + 1) * rows]
-                          for j in range(3)])
+        return _split_blocks(full, (shape[0],), 1, rank, size)
+    if style == "colwise_gated":  # out dim laid out [gate; up]: our columns of each
+        return _split_blocks(full, (shape[0] // 2,) * 2, 1, rank, size)
+    if style == "colwise_qkv":  # out dim laid out [q heads, k heads, v heads] x d_head: our heads of each
+        kv = kv_heads or shape[0] // (3 * d_head)
+        return _split_blocks(full, (shape[0] // d_head - 2 * kv, kv, kv), d_head, rank, size)
     if style == "rowwise":
         if param == "bias":  # added once, after the all-reduce
             return full[:]
@@ -214,9 +240,10 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
         full = getattr(module, param, None)
         if full is None:
             return None
-        return _param(take_shard(style, param, full.detach(), tp.rank, tp.size, vocab_pad, config.d_head), full)
+        return _param(take_shard(style, param, full.detach(), tp.rank, tp.size, vocab_pad, config.d_head,
+                                 config.kv_heads), full)
 
-    if style in ("colwise", "colwise_qkv"):
+    if style in ("colwise", "colwise_gated", "colwise_qkv"):
         return ColumnParallelLinear(shard("weight"), shard("bias"), tp)
     if style == "rowwise":
         return RowParallelLinear(shard("weight"), shard("bias"), tp)
@@ -243,6 +270,8 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     config = model.config
     check_tp(config, size)
+    if sequence_parallel and config.n_experts:  # experts see tokens, not a sequence to split
+        raise UserError(f"--sp is not supported for {config.name}'s mixture-of-experts layers; drop --sp")
     tp = TPGroup(group, rank, size, sequence_parallel)
     plan = TPPlan(size, rank, sequence_parallel, padded_vocab(config.vocab_size, size),
                   styles=plan_for(model, sequence_parallel))

@@ -19,15 +19,16 @@ def trace_run(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_siz
     """`run(model, phase_scope)` under a Tracer that records only inside `phase_scope(name)` (generate's
     steps). Returns the graph and what `run` returned.
 
-    `replicate` (default: when the model has several transformer layers) records only the first layer and
+    `replicate` (default: when the model has several transformer layers, unless they are MoE layers run on
+    values) records only the first layer and
     copies its trace for the others (replicate.py): the same graph as a full trace, since every layer runs
     the same ops on the same shapes. On `meta` only the first layer runs; on a real device every layer runs
     (the values need them) and the others go unrecorded, which keeps tracing cheap."""
     meta = {"model": model.config.name, **(meta or {})}
     layers = getattr(model, "layers", None)
-    if replicate is None:
-        replicate = layers is not None and len(layers) > 1
     symbolic = next(model.parameters()).is_meta
+    if replicate is None:  # real MoE layers route tokens each their own way: expert shapes differ between layers
+        replicate = layers is not None and len(layers) > 1 and (symbolic or not model.config.n_experts)
     traced = first_layer_only(model) if replicate and symbolic else model
     with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None,
                 first_layer_only=replicate and not symbolic) as tracer:

@@ -60,7 +60,7 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None) -> tuple[Tr
 def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
-    meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "stage": stage,
+    meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "stage": stage,
             "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
     with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
         groups = init_groups(mesh, config.tied_head, only_mine=True)
