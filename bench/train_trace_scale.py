@@ -97,7 +97,11 @@ def measure(cmd: list[str], out: Path, cwd=None, env=None) -> dict:
 def run_syntorch(case: Case, level: str, validate: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="train_trace_scale.")) / "trace"
     try:
-        result = measure([sys.executable, "-c", SYNTORCH, *syntorch_args(case, level, out)], out)
+        # the child runs the syntorch this bench imported, wherever it is started from (-P: not the cwd's)
+        import syntorch
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(syntorch.__file__).parents[1]),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        result = measure([sys.executable, "-P", "-c", SYNTORCH, *syntorch_args(case, level, out)], out, env=env)
         summary = json.loads((out / "summary.json").read_text())
         result.update(distinct=summary["distinct_rank_traces"], nodes=[s["chakra_nodes"] for s in summary["stages"]])
         if validate:
