@@ -72,8 +72,8 @@ def main():
     if why := stg_missing(args.stg):
         print(f"STG not installed: {why}")
         return
-    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'RSS MB':>7} {'MB':>9} {'rank KB':>8}"
-          "  STG/syntorch (wall, CPU)")
+    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'RSS MB':>7} {'MB':>9} "
+          f"{'rank KB':>8}  STG/syntorch (wall, CPU)")
     for name in args.cases.split(","):
         case = CASES[name]
         if needs := missing(case):
