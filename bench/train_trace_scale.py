@@ -1,80 +1,152 @@
-"""GPT-3 175B training-step traces at cluster scale (issue 9): wall time, peak RSS and bytes of the per-rank
-Chakra files, at module and op level, for
+"""Training-step traces at cluster scale (issues 9 and 16): whole-command wall and CPU time, peak RSS and
+bytes of `syntorch trace` (per-rank Chakra files), for
 
-    256 ranks  DP4 x TP8 x PP8, SP, ZeRO-1, 1 micro-batch      (goal < 3 s;  reference generator 25 s, 39 MB)
-    256 ranks  DP4 x TP8 x PP8, SP, ZeRO-1, 8 micro-batches    (goal < 8 s;  reference 164 s, 302 MB)
-    8192 ranks DP128 x TP8 x PP8, SP, ZeRO-1, 1 micro-batch    (goal < 10 s; reference 186 s, 1.26 GB)
+    256x1     GPT-3 175B DP4 x TP8 x PP8, SP, ZeRO-1, 1 micro-batch     (256 ranks)
+    256x8     the same, 8 micro-batches                                (256 ranks)
+    8192x1    GPT-3 175B DP128 x TP8 x PP8, SP, ZeRO-1, 1 micro-batch   (8192 ranks)
+    llama405b Llama-3.1 405B TP8 x CP1 x PP16 x DP128, SP, ZeRO-1, seq 8192  (16,384 ranks)
+    mixtral   Mixtral-8x22B EP8 x TP2 x PP4 x DP8, ZeRO-1, seq 4096 (EP inside DP, as Megatron-Core: 64 ranks)
 
-what `syntorch trace --model gpt3-175b --mode train --dp 4 --tp 8 --pp 8 --sp --microbatches 8
---micro_batch_size 1 --seq 2048 --zero 1 --hw_config h100-sxm` does through the library. Each case runs in
-a fresh process so its peak RSS is its own.
+each as the user runs it (`syntorch trace --model gpt3-175b --mode train --dp 4 --tp 8 --pp 8 --sp
+--microbatches 1 --micro_batch_size 1 --seq 2048 --zero 1 --hw_config h100-sxm --trace_level module ...`),
+in a fresh process: wall time, CPU seconds (user + system: what wall time would be on an idle machine) and
+peak RSS are the child's own (os.wait4). A case whose model or options this syntorch lacks prints what it
+needs instead of running. `--stg DIR` (or $STG_DIR) runs the same cases through the Symbolic Tensor Graph
+generator beside (bench/stg_compare.py).
 
-    python bench/train_trace_scale.py [--cases 256x1,256x8,8192x1] [--levels module,op] [--validate]
+    python bench/train_trace_scale.py [--cases 256x1,256x8,...] [--levels module,op] [--validate] [--stg DIR]
 """
 import argparse
 import json
-import resource
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-CASES = {"256x1": (4, 1), "256x8": (4, 8), "8192x1": (128, 1)}  # name -> (dp, microbatches)
+SYNTORCH = "import sys; from syntorch.cli import run_main; sys.argv[0] = 'syntorch'; run_main()"
 
 
-def run_case(name: str, level: str, validate: bool) -> dict:
-    import torch
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dp: int
+    tp: int
+    pp: int
+    seq: int
+    microbatches: int = 1
+    sp: bool = True
+    cp: int = 1
+    ep: int = 1
+    zero: int = 1
 
-    from syntorch.config import get_config
-    from syntorch.hardware import load_hw_config
-    from syntorch.parallel.plans import TrainPlan
-    from syntorch.workload import trace_workload, write_workload
 
-    dp, microbatches = CASES[name]
-    plan = TrainPlan(dp=dp, tp=8, pp=8, sp=True, zero=1, microbatches=microbatches, seq=2048)
-    out = Path(tempfile.mkdtemp(prefix="train_trace_scale.")) / "trace"
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu0 = usage.ru_utime + usage.ru_stime  # CPU seconds: what wall time would be on an idle machine
+CASES = {
+    "256x1": Case("gpt3-175b", dp=4, tp=8, pp=8, seq=2048),
+    "256x8": Case("gpt3-175b", dp=4, tp=8, pp=8, seq=2048, microbatches=8),
+    "8192x1": Case("gpt3-175b", dp=128, tp=8, pp=8, seq=2048),
+    "llama405b": Case("llama-3.1-405b", dp=128, tp=8, pp=16, seq=8192, cp=1),
+    "mixtral": Case("mixtral-8x22b", dp=8, tp=2, pp=4, seq=4096, ep=8, sp=False),  # SP is not for MoE layers
+}
+
+
+def trace_options() -> set[str]:
+    from syntorch.cli import build_parser
+    trace = build_parser()._subparsers._group_actions[0].choices["trace"]
+    return {s for action in trace._actions for s in action.option_strings}
+
+
+def missing(case: Case) -> list[str]:
+    """What this syntorch lacks to run `case`: its model in the registry, --cp / --ep for degrees above 1."""
+    from syntorch.config import REGISTRY
+    needs = [] if case.model in REGISTRY else [f"the model {case.model} in syntorch.config.REGISTRY"]
+    options = trace_options()
+    needs += [f"`syntorch trace --{dim}`" for dim in ("cp", "ep")
+              if getattr(case, dim) != 1 and f"--{dim}" not in options]
+    return needs
+
+
+def syntorch_args(case: Case, level: str, out: Path) -> list[str]:
+    options = trace_options()
+    degrees = [f"--{dim}={getattr(case, dim)}" for dim in ("cp", "ep") if f"--{dim}" in options]
+    return ["trace", "--model", case.model, "--mode", "train", f"--dp={case.dp}", f"--tp={case.tp}",
+            f"--pp={case.pp}", *degrees, *(["--sp"] if case.sp else []), f"--microbatches={case.microbatches}",
+            "--micro_batch_size=1", f"--seq={case.seq}", f"--zero={case.zero}", "--hw_config=h100-sxm",
+            f"--trace_level={level}", "--out", str(out), "--no_progress"]
+
+
+def measure(cmd: list[str], out: Path, cwd=None, env=None) -> dict:
+    """Runs `cmd` to its end; its wall and CPU seconds, peak RSS, and the .et files it left in `out`."""
     t0 = time.perf_counter()
-    workload = trace_workload(get_config("gpt3-175b"), plan, torch.bfloat16, load_hw_config("h100-sxm"))
-    t1 = time.perf_counter()
-    summary = write_workload(workload, out, level, progress=False)
-    t2 = time.perf_counter()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    result = dict(case=name, level=level, ranks=summary["world_size"], trace_s=t1 - t0, write_s=t2 - t1,
-                  total_s=t2 - t0, cpu_s=usage.ru_utime + usage.ru_stime - cpu0, rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  mb=summary["et_bytes"] / 1e6, distinct=summary["distinct_rank_traces"],
-                  nodes=[s["chakra_nodes"] for s in summary["stages"]])
-    if validate:
-        from syntorch.chakra.validate import check_traces
-        result["problems"] = len(check_traces(out)[0])
-    shutil.rmtree(out.parent)
-    return result
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {stderr.strip()[-500:]}")
+    files = [p.stat().st_size for p in out.glob("*.et")]
+    return dict(wall_s=wall, cpu_s=usage.ru_utime + usage.ru_stime, rss_mb=usage.ru_maxrss / 1024,
+                ranks=len(files), mb=sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6,
+                rank_kb=max(files, default=0) / 1e3)
+
+
+def run_syntorch(case: Case, level: str, validate: bool) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="train_trace_scale.")) / "trace"
+    try:
+        # the child runs the syntorch this bench imported, wherever it is started from (-P: not the cwd's)
+        import syntorch
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(syntorch.__file__).parents[1]),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        result = measure([sys.executable, "-P", "-c", SYNTORCH, *syntorch_args(case, level, out)], out, env=env)
+        summary = json.loads((out / "summary.json").read_text())
+        result.update(distinct=summary["distinct_rank_traces"], nodes=[s["chakra_nodes"] for s in summary["stages"]])
+        if validate:
+            from syntorch.chakra.validate import check_traces
+            result["problems"] = len(check_traces(out)[0])
+        return result
+    finally:
+        shutil.rmtree(out.parent)
+
+
+def row(tool: str, name: str, level: str, r: dict) -> str:
+    return (f"{name:10} {tool:8} {level:6} {r['ranks']:6} {r['wall_s']:8.2f} {r['cpu_s']:8.2f} {r['rss_mb']:7.0f} "
+            f"{r['mb']:9.1f} {r['rank_kb']:8.1f}")
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--cases", default=",".join(CASES))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     p.add_argument("--levels", default="module,op")
     p.add_argument("--validate", action="store_true", help="also run syntorch validate on each case (slow at 8192)")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # "case:level": run one case in this process, print JSON
+    p.add_argument("--stg", default=os.environ.get("STG_DIR"),
+                   help="a checkout of astra-sim/symbolic_tensor_graph: run each case through it too ($STG_DIR)")
     args = p.parse_args()
-    if args.one:
-        case, level = args.one.split(":")
-        print(json.dumps(run_case(case, level, args.validate)))
-        return
-    print(f"{'case':8} {'level':6} {'ranks':>5} {'trace s':>8} {'write s':>8} {'total s':>8} {'CPU s':>7} {'RSS GB':>7} "
-          f"{'MB':>8} {'distinct':>8}  chakra nodes per stage")
-    for case in args.cases.split(","):
-        for level in args.levels.split(","):
-            cmd = [sys.executable, __file__, "--one", f"{case}:{level}"] + (["--validate"] if args.validate else [])
-            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            print(f"{r['case']:8} {r['level']:6} {r['ranks']:5} {r['trace_s']:8.2f} {r['write_s']:8.2f} "
-                  f"{r['total_s']:8.2f} {r['cpu_s']:7.2f} {r['rss_gb']:7.2f} {r['mb']:8.1f} {r['distinct']:8}  {r['nodes']}"
-                  + (f"  validate: {r['problems']} problems" if "problems" in r else ""), flush=True)
+    from stg_compare import run_stg, stg_missing
+    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'RSS MB':>7} {'MB':>9} "
+          f"{'rank KB':>8}  (rank KB: largest .et)")
+    for name in args.cases.split(","):
+        case = CASES[name]
+        if needs := missing(case):
+            print(f"{name:10} syntorch needs {' and '.join(needs)}", flush=True)
+        ours = {}
+        for level in [] if needs else args.levels.split(","):
+            r = ours[level] = run_syntorch(case, level, args.validate)
+            print(row("syntorch", name, level, r) + f"  distinct {r['distinct']}, chakra nodes per stage {r['nodes']}"
+                  + (f", validate: {r['problems']} problems" if "problems" in r else ""), flush=True)
+        if args.stg is None:
+            print(f"{name:10} STG not installed: {stg_missing(None)}", flush=True)
+        elif stg_needs := stg_missing(args.stg):
+            print(f"{name:10} STG not runnable: {stg_needs}", flush=True)
+        else:
+            theirs, base = run_stg(case, args.stg), ours.get("module")
+            print(row("STG", name, "STG", theirs) + (f"  STG/syntorch module: {theirs['wall_s'] / base['wall_s']:.1f}x "
+                  f"wall, {theirs['cpu_s'] / base['cpu_s']:.1f}x CPU" if base else ""), flush=True)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
     main()

@@ -61,17 +61,23 @@ def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
     source = traced_stage_for(config, plan)
     probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
     probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
-    moved = {s: shift_stage(probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] -
-                            plan.stage(config, source[s]).layers[0])
-             for s in range(plan.pp) if source[s] != s and schedule}
-    # shifted first: schedule_stage may finish a probe in place (see there)
-    unscheduled = {s: moved[s] if s in moved else probes[s][0] for s in (range(plan.pp) if schedule else probes)}
-    # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
-    # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
-    for graph in unscheduled.values() if hw else ():
-        fill_durations(graph, hw, profile)
-    stages = [schedule_stage(unscheduled[s], probes[source[s]][1], plan) for s in range(plan.pp)] if schedule else []
-    return Workload(config, plan, stages, hw.name if hw else None, len(probes), probes, source, profile, estimates)
+    made = (config, plan, hw.name if hw else None, len(probes))
+    if not schedule:  # a prediction needs only the probes, costed
+        for graph, _ in probes.values() if hw else ():
+            fill_durations(graph, hw, profile)
+        return Workload(*made[:2], [], *made[2:], probes, source, profile, estimates)
+    stages = {}
+    # shifted copies first: schedule_stage may finish a probe in place (see there); each copy is scheduled
+    # before the next is made, so only one unscheduled copy is alive at a time (peak RSS)
+    for s in sorted(range(plan.pp), key=lambda s: source[s] == s):
+        graph = probes[s][0] if source[s] == s else shift_stage(
+            probes[source[s]][0], plan.mesh, s, plan.stage(config, s).layers[0] - plan.stage(config, source[s]).layers[0])
+        # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
+        # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
+        if hw:
+            fill_durations(graph, hw, profile)
+        stages[s] = schedule_stage(graph, probes[source[s]][1], plan)
+    return Workload(*made[:2], [stages[s] for s in range(plan.pp)], *made[2:], probes, source, profile, estimates)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,

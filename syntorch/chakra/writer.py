@@ -143,7 +143,7 @@ def _attr_piece(name: str, value) -> bytes:
 
 class StageTemplate:
     """One stage's Chakra nodes serialized once, as its representative's (dp 0, tp 0); `write(f, rank)`
-    writes any of the stage's ranks by overwriting, in a copy, what differs: the group id in each
+    writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
     Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
 
@@ -168,7 +168,7 @@ class StageTemplate:
                 else:
                     self.peer_at.append((size - PEER_BYTES, value))
             chunks += (varint(len(data)), data)
-        self.body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
         width = len(str(next(iter(ids.values())))) if ids else 0
         self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
 
@@ -192,7 +192,9 @@ class StageTemplate:
         may not (its group ids and peers): ranks with equal ones have equal nodes."""
         rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
-        body = self.body.copy()
+        # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
+        # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
+        body = self.body
         ids = [self._group_id(group, rank) for group in self.group_at]
         for at, group_id in zip(self.group_at.values(), ids):
             body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)

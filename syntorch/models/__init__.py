@@ -3,9 +3,11 @@
 Every family keeps its transformer blocks in a ModuleDict named `layers`, so block i's modules are
 `layers.{i}.…` in every model, stage, trace and checkpoint map; LAYER_PATH and layer_path say so once.
 """
+import contextlib
 import re
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from syntorch.config import ModelConfig
 from syntorch.models.bert import Bert
@@ -20,10 +22,30 @@ def layer_path(index: int) -> str:
     return f"layers.{index}"
 
 
+class _SkipInit(TorchFunctionMode):
+    """Turns torch.nn.init's random fills (normal_, uniform_, kaiming_uniform_, trunc_normal_: the ones that
+    defer to torch-function modes) into no-ops. On meta they compute nothing, yet their Python reference
+    kernels import torch's compiler stack (torch._dynamo, ~1.5 s) on first use."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Modules built inside have meta parameters, without torch's default init (a meta tensor holds no
+    values; real weights come from init_weights or a checkpoint)."""
+    with torch.device("meta"), _SkipInit():
+        yield
+
+
 def build_model(config: ModelConfig, device="cpu", dtype=torch.float32):
     """A randomly initialised model (GPT-2's scheme for the GPT family, BERT's for BERT: see init_weights);
     on `meta` it takes no memory and no init time."""
-    with torch.device("meta"):  # skips torch's default init, which we would overwrite anyway
+    with on_meta():  # skips torch's default init, which we would overwrite anyway
         model = (GPT if config.arch == "gpt" else Bert)(config)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)

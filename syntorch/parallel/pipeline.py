@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
-from syntorch.models import build_model
+from syntorch.models import build_model, on_meta
 from syntorch.parallel import comm
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -151,7 +151,7 @@ def build_stage_model(config: ModelConfig, stage: Stage, device="meta", dtype=to
         return build_model(config, device, dtype)
     model = build_model(dataclasses.replace(config, n_layer=1), "meta", dtype)
     block = type(model.layers["0"])
-    with torch.device("meta"):
+    with on_meta():
         model.layers = nn.ModuleDict({str(i): block(config) for i in stage.layers}).to(dtype)
     model.config = config
     return model
