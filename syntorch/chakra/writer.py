@@ -177,9 +177,9 @@ class StageTemplate:
         mesh group is a line along one axis, and translation moves it along the others, so the translated
         line is known from where its first member lands off that axis (a 128-rank DP group would otherwise
         be 128 translations and a sort for each of 8192 ranks)."""
-        where = list(self.mesh.coords(self.mesh.translate(group[0], rank)))
+        where = list(self.mesh.position(self.mesh.translate(group[0], rank)))
         if len(group) > 1:
-            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.coords, group[:2]))) if a != b)
+            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.position, group[:2]))) if a != b)
             where[axis] = None
         key = (group, *where)
         if key not in self._ids_seen:

@@ -1,4 +1,4 @@
-"""One training plan over the (dp, pp, tp) mesh: which parallelisms, in which order, and one step of it.
+"""One training plan over the (dp, pp, cp, tp) mesh: which parallelisms, in which order, and one step of it.
 
     plan = TrainPlan(dp=4, tp=8, pp=8, sp=True, zero=1, microbatches=8, seq=2048)
     plan.check(config)
@@ -10,8 +10,11 @@
    vocab-parallel embedding while both exist, so the last stage's copy of a tied embedding is sharded alike.
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
-3. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
-4. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
+3. CP (context.py) makes each attention read K/V gathered across the CP group; each micro-batch's tokens are
+   taken at this rank's positions when it runs.
+4. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
+   its buckets or shards must be the final ones. Gradients are averaged over DP x CP (the grad group).
+5. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,7 +25,9 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync
+from syntorch.parallel.fsdp import FullyShard
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
 
@@ -33,7 +38,7 @@ class TrainPlan:
     tp: int = 1
     pp: int = 1
     sp: bool = False
-    zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2
+    zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2, 3: fully sharded (FSDP)
     bucket_mb: float = 25.0
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -41,10 +46,16 @@ class TrainPlan:
     seq: int = 1024
     lr: float = 1e-4
     mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
+    cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.tp)
+        return Mesh(self.dp, self.pp, self.tp, self.cp)
+
+    @property
+    def grad_ranks(self) -> int:
+        """How many ranks gradients are averaged (and ZeRO/FSDP shard) over: DP x CP."""
+        return self.dp * self.cp
 
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
@@ -52,10 +63,13 @@ class TrainPlan:
         check_sp(self.sp, self.tp, self.seq)
         if self.seq < 1:
             raise UserError(f"--seq must be at least 1, got {self.seq}")
-        if self.zero not in (0, 1, 2):
-            raise UserError(f"--zero must be 0 (DDP), 1 or 2, got {self.zero}")
-        if self.zero and self.dp == 1:
-            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1")
+        check_cp(self.cp, self.seq, self.tp, self.sp)
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero must be 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero}")
+        if self.zero and self.grad_ranks == 1:
+            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp (or --cp) > 1")
+        if self.cp > 1 and self.mode == "infer":
+            raise UserError("--cp splits training sequences; --mode infer does not take it, drop --cp")
         if self.zero and self.mode == "infer":
             raise UserError("--zero shards optimizer state and gradients, which --mode infer has none of; drop --zero")
         if self.bucket_mb <= 0:
@@ -73,6 +87,8 @@ class TrainPlan:
             self.mesh.check_world_size(world_size)
         if self.seq > config.n_positions:
             raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+        if self.cp > 1 and not config.causal:
+            raise UserError(f"--cp splits causal (decoder) attention; {config.name} attends both ways, drop --cp")
         if global_batch is not None and global_batch < 1:
             raise UserError(f"--global_batch must be at least 1, got {global_batch}")
         if global_batch is not None and global_batch != self.dp * self.microbatches * self.micro_batch_size:
@@ -96,24 +112,33 @@ class StageRun:
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
+    context: ContextSplit | None = None  # this rank's share of each sequence, under CP
 
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32) -> StageRun:
-    """Build this rank's stage of `config` and apply TP, PP, DP/ZeRO and the optimizer in that order
-    (the module docstring says why)."""
+    """Build this rank's stage of `config` and apply TP, PP, CP, DP/ZeRO/FSDP and the optimizer in that
+    order (the module docstring says why)."""
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
     pp_.split_stage(model, stage)
     model.train()
-    grad_sync = GradSync(list(model.parameters()), groups.dp, plan.dp, plan.zero, plan.bucket_mb,
-                         _partial_grads(model, tp_plan, groups))
+    context = None
+    if plan.cp > 1:
+        apply_cp(model, groups.cp)
+        context = ContextSplit(plan.seq, plan.cp, groups.cp_rank, device)
+    partial = _partial_grads(model, tp_plan, groups)
+    if plan.zero == 3:
+        grad_sync = FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding)
+    else:
+        grad_sync = GradSync(list(model.parameters()), groups.grad_group, plan.grad_ranks, plan.zero,
+                             plan.bucket_mb, partial)
 
     # multi-tensor AdamW (torch's foreach path, as Megatron's fused Adam): a few ops over all parameters
     optimizer = torch.optim.AdamW(grad_sync.optimizer_params(), lr=plan.lr, foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, context)
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:
@@ -185,14 +210,17 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
 
 def _forward(run: StageRun, tokens, m: int, phase, targets=None):
     """Micro-batch m through this stage: receive (or take the tokens), run, send on. Returns (input, output)."""
-    plan, stage, links = run.plan, run.stage, run.groups
+    plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
         if stage.first:
-            x = tokens
+            x = tokens if context is None else context.local(tokens)
         else:
             param = next(run.model.parameters())
-            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
+                                         plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m)
-        y = pp_.stage_forward(run.model, x, targets if stage.last else None)
+        if stage.last and context is not None:
+            targets = context.local(targets)
+        y = pp_.stage_forward(run.model, x, targets if stage.last else None, **(context.inputs() if context else {}))
         pp_.send_forward(y, links, m)
     return x, y
