@@ -142,7 +142,7 @@ def test_real_cp2_dp2_step_equals_one_process_and_the_symbolic_trace(tmp_path):
 # --- symbolic: every rank traced against ranks derived from the representative ----------------------------
 
 def test_cp_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path):
-    plan = TrainPlan(dp=2, cp=2, tp=2, pp=2, sp=True, zero=1, microbatches=2, seq=16)
+    plan = TrainPlan(dp=2, cp=2, tp=2, sp=True, zero=1, microbatches=2, seq=16)  # dp x cp groups span two axes
     world = plan.mesh.world_size
     traced = RankTraces(world)
     for rank in range(world):

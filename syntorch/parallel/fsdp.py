@@ -27,16 +27,21 @@ from syntorch.parallel import comm
 
 
 class Unit:
-    """One unit's parameters: their shard, and whether they are whole now."""
+    """One unit's parameters: views into one flat buffer whose storage exists only while they are whole
+    (freed by resizing it to 0 bytes, as FSDP does, so tensors autograd saved from them, e.g. a weight's
+    transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it."""
 
     def __init__(self, params: list[nn.Parameter], group, size: int):
         self.params, self.group, self.size = params, group, size
-        self.shapes = [p.shape for p in params]
         numel = sum(p.numel() for p in params)
         padded = -(-numel // size) * size
-        flat = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
-        self.shard = nn.Parameter(comm.own_chunk(flat, 0, group).clone())
-        self.whole = False
+        self.buffer = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
+        self.shard = nn.Parameter(comm.own_chunk(self.buffer, 0, group).clone())
+        offset = 0
+        for p in params:
+            p.data = self.buffer[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        self.whole = True
         self.ready = 0  # gradients accumulated in this backward
         self.free()
 
@@ -45,16 +50,13 @@ class Unit:
         """Make the parameters whole (issued after `after` was computed); nothing if they are."""
         if self.whole:
             return
+        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
         copy_in = torch.cat([after.new_empty(0, dtype=self.shard.dtype), self.shard.detach()])
-        full = comm.all_gather(copy_in, 0, self.group)
-        sizes = [s.numel() for s in self.shapes]
-        for p, view, shape in zip(self.params, full[:sum(sizes)].split(sizes), self.shapes):
-            p.data = view.view(shape)
+        comm.all_gather(copy_in, 0, self.group, out=self.buffer)
         self.whole = True
 
     def free(self) -> None:
-        for p in self.params:
-            p.data = p.data.new_empty(0)
+        self.buffer.untyped_storage().resize_(0)
         self.whole = False
 
     @torch.no_grad()

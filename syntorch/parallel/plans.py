@@ -67,7 +67,7 @@ class TrainPlan:
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"--zero must be 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero}")
         if self.zero and self.grad_ranks == 1:
-            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp (or --cp) > 1")
+            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1 (or --cp > 1)")
         if self.cp > 1 and self.mode == "infer":
             raise UserError("--cp splits training sequences; --mode infer does not take it, drop --cp")
         if self.zero and self.mode == "infer":
