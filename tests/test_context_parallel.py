@@ -156,3 +156,16 @@ def test_cp_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path):
     for rank in range(world):
         assert derived[rank] == each[rank], f"rank {rank}"
     assert check_traces(tmp_path / "derived")[0] == []
+
+
+def test_middle_stages_under_cp_and_fsdp_derived_by_shifting_equal_tracing_them():
+    from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for
+
+    config = tiny_config("gpt2", n_layer=7, vocab_size=200)  # stages of 2, 2, 2, 1 layers
+    plan = TrainPlan(dp=2, cp=2, pp=4, zero=3, microbatches=3, seq=16)
+    assert traced_stage_for(config, plan) == [0, 1, 1, 3]
+    probe, blocks = probe_stage(config, plan, 1)
+    derived = schedule_stage(shift_stage(probe, plan.mesh, 2, 2), blocks, plan)  # a PP step strides by cp * tp
+    traced = trace_stage(config, plan, 2, replicate=False)
+    assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+    assert list(derived.edges(data=True)) == list(traced.edges(data=True))

@@ -59,6 +59,28 @@ def test_forward_prefetch_issues_the_next_layers_gather_before_this_layers_compu
         assert not any(graph.nodes[a].get("module", "").startswith(f"layers.{i}") for a in before)
 
 
+def test_backward_reads_the_parameters_gathered_again_for_it_not_those_of_forward():
+    graph = trace_stage(CONFIG, TrainPlan(dp=2, zero=3, seq=16), 0)
+    nodes, preds = graph.node_attrs, graph.preds
+
+    def gathered_in(tensor) -> set:
+        """The phases of the all-gathers a tensor's value comes from (through the copy-out into the storage)."""
+        found = set()
+        for writer in preds[tensor]:
+            if nodes[writer].get("collective") == "all_gather":
+                found.add(nodes[writer]["phase"])
+            elif nodes[writer].get("name") == "aten.copy_":  # its source (argument 1), not the storage before
+                found.update(*(gathered_in(t) for t, edge in preds[writer].items() if edge["arg"] == 1))
+        return found
+
+    read_from = {}  # layer -> phases of the all-gathers whose parameters its backward ops read
+    for n, d in graph.ops():
+        layer = layer_of(d["module"])
+        if d["phase"] == "backward" and layer.startswith("layers.") and d["name"] != "aten.copy_":
+            read_from.setdefault(layer, set()).update(*(gathered_in(t) for t in preds[n]))
+    assert read_from == {f"layers.{i}": {"backward"} for i in range(4)}
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(zero=3), "needs --dp > 1 \\(or --cp > 1\\)"),
     (dict(zero=4, dp=2), "--zero must be 0 \\(DDP\\), 1, 2 or 3"),
@@ -171,3 +193,11 @@ def test_real_fsdp_steps_equal_one_process_and_the_symbolic_trace(tmp_path):
             symbolic = trace_stage(CONFIG, plan, plan.mesh.coords(rank)[1], torch.float32, rank=rank)
             assert r["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                         for _, d in symbolic.collectives()], f"{name} rank {rank}"
+
+
+def test_microbatches_replicated_from_a_probe_equal_running_them_all():
+    plan = TrainPlan(dp=2, pp=2, zero=3, microbatches=6, seq=16)
+    for stage in range(2):
+        replicated, ran = trace_stage(CONFIG, plan, stage), trace_stage(CONFIG, plan, stage, replicate=False)
+        assert dict(replicated.nodes(data=True)) == dict(ran.nodes(data=True))
+        assert list(replicated.edges(data=True)) == list(ran.edges(data=True))

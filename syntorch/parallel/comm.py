@@ -39,10 +39,10 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     return x
 
 
-def all_gather(x: torch.Tensor, dim: int = 0, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's x concatenated along `dim`, in group-rank order (along dim 0 into `out` if given)."""
+def all_gather(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
+    """Every rank's x concatenated along `dim`, in group-rank order."""
     n = world_size(group)
-    out = x.new_empty((n * x.shape[0], *x.shape[1:])) if out is None else out
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x.contiguous(), group=group)
     if dim % x.dim() == 0:
         return out

@@ -16,7 +16,7 @@ Per micro-batch, as FSDP2 runs it:
   the ranks that hold parts of them (sequence-parallel LayerNorms over TP), flattened, reduce-scattered
   (averaged) into this rank's shard gradient, and the unit is freed. Gradients are reduce-scattered every
   micro-batch and accumulate in the shard, as FSDP2's default does.
-Each all-gather reads a copy of the shard made together with a 0-element tensor taken from the activation
+Each all-gather reads a copy of the shard (FSDP2's copy-in) made together with a 0-element tensor taken from the activation
 (or gradient) that was current when it was issued: real runs move no extra data, and a trace orders the
 collective after the compute before it, as FSDP2's all-gather stream waits for the compute stream.
 """
@@ -31,11 +31,12 @@ class Unit:
     (freed by resizing it to 0 bytes, as FSDP does, so tensors autograd saved from them, e.g. a weight's
     transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it."""
 
-    def __init__(self, params: list[nn.Parameter], group, size: int):
+    def __init__(self, params: list[nn.Parameter], group, size: int, owner: nn.Module, name: str):
         self.params, self.group, self.size = params, group, size
         numel = sum(p.numel() for p in params)
         padded = -(-numel // size) * size
         self.buffer = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
+        owner.register_buffer(name, self.buffer, persistent=False)  # named state, as traces see it
         self.shard = nn.Parameter(comm.own_chunk(self.buffer, 0, group).clone())
         offset = 0
         for p in params:
@@ -52,7 +53,9 @@ class Unit:
             return
         self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
         copy_in = torch.cat([after.new_empty(0, dtype=self.shard.dtype), self.shard.detach()])
-        comm.all_gather(copy_in, 0, self.group, out=self.buffer)
+        # copied out of the all-gather's output into the parameters' storage, as FSDP2's copy-out does (a
+        # trace then shows the write reading the storage's earlier version, like any in-place update)
+        self.buffer.copy_(comm.all_gather(copy_in, 0, self.group))
         self.whole = True
 
     def free(self) -> None:
@@ -102,9 +105,9 @@ class FullyShard:
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         tied_ids = {id(p) for p in tied_params}
         rest = [p for p in model.parameters() if id(p) not in in_layers and id(p) not in tied_ids]
-        self.tied = Unit(tied_params, group, size) if tied_params else None
-        self.ends = [u for u in (self.tied, Unit(rest, group, size) if rest else None) if u is not None]
-        self.layers = [Unit(list(layer.parameters()), group, size) for layer in layers]
+        self.tied = Unit(tied_params, group, size, model, "fsdp_tied") if tied_params else None
+        self.ends = [u for u in (self.tied, Unit(rest, group, size, model, "fsdp_flat") if rest else None) if u]
+        self.layers = [Unit(list(layer.parameters()), group, size, layer, "fsdp_flat") for layer in layers]
         self.units = [*self.ends, *self.layers]
         # the model's own units: before its first layer in forward, before its last one in backward
         self._hook(model, self.ends, self.layers[0] if self.layers else None, self.layers[-1] if self.layers else None)
