@@ -214,7 +214,7 @@ CASES = [
         ("--seq abc", "argument --seq: invalid int value: 'abc'"),
         ("--cp 3", "--cp 3 cuts the sequence into 2 * cp = 6 equal chunks; --seq 16 does not divide by 6"),
         ("--cp 2 --mode infer", "--mode infer does not take it, drop --cp"),
-        ("--cp 2 --tp 4 --sp --seq 24", "make seq / cp divide by tp"),
+        ("--cp 2 --tp 4 --sp --seq 36", "make seq / cp divide by tp"),
         ("--fsdp", "--zero 3 shards over the data-parallel group; it needs --dp > 1"),
         ("--dp 2 --cp 2 --tp 2 --world_size 4", "dp(2) * pp(1) * cp(2) * tp(2) = 8 but the world has 4 ranks"),
     ]),

@@ -131,6 +131,8 @@ def test_real_cp2_dp2_step_equals_one_process_and_the_symbolic_trace(tmp_path):
         assert sum(r["loss"] for r in ranks) / 4 == pytest.approx(ranks[0]["ref_loss"], abs=1e-5)
         for rank, r in enumerate(ranks):
             assert r["grad_err"] < 1e-5, f"{base} rank {rank}: {r['grad_err']}"
+            if rank not in (0, 3):  # the others are translations of these (the symmetry test below)
+                continue
             symbolic = trace_stage(tiny_config(base, n_layer=2, vocab_size=200), REAL, 0, torch.float32, rank=rank)
             assert r["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                         for _, d in symbolic.collectives()]

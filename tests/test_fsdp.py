@@ -190,6 +190,8 @@ def test_real_fsdp_steps_equal_one_process_and_the_symbolic_trace(tmp_path):
         for rank, r in enumerate(ranks):
             assert r["grad_err"] < 1e-5 and r["param_err"] < 1e-5, f"{name} rank {rank}: {r}"
             assert r["step_excess"] <= 0
+            if rank not in (0, 3):  # the others are translations of these (test_context_parallel's symmetry test)
+                continue
             symbolic = trace_stage(CONFIG, plan, plan.mesh.coords(rank)[1], torch.float32, rank=rank)
             assert r["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                         for _, d in symbolic.collectives()], f"{name} rank {rank}"
