@@ -171,3 +171,11 @@ def test_middle_stages_under_cp_and_fsdp_derived_by_shifting_equal_tracing_them(
     traced = trace_stage(config, plan, 2, replicate=False)
     assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
     assert list(derived.edges(data=True)) == list(traced.edges(data=True))
+
+
+def test_microbatches_replicated_from_a_probe_equal_running_them_all():
+    plan = TrainPlan(cp=2, pp=2, microbatches=6, seq=16)  # more micro-batches than a probe runs
+    for stage in range(2):
+        replicated, ran = trace_stage(CONFIG, plan, stage), trace_stage(CONFIG, plan, stage, replicate=False)
+        assert dict(replicated.nodes(data=True)) == dict(ran.nodes(data=True))
+        assert list(replicated.edges(data=True)) == list(ran.edges(data=True))

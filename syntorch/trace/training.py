@@ -72,7 +72,8 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             # what lives across the step first, so every step's nodes look alike wherever it runs
             for t in [*run.model.parameters(), *run.optimizer.param_groups[0]["params"],
-                      *(v for state in run.optimizer.state.values() for v in state.values())]:
+                      *(v for state in run.optimizer.state.values() for v in state.values()),
+                      *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m: steps.append(((kind, m), len(tracer.graph))))
