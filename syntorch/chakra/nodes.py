@@ -203,6 +203,7 @@ def global_metadata(graph: nx.DiGraph, model: str, level: str, notes: list[str],
         _attr("model", string_val=model), _attr("level", string_val=level),
         _attr("rank", int64_val=g.get("rank", 0)), _attr("world_size", int64_val=g.get("world_size", 1)),
         *[_attr(k, int64_val=g.get(k, 1)) for k in ("tp", "pp", "dp")],
+        *([_attr("cp", int64_val=g["cp"])] if g.get("cp", 1) > 1 else []),  # files of cp = 1 runs as before
         _attr("durations", string_val="from hw_config" if durations else "none (no --hw_config): 0 us"),
         _attr("notes", string_list=et.StringList(values=notes)),
     ])

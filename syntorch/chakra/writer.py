@@ -24,7 +24,7 @@ from syntorch.chakra.groups import comm_groups_json, graph_group_ids
 from syntorch.chakra.nodes import NodeSpec, chakra_nodes, global_metadata, rewrite_notes, to_json, to_proto
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.mesh import DIMS, Mesh
 from syntorch.trace.cost import shared_key
 from syntorch.trace.graph import RankTraces
 from syntorch.trace import levels
@@ -177,10 +177,10 @@ class StageTemplate:
         mesh group is a line along one axis, and translation moves it along the others, so the translated
         line is known from where its first member lands off that axis (a 128-rank DP group would otherwise
         be 128 translations and a sort for each of 8192 ranks)."""
-        where = list(self.mesh.coords(self.mesh.translate(group[0], rank)))
+        where = list(self.mesh.position(self.mesh.translate(group[0], rank)))
         if len(group) > 1:
-            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.coords, group[:2]))) if a != b)
-            if len(group) == (self.mesh.dp, self.mesh.pp, self.mesh.tp)[axis]:  # a whole line; EP groups are parts
+            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.position, group[:2]))) if a != b)
+            if len(group) == getattr(self.mesh, DIMS[axis]):  # a whole line; EP groups are parts of one
                 where[axis] = None
         key = (group, *where)
         if key not in self._ids_seen:

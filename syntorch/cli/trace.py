@@ -1,30 +1,34 @@
-"""`syntorch trace`: a symbolic training step (or pipelined prefill) of a TP x PP x DP plan at cluster scale,
+"""`syntorch trace`: a symbolic training step (or pipelined prefill) of a TP x CP x PP x DP plan at cluster scale,
 written as one Chakra `.et` per rank, `comm_groups.json`, `tensor_trace_chakra.json` and `summary.json`."""
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("trace", help="symbolic training-step traces per rank (Chakra) for a TP x PP x DP plan")
+    p = sub.add_parser("trace", help="symbolic training-step traces per rank (Chakra) for a TP x CP x PP x DP plan")
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
     m.add_argument("--mode", default="train", choices=["train", "infer"],
                    help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
     m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
-    par = p.add_argument_group("parallelism (rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank)")
+    par = p.add_argument_group("parallelism (rank = (((dp_idx * pp) + pp_stage) * cp + cp_rank) * tp + tp_rank)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")
     par.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models): splits the experts over "
                      "groups of this many DP ranks; divides --dp")
+    par.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over cp ranks "
+                     "(2 * cp load-balanced chunks, K/V all-gathered)")
     par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
-    par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2")
+    par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2; "
+                     "3: fully sharded (FSDP)")
+    par.add_argument("--fsdp", action="store_const", const=3, dest="zero", help="fully sharded data parallel: --zero 3")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     par.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                      help="activation recomputation in backward: selective (the attention core) or full (each layer)")
     par.add_argument("--virtual_stages", type=int, default=1,
                      help="interleaved 1F1B: chunks of layers per stage (Megatron's virtual pipeline; 1: none)")
-    par.add_argument("--world_size", type=int, help="check that dp * tp * pp equals it")
+    par.add_argument("--world_size", type=int, help="check that dp * pp * cp * tp equals it")
     b = p.add_argument_group("batch")
     b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")
     b.add_argument("--micro_batch_size", type=int, default=1)

@@ -1,4 +1,4 @@
-"""One training plan over the (dp, pp, tp) mesh: which parallelisms, in which order, and one step of it.
+"""One training plan over the (dp, pp, cp, tp) mesh: which parallelisms, in which order, and one step of it.
 
     plan = TrainPlan(dp=4, tp=8, pp=8, sp=True, zero=1, microbatches=8, seq=2048)  # ep=4: experts over DP
     plan.check(config)
@@ -13,9 +13,12 @@
    the last) and adds the loss on the last stage.
 3. Recomputation (none, selective, full) wraps the blocks or attention cores the stage kept
    (recompute.py); it changes what backward runs, not the parameters.
-4. DP/ZeRO buckets the parameters the stage kept; it goes last because its buckets must be the final ones.
-   Experts are synchronised over their expert-DP group instead (the replicas of the same experts).
-5. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO shards.
+4. CP (context.py) makes each attention read K/V gathered across the CP group; each micro-batch's tokens are
+   taken at this rank's positions when it runs.
+5. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
+   its buckets or shards must be the final ones. Gradients are averaged over DP x CP (the grad group);
+   experts are synchronised over their expert-DP group instead (the replicas of the same experts).
+6. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,8 +29,10 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
+from syntorch.parallel.fsdp import FullyShard
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.recompute import apply_recompute, check_recompute
 from syntorch.parallel.precision import MixedPrecision
@@ -41,7 +46,7 @@ class TrainPlan:
     pp: int = 1
     ep: int = 1  # expert parallel, within dp (mesh.py)
     sp: bool = False
-    zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2
+    zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2, 3: fully sharded (FSDP)
     bucket_mb: float = 25.0
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -51,10 +56,16 @@ class TrainPlan:
     mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
     recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
     virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
+    cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.tp, self.ep, ring=self.virtual_stages > 1)
+        return Mesh(self.dp, self.pp, self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1)
+
+    @property
+    def grad_ranks(self) -> int:
+        """How many ranks gradients are averaged (and ZeRO/FSDP shard) over: DP x CP."""
+        return self.dp * self.cp
 
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
@@ -62,10 +73,16 @@ class TrainPlan:
         check_sp(self.sp, self.tp, self.seq)
         if self.seq < 1:
             raise UserError(f"--seq must be at least 1, got {self.seq}")
-        if self.zero not in (0, 1, 2):
-            raise UserError(f"--zero must be 0 (DDP), 1 or 2, got {self.zero}")
-        if self.zero and self.dp == 1:
-            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1")
+        check_cp(self.cp, self.seq, self.tp, self.sp)
+        if self.ep > 1 and (self.cp > 1 or self.zero == 3):
+            raise UserError(f"--ep {self.ep} is not supported with --cp or --zero 3 yet (experts are synchronised "
+                            "over expert-DP, which those do not split); drop one")
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero must be 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero}")
+        if self.zero and self.grad_ranks == 1:
+            raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1 (or --cp > 1)")
+        if self.cp > 1 and self.mode == "infer":
+            raise UserError("--cp splits training sequences; --mode infer does not take it, drop --cp")
         if self.zero and self.mode == "infer":
             raise UserError("--zero shards optimizer state and gradients, which --mode infer has none of; drop --zero")
         if self.bucket_mb <= 0:
@@ -88,6 +105,8 @@ class TrainPlan:
             self.mesh.check_world_size(world_size)
         if self.seq > config.n_positions:
             raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+        if self.cp > 1 and not config.causal:
+            raise UserError(f"--cp splits causal (decoder) attention; {config.name} attends both ways, drop --cp")
         if global_batch is not None and global_batch < 1:
             raise UserError(f"--global_batch must be at least 1, got {global_batch}")
         if global_batch is not None and global_batch != self.dp * self.microbatches * self.micro_batch_size:
@@ -116,6 +135,7 @@ class StageRun:
     optimizer: torch.optim.Optimizer
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
     precision: MixedPrecision | None = None  # fp16/bf16 training: FP32 masters the optimizer updates
+    context: ContextSplit | None = None  # this rank's share of each sequence, under CP
 
     def chunk(self, index: int) -> nn.Module:
         """The model as the stage's chunk `index` runs it (the model itself without interleaving)."""
@@ -129,8 +149,8 @@ class StageRun:
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32) -> StageRun:
-    """Build this rank's stage of `config` and apply TP, PP, recomputation, DP/ZeRO and the optimizer in that order
-    (the module docstring says why)."""
+    """Build this rank's stage of `config` and apply TP, EP, PP, recomputation, CP, DP/ZeRO/FSDP and the
+    optimizer in that order (the module docstring says why)."""
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
@@ -139,6 +159,10 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     pp_.split_stage(model, stage)
     apply_recompute(model, plan.recompute)
     model.train()
+    context = None
+    if plan.cp > 1:
+        apply_cp(model, groups.cp)
+        context = ContextSplit(plan.seq, plan.cp, groups.cp_rank, device)
     grad_sync = _grad_sync(model, plan, groups, _partial_grads(model, tp_plan, groups))
 
     precision = MixedPrecision.of(grad_sync.optimizer_params(), dtype) if plan.mode == "train" else None
@@ -146,13 +170,17 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     optimizer = torch.optim.AdamW(precision.masters if precision else grad_sync.optimizer_params(), lr=plan.lr,
                                   foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision)
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context)
 
 
-def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial) -> GradSync | GradSyncs:
+def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
+    """DDP/ZeRO buckets (GradSync) or FSDP units (FullyShard) over the grad group; with EP, the experts'
+    gradients in a GradSync of their own over expert-DP."""
     params = list(model.parameters())
+    if plan.zero == 3:
+        return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding)
     if plan.ep == 1:
-        return GradSync(params, groups.dp, plan.dp, plan.zero, plan.bucket_mb, partial)
+        return GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial)
     experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
     dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
                      partial)
@@ -236,16 +264,20 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
 def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, chunk: int = 0):
     """Micro-batch m through one chunk of this stage: receive (or take the tokens), run, send on.
     Returns (input, output)."""
-    plan, stage, links = run.plan, run.stage, run.groups
+    plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
         if stage.holds_input(chunk):
-            x = tokens
+            x = tokens if context is None else context.local(tokens)
         else:
             param = next(run.model.parameters())
-            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq, plan.tp, plan.sp)
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
+                                         plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
                                  plan.virtual_stages)
-        y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None)
+        if stage.holds_loss(chunk) and context is not None:
+            targets = context.local(targets)
+        y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
+                              **(context.inputs() if context else {}))
         if not stage.holds_loss(chunk):
             sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages))
     return x, y

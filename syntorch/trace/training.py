@@ -1,8 +1,9 @@
 """A training step traced on `meta`, one pipeline stage at a time.
 
-Ranks that differ only in their DP and TP index run the same ops on same-shaped shards with the same
-collectives, over groups that are a translation of each other along the dp and tp axes of the mesh. So
-each stage is traced once, as its representative rank (dp 0, tp 0), and every other rank's trace is the
+Ranks that differ only in their DP, CP and TP index run the same ops on same-shaped shards with the same
+collectives, over groups that are a translation of each other along the dp, cp and tp axes of the mesh (a CP
+rank's chunks differ from another's in their positions only, values a meta trace does not hold). So each
+stage is traced once, as its representative rank (dp 0, cp 0, tp 0), and every other rank's trace is the
 representative's with global ranks mapped by `Mesh.translate` (tests trace every rank and compare). The one other
 difference is which output of a split a TP rank reads under sequence parallel (its own part): same shapes,
 same dependencies, other tensor ids, which Chakra keeps only as IOInfo text that simulators do not read.
@@ -65,7 +66,8 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
 def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
-    meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "stage": stage,
+    meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
+            "stage": stage,
             "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
     with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
         groups = init_groups(mesh, config.tied_head, only_mine=True)
@@ -76,7 +78,8 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             # what lives across the step first, so every step's nodes look alike wherever it runs
             for t in [*run.model.parameters(), *run.optimizer.param_groups[0]["params"],
-                      *(v for state in run.optimizer.state.values() for v in state.values())]:
+                      *(v for state in run.optimizer.state.values() for v in state.values()),
+                      *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
@@ -118,6 +121,9 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     out.append((probe.node_attrs[n] for n in range(prefix)),
             ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix))
     placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
+    # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
+    # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
+    latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
 
 
     def image(u, shift):
@@ -125,6 +131,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
         the same node of the step in `out` that plays u's step's part."""
         if u < prefix:
             return u
+        if _state(u, probe.node_attrs[u]):
+            return latest[probe.node_attrs[u]["name"]][0]
         start, end, (kind, k, c) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
         a, b = blocks[source(kind, k + shift, c)]
         assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
@@ -137,8 +145,9 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
         step = steps[key]
         base = placed[(kind, m, c)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
-        out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out),
+        out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out, latest),
                 ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges))
+        latest.update(step.written)
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
 
@@ -160,11 +169,13 @@ class _Step:
                            nodes[t]["version"] == data["version"] - 1 and nodes[t]["shape"] == data["shape"]]
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
             self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
+        self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
 
-    def copy(self, base: int, tag_shift: int, image, out: TraceGraph) -> list[dict]:
+    def copy(self, base: int, tag_shift: int, image, out: TraceGraph, latest: dict) -> list[dict]:
         """The nodes' attributes for a copy at `base`, `tag_shift` tag pairs later (micro-batches times chunks):
-        a send's or recv's tag (the micro-batch's), default tensor names, and the version of a tensor written in place (one past
-        its earlier version there, e.g. a gradient accumulated over one more micro-batch)."""
+        a send's or recv's tag (the micro-batch's), default tensor names, and the version of a tensor written in
+        place (one past its earlier version there, e.g. a gradient accumulated over one more micro-batch; for a
+        parameter or buffer, one past its `latest`; what the copy writes is left in `written`)."""
         nodes = list(self.nodes)
         for off, (what, earlier) in self.moving.items():
             data = nodes[off]
@@ -177,7 +188,20 @@ class _Step:
                 before = nodes[inside] if 0 <= inside < len(nodes) else out.nodes[image(earlier)]
                 data["version"] = before["version"] + 1
             nodes[off] = data
+        written = {}  # what this copy writes, into `latest` once its in-edges are placed (they read the earlier)
+        for off in self.state:
+            data = nodes[off]
+            before = written.get(data["name"], latest.get(data["name"]))
+            if data["version"] and before is not None:
+                nodes[off] = data = {**data, "version": before[1] + 1}
+            written[data["name"]] = (base + off, data["version"])
+        self.written = written
         return nodes
+
+
+def _state(n: int, d: dict) -> bool:
+    """A parameter or buffer: a tensor the tracer named (others keep their default name t<node>)."""
+    return d["kind"] == "tensor" and d["name"] != f"t{n}"
 
 
 def _renumber_orders(graph: TraceGraph) -> None:
@@ -209,7 +233,7 @@ def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
     tensor names, global ranks (groups, peers) moved by the stage difference along pp."""
-    shift = (to_stage - graph.graph["stage"]) * mesh.tp
+    shift = mesh.representative(to_stage) - mesh.representative(graph.graph["stage"])
     renamed = {}
 
     def rename(name: str) -> str:

@@ -1,0 +1,169 @@
+"""Fully-sharded data parallelism (ZeRO-3, `--zero 3` / `--fsdp`): parameters live sharded over the gradient
+group (DP, or DP x CP) and are whole only around their layer's forward and backward.
+
+Units: each transformer layer is one; the stage's other parameters (embeddings, final norm, head) another,
+and a weight tied across the first and last stage one of its own (so its shard lines up on both stages and
+Megatron's embedding group can sum its gradient). Each unit's parameters are one flat buffer padded to a
+multiple of the group size, of which this rank keeps 1/n (FSDP1's flat parameter; one all-gather and one
+reduce-scatter per unit, as FSDP2 also issues per layer); the optimizer updates the shards.
+
+Per micro-batch, as FSDP2 runs it:
+- forward: a unit is all-gathered before it runs and freed after it (the non-layer units too: FSDP2 keeps the
+  root whole until its backward, but freeing it makes every micro-batch's step alike, whatever the pipeline
+  schedule interleaves); before unit i computes, unit i+1's all-gather is issued (forward prefetch);
+- backward: when the gradient of unit i's output is ready, unit i is all-gathered again and unit i-1's
+  all-gather issued (backward prefetch); when every gradient of unit i is accumulated, they are summed over
+  the ranks that hold parts of them (sequence-parallel LayerNorms over TP), flattened, reduce-scattered
+  (averaged) into this rank's shard gradient, and the unit is freed. Gradients are reduce-scattered every
+  micro-batch and accumulate in the shard, as FSDP2's default does.
+Each all-gather reads a copy of the shard (FSDP2's copy-in) made together with a 0-element tensor taken from the activation
+(or gradient) that was current when it was issued: real runs move no extra data, and a trace orders the
+collective after the compute before it, as FSDP2's all-gather stream waits for the compute stream.
+"""
+import torch
+import torch.nn as nn
+
+from syntorch.parallel import comm
+
+
+class Unit:
+    """One unit's parameters: views into one flat buffer whose storage exists only while they are whole
+    (freed by resizing it to 0 bytes, as FSDP does, so tensors autograd saved from them, e.g. a weight's
+    transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it."""
+
+    def __init__(self, params: list[nn.Parameter], group, size: int, owner: nn.Module, name: str):
+        self.params, self.group, self.size = params, group, size
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // size) * size
+        self.buffer = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
+        owner.register_buffer(name, self.buffer, persistent=False)  # named state, as traces see it
+        self.shard = nn.Parameter(comm.own_chunk(self.buffer, 0, group).clone())
+        offset = 0
+        for p in params:
+            p.data = self.buffer[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        self.whole = True
+        self.ready = 0  # gradients accumulated in this backward
+        self.free()
+
+    @torch.no_grad()
+    def gather(self, after: torch.Tensor) -> None:
+        """Make the parameters whole (issued after `after` was computed); nothing if they are."""
+        if self.whole:
+            return
+        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        copy_in = torch.cat([after.new_empty(0, dtype=self.shard.dtype), self.shard.detach()])
+        # copied out of the all-gather's output into the parameters' storage, as FSDP2's copy-out does (a
+        # trace then shows the write reading the storage's earlier version, like any in-place update)
+        self.buffer.copy_(comm.all_gather(copy_in, 0, self.group))
+        self.whole = True
+
+    def free(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+        self.whole = False
+
+    @torch.no_grad()
+    def reduce(self, partial: dict) -> None:
+        """Every gradient is in: sum those other ranks hold parts of (`partial`: id(param) -> group) over
+        their group, reduce-scatter the average into the shard's gradient, free the parameters."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            if id(p) in partial:
+                comm.all_reduce(p.grad, "sum", partial[id(p)])
+        numel = sum(g.numel() for g in grads)
+        padded = self.shard.numel() * self.size
+        flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(padded - numel)] if padded > numel else []))
+        part = comm.reduce_scatter(flat.div_(self.size), 0, "sum", self.group)
+        if self.shard.grad is None:
+            self.shard.grad = part
+        else:
+            self.shard.grad.add_(part)
+        for p in self.params:
+            p.grad = None
+        self.ready = 0
+        self.free()
+
+
+class FullyShard:
+    """FSDP over a stage model: what GradSync is for DDP/ZeRO-1/2, with the same four members the training
+    step uses (`active`, `finish`, `gather_params`, `optimizer_params`)."""
+
+    def __init__(self, model: nn.Module, group, size: int, partial: list[tuple[list, object]] = (),
+                 tied=None):
+        """`partial`: (parameters, group) whose gradients each rank of group holds a part of; a tied
+        weight's group (the embedding pair) is summed at the end of the step, others per backward."""
+        self.active = False  # unused: every backward reduce-scatters (kept for the training step's interface)
+        self.tied_group = None
+        tied_params = []
+        self.partial = {}
+        for params, pgroup in partial:
+            if tied is not None and pgroup is tied:
+                tied_params, self.tied_group = list(params), pgroup
+            else:
+                self.partial.update({id(p): pgroup for p in params})
+        layers = list(getattr(model, "layers", {}).values())
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        tied_ids = {id(p) for p in tied_params}
+        rest = [p for p in model.parameters() if id(p) not in in_layers and id(p) not in tied_ids]
+        self.tied = Unit(tied_params, group, size, model, "fsdp_tied") if tied_params else None
+        self.ends = [u for u in (self.tied, Unit(rest, group, size, model, "fsdp_flat") if rest else None) if u]
+        self.layers = [Unit(list(layer.parameters()), group, size, layer, "fsdp_flat") for layer in layers]
+        self.units = [*self.ends, *self.layers]
+        # the model's own units: before its first layer in forward, before its last one in backward
+        self._hook(model, self.ends, self.layers[0] if self.layers else None, self.layers[-1] if self.layers else None)
+        for i, (layer, unit) in enumerate(zip(layers, self.layers)):
+            self._hook(layer, [unit], self.layers[i + 1] if i + 1 < len(layers) else None,
+                       self.layers[i - 1] if i else None)
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
+
+    @staticmethod
+    def _hook(module: nn.Module, units: list[Unit], forward_next: Unit | None, backward_next: Unit | None) -> None:
+        """Gather `units` before `module` runs, prefetching `forward_next`, and free them after; gather them
+        again when the gradient of its output arrives, prefetching `backward_next`."""
+        def pre_forward(_module, args):
+            x = args[0]
+            for unit in units:
+                unit.gather(x)
+            if forward_next is not None:
+                forward_next.gather(x)
+
+        def post_forward(_module, _args, out):
+            for unit in units:
+                unit.free()
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(pre_backward)
+
+        def pre_backward(grad):
+            for unit in units:
+                unit.gather(grad)
+            if backward_next is not None:
+                backward_next.gather(grad)
+
+        module.register_forward_pre_hook(pre_forward)
+        module.register_forward_hook(post_forward)
+
+    def _grad_ready(self, unit: Unit) -> None:
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            unit.reduce(self.partial)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of the step's backward: a weight tied across the first and last stage sums its gradient over
+        the pair (both hold it as a unit of its own, so their shards line up)."""
+        if self.tied is not None and self.tied_group is not None:
+            comm.all_reduce(self.tied.shard.grad, "sum", self.tied_group)
+
+    def gather_params(self) -> None:
+        """Nothing: the next forward all-gathers the updated shards."""
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [unit.shard for unit in self.units]
+
+    @torch.no_grad()
+    def full_parameters(self) -> None:
+        """Every parameter whole (checkpoints and checks after a step)."""
+        for unit in self.units:
+            unit.gather(unit.shard)

@@ -1,0 +1,181 @@
+"""Context parallelism: the mesh's cp axis, load-balanced chunks, a real CP2 (x DP2) step on gloo ranks
+against one process and against its symbolic trace, and CP ranks derived by symmetry."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+from test_pipeline import _nodes_by_members, distinct_bodies
+
+from syntorch.chakra.validate import check_traces
+from syntorch.chakra.writer import write_chakra
+from syntorch.errors import UserError
+from syntorch.parallel.context import chunk_positions
+from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.plans import TrainPlan
+from syntorch.trace.graph import RankTraces
+from syntorch.trace.training import trace_stage
+from syntorch.workload import trace_workload, write_workload
+
+CONFIG = tiny_config("gpt2", n_layer=4, vocab_size=200)
+
+
+def test_cp_sits_between_tp_and_pp_and_cp_1_keeps_the_old_layout():
+    old = Mesh(dp=2, pp=3, tp=2)
+    assert all(old.rank(*old.coords(r)) == r == ((old.coords(r)[0] * 3) + old.coords(r)[1]) * 2 + old.coords(r)[2]
+               for r in range(12))
+    mesh = Mesh(dp=2, pp=2, tp=2, cp=2)
+    assert mesh.world_size == 16
+    assert [mesh.position(r) for r in (0, 1, 2, 5, 13)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0),
+                                                            (0, 1, 0, 1), (1, 1, 0, 1)]
+    assert mesh.groups("tp")[:2] == [[0, 1], [2, 3]]  # TP innermost, then CP (stride tp)
+    assert mesh.group_ranks("cp", 5) == [5, 7]
+    assert mesh.group_ranks("pp", 0) == [0, 4]  # a PP chain strides by cp * tp
+    assert mesh.group_ranks("dp", 0) == [0, 8]
+    assert mesh.dp_cp_groups()[0] == [0, 2, 8, 10]
+    kinds = [kind for kind, _ in mesh.process_groups()]
+    assert kinds.count("cp") == 8 and kinds.count("dp_cp") == 4
+    assert "cp" not in [kind for kind, _ in old.process_groups()]  # cp = 1: the groups of before, in order
+    # translation moves along dp, cp and tp and keeps the stage; groups map onto groups
+    assert mesh.representative(1) == 4 and mesh.translate(4, 2) == 6 and mesh.translate(6, 11) == 13
+    for rank in range(16):
+        cp_group = [mesh.translate(r, rank) for r in mesh.group_ranks("cp", mesh.representative(mesh.coords(rank)[1]))]
+        assert sorted(cp_group) == mesh.group_ranks("cp", rank)
+
+
+def test_each_rank_holds_chunk_i_and_its_mirror():
+    seq, cp = 16, 2
+    parts = [chunk_positions(seq, cp, r).tolist() for r in range(cp)]
+    assert parts == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    # causal work (keys each query attends to) is the same on every rank
+    assert [sum(p + 1 for p in part) for part in parts] == [sum(p + 1 for p in parts[0])] * cp
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(cp=2, seq=18), "--seq 18 does not divide by 4"),
+    (dict(cp=0), "--cp must be a positive integer"),
+    (dict(cp=2, tp=4, sp=True, seq=12), "make seq / cp divide by tp"),
+    (dict(cp=2, mode="infer", seq=16), "drop --cp"),
+])
+def test_bad_cp_options(fields, message):
+    with pytest.raises(UserError, match=message):
+        TrainPlan(**fields)
+
+
+def test_cp_needs_a_causal_model():
+    with pytest.raises(UserError, match="attends both ways"):
+        TrainPlan(cp=2, seq=16).check(tiny_config("bert-base-uncased"))
+
+
+# --- a real step: CP2 x DP2 on four gloo ranks against one process ---------------------------------------
+
+REAL = TrainPlan(dp=2, cp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)
+BASES = ("gpt2", "gptj-6b")  # learned positions and rotary
+
+
+def global_batch(plan, config):
+    tokens = torch.randint(0, config.vocab_size, (plan.dp * plan.microbatches * plan.micro_batch_size, plan.seq + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(plan, config):
+    """One process: the global batch's mean loss and its gradients."""
+    from syntorch.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(config, "cpu").train()
+    x, y = global_batch(plan, config)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def real_rank(out_dir: str) -> None:
+    from syntorch.parallel import plans
+    from syntorch.parallel.launch import init_distributed
+    from syntorch.parallel.mesh import init_groups
+    from syntorch.trace.tracer import Tracer
+
+    rank, world = init_distributed("cpu")
+    results = {}
+    for base in BASES:
+        config = tiny_config(base, n_layer=2, vocab_size=200)
+        groups = init_groups(REAL.mesh, config.tied_head)
+        torch.manual_seed(0)
+        run = plans.apply_plans(config, REAL, groups, "cpu")
+        x, y = global_batch(REAL, config)
+        n, b = REAL.microbatches * REAL.micro_batch_size, REAL.micro_batch_size
+        dp_idx = REAL.mesh.coords(rank)[0]
+        batches = [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
+        with Tracer(run.model, rank=rank, world_size=world, default_phase=None) as tracer:
+            loss = plans.train_step(run, batches, tracer.phase)
+        ref_loss, ref_grads = reference(REAL, config)
+        results[base] = {
+            "loss": loss.item(), "ref_loss": ref_loss,
+            "grad_err": max((p.grad - ref_grads[name]).abs().max().item() for name, p in run.model.named_parameters()),
+            "collectives": [[d["collective"], d["group"], d["bytes"], d["phase"]] for _, d in tracer.graph.collectives()]}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+def test_real_cp2_dp2_step_equals_one_process_and_the_symbolic_trace(tmp_path):
+    from syntorch.parallel.launch import spawn
+
+    spawn(real_rank, 4, (str(tmp_path),))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for base in BASES:
+        ranks = [r[base] for r in results]
+        # each rank's loss is the mean over its tokens (a quarter of the batch's); their mean is the global one
+        assert sum(r["loss"] for r in ranks) / 4 == pytest.approx(ranks[0]["ref_loss"], abs=1e-5)
+        for rank, r in enumerate(ranks):
+            assert r["grad_err"] < 1e-5, f"{base} rank {rank}: {r['grad_err']}"
+            if rank not in (0, 3):  # the others are translations of these (the symmetry test below)
+                continue
+            symbolic = trace_stage(tiny_config(base, n_layer=2, vocab_size=200), REAL, 0, torch.float32, rank=rank)
+            assert r["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
+                                        for _, d in symbolic.collectives()]
+        kinds = {(c[0], tuple(c[1]), c[3]) for c in ranks[0]["collectives"]}
+        assert {("all_gather", (0, 1), "forward"), ("reduce_scatter", (0, 1), "backward"),
+                ("all_reduce", (0, 1, 2, 3), "backward")} <= kinds  # K/V over CP, gradients over DP x CP
+
+
+# --- symbolic: every rank traced against ranks derived from the representative ----------------------------
+
+def test_cp_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path):
+    plan = TrainPlan(dp=2, cp=2, tp=2, sp=True, zero=1, microbatches=2, seq=16)  # dp x cp groups span two axes
+    world = plan.mesh.world_size
+    traced = RankTraces(world)
+    for rank in range(world):
+        traced.put(rank, trace_stage(CONFIG, plan, plan.mesh.coords(rank)[1], rank=rank))
+    write_chakra(traced, tmp_path / "each", CONFIG.name, level="module")
+    summary = write_workload(trace_workload(CONFIG, plan, torch.float32), tmp_path / "derived", level="module",
+                             progress=False)
+    assert summary["distinct_rank_traces"] == distinct_bodies(tmp_path / "derived")
+    each, derived = _nodes_by_members(tmp_path / "each"), _nodes_by_members(tmp_path / "derived")
+    assert sorted(derived) == list(range(world))
+    for rank in range(world):
+        assert derived[rank] == each[rank], f"rank {rank}"
+    assert check_traces(tmp_path / "derived")[0] == []
+
+
+def test_middle_stages_under_cp_and_fsdp_derived_by_shifting_equal_tracing_them():
+    from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for
+
+    config = tiny_config("gpt2", n_layer=7, vocab_size=200)  # stages of 2, 2, 2, 1 layers
+    plan = TrainPlan(dp=2, cp=2, pp=4, zero=3, microbatches=3, seq=16)
+    assert traced_stage_for(config, plan) == [0, 1, 1, 3]
+    probe, blocks = probe_stage(config, plan, 1)
+    derived = schedule_stage(shift_stage(probe, plan.mesh, 2, 2), blocks, plan)  # a PP step strides by cp * tp
+    traced = trace_stage(config, plan, 2, replicate=False)
+    assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+    assert list(derived.edges(data=True)) == list(traced.edges(data=True))
+
+
+def test_microbatches_replicated_from_a_probe_equal_running_them_all():
+    plan = TrainPlan(cp=2, pp=2, microbatches=6, seq=16)  # more micro-batches than a probe runs
+    for stage in range(2):
+        replicated, ran = trace_stage(CONFIG, plan, stage), trace_stage(CONFIG, plan, stage, replicate=False)
+        assert dict(replicated.nodes(data=True)) == dict(ran.nodes(data=True))
+        assert list(replicated.edges(data=True)) == list(ran.edges(data=True))
