@@ -14,10 +14,10 @@ LAYERS = [
               "syntorch.options"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
     ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints"]),
-    ("parallel", ["syntorch.parallel"]),
+    ("parallel", ["syntorch.parallel", "syntorch.quant"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),
-    ("runs", ["syntorch.inference", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
+    ("runs", ["syntorch.inference", "syntorch.shard", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
     ("cli", ["syntorch.cli"]),
     ("package", ["syntorch"]),  # its __init__ (lazy CommDebugMode for users)
 ]
