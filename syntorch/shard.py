@@ -127,10 +127,14 @@ def load_rank_weights(model: nn.Module, checkpoint, device, dtype, plan: TPPlan 
         _, full = lazy_checkpoint(checkpoint, device, dtype)
         state = rank_tensors(names, full, plan.styles if plan else {}, tp_rank, tp, config)
     _check_rank_state(state, names, checkpoint)
+    aliases = _aliases(model)
     model.load_state_dict(state, strict=False, assign=True)
-    for alias, kept in _aliases(model).items():  # re-tie what assign replaced on one side only
+    for alias, kept in aliases.items():  # re-tie what assign replaced on one side only
         parent, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(parent), leaf, model.get_parameter(kept))
+    unfilled = [n for n, t in model.state_dict().items() if t.is_meta]
+    if unfilled:
+        raise RuntimeError(f"tensors {unfilled} were left unloaded (on meta); the rank's names disagree with the model's")
 
 
 def _cast(t: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -20,12 +20,12 @@ from syntorch.config import torch_dtype
 from syntorch.errors import UserError
 from syntorch.generate import stream_friendly_weights
 from syntorch.inference.outputs import RunOutputs, write_run_outputs
-from syntorch.inference.spec import (InferenceSpec, check_fits_model, load_model, make_prompt, resolve_config,
-                                     run_model, run_record, sampling_of, write_run_json)
+from syntorch.inference.spec import (InferenceSpec, check_checkpoint_layout, check_fits_model, load_model,
+                                     make_prompt, resolve_config, run_model, run_record, sampling_of, write_run_json)
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.launch import check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.parallel.tensor import check_tp
 from syntorch.trace.generation import trace_run, trace_tp_run
 from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
@@ -42,6 +42,7 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
     check_fits_model(spec, config)
     prompt = make_prompt(spec, config)  # each rank of a real run makes the same one from the seed
     check_tp(config, spec.tp)
+    check_checkpoint_layout(spec)
     if torch.device(spec.device).type == "meta":
         return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, config, prompt, tmp, outputs))
     if spec.tp > 1 or under_torchrun():
@@ -120,8 +121,7 @@ def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
     groups = init_groups(Mesh(tp=world))
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
-    model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our shard kept
-    apply_tp(model, groups, spec.sp)
+    model = load_model(spec, config, groups)  # only this rank's shard
     stream_friendly_weights(model)
     graph, result = _run(spec, config, model, prompt, outputs, rank=rank, world_size=world,
                          meta={"tp": world, "sequence_parallel": spec.sp})

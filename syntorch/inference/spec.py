@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
-from syntorch.checkpoints import load_checkpoint, resolve_model_config
+from syntorch.checkpoints import check_shard_layout, resolve_model_config
 from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
 from syntorch.fill_mask import predict_masked
 from syntorch.generate import Sampling, check_context, generate
 from syntorch.models import build_model
-from syntorch.parallel.tensor import check_sp
+from syntorch.parallel.tensor import apply_tp, check_sp
+from syntorch.quant import check_quant, quantize_int8_weight_only
+from syntorch.shard import load_rank_model
 
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
 # what only a decoder's generation reads
@@ -44,6 +46,8 @@ class InferenceSpec:
     tokenizer: str | None = None  # local HF tokenizer folder (tokenizer.json)
     tp: int = 1
     sp: bool = False
+    quant: str | None = None  # "int8_weight_only" (syntorch/quant.py)
+    quant_head: bool = False  # quantize the LM head too
 
     def __post_init__(self):
         """Every option's own check, once, when the spec is made."""
@@ -66,6 +70,7 @@ class InferenceSpec:
         if self.input_ids is not None and self.prompt is not None:
             raise UserError("give either --input_ids or --prompt, not both")
         check_device(self.device)
+        check_quant(self.quant, self.quant_head, self.device)
 
     @property
     def output_tokens(self) -> int:
@@ -105,12 +110,23 @@ def _default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def load_model(spec: InferenceSpec, config: ModelConfig):
-    """The full (unsharded) model: loaded from --checkpoint, or random with the seed."""
+def load_model(spec: InferenceSpec, config: ModelConfig, tp_group=None):
+    """The model this rank runs, TP-sharded over `tp_group` when given. From --checkpoint each rank reads only
+    its own weights (its file of a `syntorch shard` folder, or its slices of a HuggingFace folder); random
+    weights are drawn whole from the seed, as one process draws them, then cut."""
     if spec.checkpoint:
-        return load_checkpoint(spec.checkpoint, device=spec.device, dtype=torch_dtype(spec.dtype))[1]
+        return load_rank_model(config, spec.checkpoint, spec.device, torch_dtype(spec.dtype), tp_group, spec.sp)
     torch.manual_seed(spec.seed)
-    return build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
+    model = build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
+    if tp_group is not None:
+        apply_tp(model, tp_group, spec.sp)
+    return model
+
+
+def check_checkpoint_layout(spec: InferenceSpec) -> None:
+    """A `syntorch shard` folder serves only the --tp/--pp it was cut for, with every rank's file whole."""
+    if spec.checkpoint:
+        check_shard_layout(spec.checkpoint, spec.tp, getattr(spec, "pp", 1))  # pp: pipeline inference's field
 
 
 def make_prompt(spec: InferenceSpec, config: ModelConfig) -> torch.Tensor:
@@ -173,6 +189,8 @@ def mask_token_id(spec: InferenceSpec, config: ModelConfig) -> int:
 def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: torch.Tensor, phase_scope=None):
     """What the model does at inference, the same in every kind of run: a decoder generates
     (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction)."""
+    if spec.quant:  # here, after loading and TP, so a symbolic run (whose model the tracer builds) quantizes too
+        quantize_int8_weight_only(model, head=spec.quant_head)
     if config.encoder:
         return predict_masked(model, prompt, mask_token_id(spec, config), phase_scope=phase_scope)
     return generate_tokens(spec, model, prompt, phase_scope)
@@ -187,6 +205,8 @@ def run_record(spec: InferenceSpec, config: ModelConfig, prompt: torch.Tensor, r
         "batch_size": spec.batch_size, "seed": spec.seed,
         "input_ids": prompt.tolist(), "model_config": config.to_dict(),
     }
+    if spec.quant:
+        record["quant"] = {"mode": spec.quant, "head": spec.quant_head}
     symbolic = torch.device(spec.device).type == "meta"
     if symbolic:
         record["symbolic"] = True
