@@ -83,9 +83,10 @@ def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> 
         raise UserError(f"{checkpoint} is already a sharded folder; give the HuggingFace folder it was made from")
     config, full = lazy_checkpoint(checkpoint, dtype=None)
     check_tp(config, tp)
+    layout = stages(config, pp)
     files, tensors, layers = {}, {}, {}
     with atomic_output_dir(out_dir, force, "--out") as tmp:
-        for stage in stages(config, pp):
+        for stage in layout:
             model = stage_model(config, stage)
             styles = plan_for(model, sequence_parallel=False) if tp > 1 else {}
             for tp_rank in range(tp):
