@@ -108,8 +108,10 @@ def load_rank_model(config: ModelConfig, checkpoint, device, dtype, tp_group=Non
     """The model one rank runs, reading only its own weights: built on meta, cut to `stage`, TP applied over
     `tp_group` (a MeshGroups or ProcessGroup; None: no TP), then filled from `checkpoint` (a shard folder:
     this rank's file; a HuggingFace folder: this rank's slices)."""
-    model = stage_model(config, stage, dtype)
+    model = build_model(config, device="meta", dtype=dtype)
     plan = apply_tp(model, tp_group, sequence_parallel) if tp_group is not None else None
+    if stage is not None and stage.count > 1:  # after TP, which ties the head to the embedding both hold
+        split_stage(model, stage)
     load_rank_weights(model, checkpoint, device, dtype, plan, stage)
     return model.eval()
 

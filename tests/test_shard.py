@@ -117,6 +117,20 @@ def test_tp2_pp2_files_hold_each_ranks_slices_of_its_stage(family, gpt2_dir, gpt
         assert ("ln_f.weight" in got) != first_stage
 
 
+@pytest.mark.parametrize("source", ["shard", "hf"])
+def test_a_tp2_pp2_rank_loads_its_stage_and_slices(source, gpt2_dir, tmp_path):
+    """Rank 3 (stage 1, TP rank 1) of TP 2 x PP 2, as a pipeline-parallel run loads it."""
+    write_shards(gpt2_dir, tmp_path / "s", tp=2, pp=2)
+    config = load_checkpoint(gpt2_dir)[0]
+    with symbolic_world(1, 2):
+        model = load_rank_model(config, tmp_path / "s" if source == "shard" else gpt2_dir, "cpu", torch.float32,
+                                init_groups(Mesh(tp=2)), stage=stages(config, 2)[1])
+    want = read_rank(tmp_path / "s", 3)
+    state = model.state_dict()
+    assert set(state) == set(want) and all(torch.equal(state[n], t) for n, t in want.items())
+    assert model.tok_emb is None and sorted(model.layers) == ["2", "3"]
+
+
 def test_a_slice_against_the_hf_weight_it_comes_from(gpt2_dir, tmp_path):
     """Rank 1 of TP 2 holds heads 2..3 of q, k and v: columns of HF's Conv1D c_attn [in, 3 * d]."""
     from safetensors.torch import load_file
