@@ -4,7 +4,7 @@ The models are GPT-2-shaped (d 768, 12 heads; 4 layers and a 4096-token vocabula
 GPT-2's initializer range 0.02 random logits are nearly flat and any rounding flips the argmax. Drawing every
 weight at 0.3 instead makes the random network chaotic: q and k grow to std ~8, attention scores to std ~70,
 so softmax is a hard argmax that any rounding re-routes; there even fp16 (11-bit mantissa) agrees with fp32 on
-only ~78% of positions and bf16 on ~56% (bench/infer_speed.py prints these). So the token embedding (and the
+only ~78% of positions and bf16 on ~56% (bench/precision_agreement.py prints these). So the token embedding (and the
 tied head it is) is drawn at 0.3, which makes logits peaked (std ~8), and the layers at GPT-2's 0.02.
 Agreement is counted per position while both runs read the FP32 run's greedy tokens (teacher forcing), so
 one early flip does not count as every later position lost; the free-running share is checked too.
