@@ -4,8 +4,8 @@
 
 A random GPT-2-large-sized model (774M parameters, 3.1 GB in fp32) is saved once as a HuggingFace folder,
 then cut with `syntorch shard` for TP 2 and for PP 2. Each load runs in a fresh spawned process (one per rank,
-one at a time) that reports its peak resident set (VmHWM of /proc/self/status, which counts the
-checkpoint's memory-mapped pages it touched as well as its copies):
+one at a time) that loads, reads every weight once (as a first forward would) and reports its peak resident
+set (VmHWM of /proc/self/status: its copies, and the checkpoint's memory-mapped pages it has read):
 - unsharded: the full model, as every rank loaded it before (then kept its TP slice);
 - TP 2, rank r from its shard file, and from the HF folder directly (its slices read with get_slice); TP runs
   against a fake 2-rank process group (parallel/comm.symbolic_world): loading needs no peer;
@@ -51,8 +51,10 @@ def load(kind: str, folder: str, rank: int, queue) -> None:
     else:  # pp2: stage `rank`
         config = checkpoint_config(folder)
         model = load_rank_model(config, folder, "cpu", torch.float32, stage=stages(config, 2)[rank])
-    held = 0 if model is None else sum(t.numel() * t.element_size() for t in
-                                       {id(t): t for t in model.state_dict().values()}.values()) / 2**20
+    tensors = [] if model is None else list({id(t): t for t in model.state_dict().values()}.values())
+    for t in tensors:  # touch every weight, as the first forward does: memory-mapped pages count once read
+        t.sum()
+    held = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     queue.put((peak_mb(), time.perf_counter() - begin, held))
 
 

@@ -57,8 +57,10 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     """Parameter name -> the name unique_state keeps for the same tensor (the tied head -> the embedding)."""
     first, out = {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        out.update({name: first[id(p)]} if id(p) in first else {})
-        first.setdefault(id(p), name)
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
     return out
 
 
