@@ -19,6 +19,7 @@ from syntorch.inference import InferenceSpec, run_inference
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
+from syntorch.quant import quantize_int8_weight_only
 from syntorch.shard import load_rank_model, stage_model, stages, write_shards
 
 PROMPT = [5, 17, 42, 7, 99, 3]
@@ -173,3 +174,19 @@ def test_layout_and_rank_file_errors(gpt2_dir, tmp_path):
     with pytest.raises(UserError, match="rank 0 needs 'file'"):
         read_shard_index(folder)
     assert not (tmp_path / "again").exists()
+
+
+def test_int8_under_tp_quantizes_each_ranks_own_slice(gpt2_dir, tmp_path):
+    """--quant after sharding: rank 1's scales are max|w| / 127 over its own rows (column-parallel qkv) and
+    over its own half of every row (row-parallel proj), so each rank's int8 matrix dequantizes to its slice."""
+    write_shards(gpt2_dir, tmp_path / "tp2", tp=2, pp=1)
+    config = load_checkpoint(gpt2_dir)[0]
+    with symbolic_world(1, 2):
+        model = load_rank_model(config, tmp_path / "tp2", "cpu", torch.float32, init_groups(Mesh(tp=2)))
+    want = read_rank(tmp_path / "tp2", 1)
+    quantize_int8_weight_only(model)
+    for name in ("layers.0.attn.qkv", "layers.0.attn.proj"):
+        full, q = want[f"{name}.weight"], model.get_submodule(name).weight
+        assert torch.allclose(q.scale, full.abs().amax(1) / 127)
+        deq = torch.tensor(q.tolist(), dtype=torch.float32) * q.scale[:, None]
+        assert (deq - full).abs().max() <= q.scale.max() / 2 + 1e-7
