@@ -1,6 +1,6 @@
 """Decoding speed of GPT-2 124M: syntorch against HuggingFace and against the machine's memory-bound floor.
 
-    python bench/infer_speed.py [--batch 1 8] [--reps 3] [--new_tokens 128] [--prompt_tokens 32]
+    python bench/infer_speed.py [--batch 1 8] [--reps 3] [--new_tokens 128] [--prompt_tokens 32] [--variants]
 
 The same random weights run in HF `GPT2LMHeadModel` (built from `GPT2Config()`, saved with save_pretrained)
 and in syntorch (loaded from that folder), CPU fp32, greedy. Both must produce the same tokens. Batch-1
@@ -9,6 +9,9 @@ time of one vector-matrix product per weight matrix (LM head included), measured
 Runs alternate (syntorch, HF, floor). Other processes on a small machine stretch many steps, so per-step
 times are compared at their 10th percentile (the floor's too), which survives that noise; medians and
 whole-run rates (prefill included) are printed as well and agree with it on a quiet machine.
+
+With --variants: fp32, bf16 and int8 weight-only decode tokens/s (as `syntorch infer --dtype/--quant` prepares
+the model), each beside its own floor: the bytes it streams per step over the bandwidth the fp32 floor measured.
 """
 import argparse
 import tempfile
@@ -19,18 +22,34 @@ import transformers
 
 from syntorch.checkpoints import load_checkpoint
 from syntorch.generate import Sampling, generate, stream_friendly_weights
+from syntorch.quant import quantize_int8_weight_only
 
 
-def build_pair():
+VARIANTS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "int8 w/o": (torch.float32, True)}
+
+
+def build_pair(folder):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
     hf.generation_config.eos_token_id = None  # always generate the full count
     hf.generation_config.pad_token_id = 0
-    with tempfile.TemporaryDirectory() as folder:
-        hf.save_pretrained(folder)
-        _, ours = load_checkpoint(folder)
-        stream_friendly_weights(ours)  # as `syntorch infer` does with the model it loads
-    return hf, ours
+    hf.save_pretrained(folder)
+    return hf, load_variant(folder, torch.float32, False)
+
+
+def load_variant(folder, dtype, quant: bool):
+    """Our model as `syntorch infer --dtype D [--quant int8_weight_only]` prepares it."""
+    _, model = load_checkpoint(folder, dtype=dtype)
+    if quant:
+        quantize_int8_weight_only(model)
+    stream_friendly_weights(model)
+    return model
+
+
+def streamed_bytes(model) -> int:
+    """Bytes a decode step must read: every matrix multiplied by (int8 ones with their scales), the head once."""
+    return sum(m.weight.numel() * m.weight.element_size() + sum(b.numel() * b.element_size() for b in m.buffers())
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def weight_matrices(model) -> list[torch.Tensor]:
@@ -110,6 +129,25 @@ def bench(hf, ours, weights, batch, args):
               f"{1e3 * percentile(steps[name], 50):.1f} ms)   whole run with prefill: {rate[name]:6.1f} tokens/s")
     print(f"  syntorch / HF: {best['hf'] / best['syntorch']:.2f}x per decode step, "
           f"{rate['syntorch'] / rate['hf']:.2f}x whole run")
+    return floor
+
+
+def bench_variants(folder, floor_s: float, fp32_bytes: int, batch: int, args) -> None:
+    """Decode tokens/s of each VARIANTS entry beside its memory-bandwidth floor: its streamed bytes over the
+    bandwidth the fp32 floor measured."""
+    bandwidth = fp32_bytes / floor_s
+    prompt = torch.randint(0, 50257, (batch, args.prompt_tokens), generator=torch.Generator().manual_seed(batch))
+    print(f"batch {batch}: decode by weight format (bandwidth {bandwidth / 1e9:.1f} GB/s from the fp32 floor)")
+    for name, (dtype, quant) in VARIANTS.items():
+        model = load_variant(folder, dtype, quant)
+        steps = []
+        with torch.inference_mode():
+            for _ in range(args.reps):
+                steps += run_syntorch(model, prompt, args.new_tokens)[2]
+        step, nbytes = percentile(steps, 10), streamed_bytes(model)
+        floor = nbytes / bandwidth
+        print(f"  {name:9s} {nbytes / 2**20:6.0f} MB streamed  {batch / step:7.1f} tokens/s  floor {batch / floor:7.1f} "
+              f"tokens/s  = {100 * floor / step:3.0f}% of its floor")
 
 
 def main():
@@ -118,13 +156,17 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=32)
+    parser.add_argument("--variants", action="store_true", help="also fp32, bf16 and int8 weight-only vs their floors")
     args = parser.parse_args()
-    hf, ours = build_pair()
-    weights = weight_matrices(ours)
-    print(f"GPT-2 124M, CPU fp32, {torch.get_num_threads()} threads, {args.prompt_tokens} prompt tokens, "
-          f"{args.new_tokens} new tokens, greedy, best of {args.reps}")
-    for batch in args.batch:
-        bench(hf, ours, weights, batch, args)
+    with tempfile.TemporaryDirectory() as folder:
+        hf, ours = build_pair(folder)
+        weights = weight_matrices(ours)
+        print(f"GPT-2 124M, CPU fp32, {torch.get_num_threads()} threads, {args.prompt_tokens} prompt tokens, "
+              f"{args.new_tokens} new tokens, greedy, best of {args.reps}")
+        for batch in args.batch:
+            floor = bench(hf, ours, weights, batch, args)
+            if args.variants:
+                bench_variants(folder, floor, streamed_bytes(ours), batch, args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from syntorch.config import ModelConfig, get_config, load_model_config
+from syntorch.config import ModelConfig, config_from_dict, get_config, load_model_config
 from syntorch.errors import UserError
 from syntorch.userfiles import read_json
 from syntorch.models import build_model
@@ -327,11 +327,11 @@ def _few(names) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
-    """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
-    (one file read per access) keeps at most one converted tensor beyond the result in memory."""
+def _checked_key_map(hf_names, config: ModelConfig) -> tuple[dict, dict, dict]:
+    """(our name -> (source, is_conv1d), canonical HF name -> stored name, our expected meta state dict), once
+    the HF names are checked to hold exactly this config's model."""
     fam = _family(config)
-    hf_keys = {_canonical(k, fam): k for k in hf_state_dict}
+    hf_keys = {_canonical(k, fam): k for k in hf_names}
     expected = build_model(config, device="meta").state_dict()
     key_map = _key_map(expected, config, fam)
     wanted = {s for source, _ in key_map.values() for s in ((source,) if isinstance(source, str) else source)}
@@ -343,6 +343,13 @@ def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> di
     if extra:
         raise UserError(f"checkpoint has tensor(s) {_few(hf_keys[k] for k in extra)} that {fam.architecture} does not; "
                         "is config.json the one saved with these weights?")
+    return key_map, hf_keys, expected
+
+
+def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
+    """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
+    (one file read per access) keeps at most one converted tensor beyond the result in memory."""
+    key_map, hf_keys, expected = _checked_key_map(hf_state_dict, config)
     out, done = {}, {}
     for key, (source, conv1d) in key_map.items():
         if source not in done:
@@ -350,9 +357,7 @@ def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> di
                  else hf_state_dict[hf_keys[source]])
             done[source] = t.t().contiguous() if conv1d else t
         out[key] = done[source]
-        if out[key].shape != expected[key].shape:
-            raise UserError(f"checkpoint tensor {source} has shape {list(out[key].shape)} but config.json implies "
-                            f"{list(expected[key].shape)}; the weights do not belong to this config.json")
+        _check_shape(source, tuple(out[key].shape), expected[key])
     return out
 
 
@@ -361,6 +366,10 @@ def _unfuse(t: torch.Tensor, c: ModelConfig, parts: int) -> tuple:
     if parts == 2:
         return t.chunk(2)
     return t.split([c.n_head * c.d_head, c.kv_heads * c.d_head, c.kv_heads * c.d_head])
+def _check_shape(source, shape: tuple, expected: torch.Tensor) -> None:
+    if shape != tuple(expected.shape):
+        raise UserError(f"checkpoint tensor {source} has shape {list(shape)} but config.json implies "
+                        f"{list(expected.shape)}; the weights do not belong to this config.json")
 
 
 def syntorch_to_hf_state_dict(model) -> dict:
@@ -416,12 +425,13 @@ def _weight_files(path: Path) -> list[Path]:
     raise UserError(f"no weights in {path}: expected model.safetensors or pytorch_model.bin (or a sharded index.json)")
 
 
-def _open_weights(files: list[Path]) -> dict:
-    """name -> zero-argument function that reads that tensor."""
+def _open_weights(files: list[Path], slices: bool = False) -> dict:
+    """name -> zero-argument function that reads that tensor (with `slices`: an object read only where indexed,
+    safetensors' get_slice, or the memory-mapped tensor of a .bin)."""
     getters = {}
     for f in files:
         try:
-            getters.update(_open_safetensors(f) if f.suffix == ".safetensors" else _open_bin(f))
+            getters.update(_open_safetensors(f, slices) if f.suffix == ".safetensors" else _open_bin(f, slices))
         except UserError:
             raise
         except Exception as e:  # any parse failure of a stranger's file: truncated, corrupt, not a state dict
@@ -431,21 +441,21 @@ def _open_weights(files: list[Path]) -> dict:
     return getters
 
 
-def _open_safetensors(f: Path) -> dict:
+def _open_safetensors(f: Path, slices: bool = False) -> dict:
     from safetensors import safe_open
 
     handle = safe_open(str(f), framework="pt")  # reads the header only; tensors are read on access
-    return {k: (lambda k=k: handle.get_tensor(k)) for k in handle.keys()}
+    return {k: handle.get_slice(k) if slices else (lambda k=k: handle.get_tensor(k)) for k in handle.keys()}
 
 
-def _open_bin(f: Path) -> dict:
+def _open_bin(f: Path, slices: bool = False) -> dict:
     # a pickle: only the restricted unpickler. mmap leaves the file's pages to the OS until they are used;
     # torch can map only the zip format (since torch 1.6), older files are read whole
     state = torch.load(f, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(f))
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                               for k, t in state.items()):
         raise UserError(f"weights file {f} is not a state dict of named tensors; save it with save_pretrained")
-    return {k: (lambda t=t: t) for k, t in state.items()}
+    return {k: t if slices else (lambda t=t: t) for k, t in state.items()}
 
 
 def _vocab_index(vocab: Path, token: str, default: int) -> int:
@@ -468,6 +478,8 @@ def checkpoint_config(path) -> ModelConfig:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"checkpoint folder not found: {path}")
+    if (path / SHARD_INDEX).is_file():
+        return read_shard_index(path).config
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json; give a HuggingFace model folder (config.json + weights)")
     hf_config = _read_json(path / "config.json")
@@ -522,3 +534,135 @@ def save_checkpoint(model, path, tokenizer=None, flag: str = "checkpoint folder"
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
         if tokenizer is not None:
             tokenizer.save(tmp)
+
+
+# ---- per-rank reads: our tensors sliced lazily from a HuggingFace folder, and `syntorch shard` folders
+
+
+class LazyTensor:
+    """One of our full tensors, in our layout, read from a HuggingFace folder only where indexed: `t[a:b]`
+    reads rows a..b, `t[:, a:b]` columns, `t[:]` everything, through safetensors' get_slice, so a TP rank
+    reads the bytes of its own slice (parallel/tensor.py's take_shard indexes it like a tensor).
+
+    `parts`: the HF tensors stacked along dim 0 into ours (GPT-J's q, k, v); `transposed`: HF stores them
+    [in, out] (GPT-2's Conv1D); floating tensors are read as (device, dtype), dtype None keeping the stored one."""
+
+    def __init__(self, parts: list, transposed: bool, device, dtype):
+        self._parts, self._transposed, self._device, self._dtype = parts, transposed, device, dtype
+        shapes = [tuple(p.get_shape() if hasattr(p, "get_shape") else p.shape) for p in parts]
+        shapes = [s[::-1] for s in shapes] if transposed else shapes
+        self._rows = [s[0] for s in shapes]
+        self._shape = (sum(self._rows), *shapes[0][1:])
+
+    def get_shape(self) -> tuple:
+        return self._shape
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        start, stop, _ = rows.indices(self._shape[0])
+        pieces, offset = [], 0
+        for part, n in zip(self._parts, self._rows):
+            a, b = max(start - offset, 0), min(stop - offset, n)
+            if a < b:
+                pieces.append(self._read(part, slice(a, b), cols))
+            offset += n
+        if not pieces:  # no rows: a TP rank whose vocabulary slice is all padding
+            return self._read(self._parts[0], slice(0, 0), cols)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _read(self, part, rows: slice, cols: slice) -> torch.Tensor:
+        if len(self._shape) == 1:
+            t = part[rows]
+        else:
+            t = part[cols, rows].t() if self._transposed else part[rows, cols]
+        keep = self._dtype is None or not t.is_floating_point()  # dtype None: as stored
+        return t.to(self._device, t.dtype if keep else self._dtype).contiguous()
+
+
+def lazy_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfig, dict]:
+    """(config, our name -> LazyTensor) of a HuggingFace folder, checked against its config.json; no tensor
+    data is read until a LazyTensor is indexed."""
+    config = checkpoint_config(path)
+    slices = _open_weights(_weight_files(Path(path)), slices=True)
+    key_map, hf_keys, expected = _checked_key_map(slices, config)
+    out = {}
+    for key, (source, conv1d) in key_map.items():
+        names = source if isinstance(source, tuple) else (source,)
+        out[key] = LazyTensor([slices[hf_keys[s]] for s in names], conv1d, device, dtype)
+        _check_shape(source, out[key].get_shape(), expected[key])
+    return config, out
+
+
+SHARD_INDEX = "syntorch_shards.json"  # what makes a folder a `syntorch shard` folder
+SHARD_FORMAT = "syntorch-shards"
+SHARD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A `syntorch shard` folder: one safetensors file per rank holding only that rank's slices."""
+    config: ModelConfig
+    tp: int
+    pp: int
+    files: dict  # global rank (stage * tp + tp rank, as parallel/mesh.py numbers them) -> file name
+    tensors: dict  # global rank -> the names of the tensors in its file
+    layers: dict  # global rank -> [first, last + 1] of the stage's layers
+
+    def to_dict(self) -> dict:
+        return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "tp": self.tp, "pp": self.pp,
+                "model_config": self.config.to_dict(),
+                "ranks": {str(r): {"file": self.files[r], "layers": self.layers[r], "tensors": self.tensors[r]}
+                          for r in sorted(self.files)}}
+
+
+def read_shard_index(path) -> ShardIndex:
+    """The index of a shard folder, every field checked (a stranger's JSON: known fields only)."""
+    index = Path(path) / SHARD_INDEX
+    d = _read_json(index)
+    if d.get("format") != SHARD_FORMAT or d.get("version") != SHARD_VERSION:
+        raise UserError(f"{index} is not a {SHARD_FORMAT} index of version {SHARD_VERSION}; re-run syntorch shard")
+    tp, pp, ranks = d.get("tp"), d.get("pp"), d.get("ranks")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (tp, pp)) or not isinstance(ranks, dict):
+        raise UserError(f"{index}: 'tp' and 'pp' must be positive integers and 'ranks' an object; re-run syntorch shard")
+    if set(ranks) != {str(r) for r in range(tp * pp)}:
+        raise UserError(f"{index} lists ranks {_few(ranks)} but tp {tp} x pp {pp} needs ranks 0..{tp * pp - 1}; "
+                        "re-run syntorch shard")
+    files, tensors, layers = {}, {}, {}
+    for r in range(tp * pp):
+        entry = ranks[str(r)]
+        ok = (isinstance(entry, dict) and isinstance(entry.get("file"), str) and Path(entry["file"]).name == entry["file"]
+              and isinstance(entry.get("tensors"), list) and all(isinstance(t, str) for t in entry["tensors"])
+              and isinstance(entry.get("layers"), list) and len(entry["layers"]) == 2)
+        if not ok:
+            raise UserError(f"{index}: rank {r} needs 'file' (a name in the folder), 'layers' and 'tensors'; "
+                            "re-run syntorch shard")
+        files[r], tensors[r], layers[r] = entry["file"], entry["tensors"], entry["layers"]
+    config = config_from_dict(d.get("model_config"), source=f"{index} model_config")
+    return ShardIndex(config, tp, pp, files, tensors, layers)
+
+
+def check_shard_layout(path, tp: int, pp: int) -> ShardIndex | None:
+    """For a shard folder (None for a HuggingFace one): the run's --tp/--pp must be the folder's, and every
+    rank's file present with the tensors its index names (safetensors checks each header against the file's
+    size, so a truncated file is caught here, before any rank starts)."""
+    if not (Path(path) / SHARD_INDEX).is_file():
+        return None
+    index = read_shard_index(path)
+    if (index.tp, index.pp) != (tp, pp):
+        raise UserError(f"{path} is sharded for --tp {index.tp} --pp {index.pp} but this run has --tp {tp} --pp {pp}; "
+                        f"run with --tp {index.tp} --pp {index.pp}, or re-shard the HuggingFace folder with "
+                        f"syntorch shard --tp {tp} --pp {pp}")
+    for rank in index.files:
+        rank_file(path, index, rank)
+    return index
+
+
+def rank_file(path, index: ShardIndex, rank: int) -> dict:
+    """name -> zero-argument reader of the tensors in `rank`'s file, checked against the index."""
+    f = Path(path) / index.files[rank]
+    if not f.is_file():
+        raise UserError(f"rank {rank}'s file {f} is missing; re-run syntorch shard into a new folder")
+    getters = _open_weights([f])
+    if sorted(getters) != sorted(index.tensors[rank]):
+        raise UserError(f"{f} does not hold the tensors {SHARD_INDEX} lists for rank {rank}; re-run syntorch shard")
+    return getters

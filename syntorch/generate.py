@@ -63,24 +63,28 @@ class GenerationResult:
 
 def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
     """Attach an empty KVCache for `batch` rows of up to `max_seq` positions to every attention layer."""
+    # the model's float dtype (a weight may be stored int8: syntorch/quant.py)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for attn in model.modules():
         if isinstance(attn, Attention):
             weight = attn.qkv.weight
             # K/V heads only (grouped-query attention), and this rank's, so a TP-sharded qkv works
             _, n_kv = attn.local_heads(weight.shape[0] // attn.d_head)
-            attn.kv_cache = KVCache(batch, n_kv, max_seq, attn.d_head, weight.dtype, weight.device)
+            attn.kv_cache = KVCache(batch, n_kv, max_seq, attn.d_head, dtype, weight.device)
 
 
 def stream_friendly_weights(model: torch.nn.Module) -> None:
     """Keep each CPU Linear weight [out, in] as a transposed view of [in, out] memory: same shapes and values,
     but `x @ weight.t()` then runs MKL's non-transposed product, which streams the weights ~1.3x faster when
-    decoding one row (bench/infer_speed.py), like HF GPT-2's Conv1D layout. Idempotent.
+    decoding one row (bench/infer_speed.py), like HF GPT-2's Conv1D layout. Idempotent. fp32 weights only: in
+    bf16/fp16 the same layout makes torch's CPU product ~4x slower, and int8 weights (quant.py) must stay [out, in].
 
     It moves the parameters' memory, so only the owner of a model calls it, once, after loading it for
     inference; `generate` never does (an optimizer, a training loop or a flat buffer may hold that memory)."""
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.is_contiguous():
+            if (isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+                    and m.weight.is_contiguous()):
                 m.weight.data = m.weight.data.t().contiguous().t()
 
 

@@ -10,6 +10,7 @@ Commands run in-process on tiny models (about 15 s in all)."""
 import json
 import random
 import shlex
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from syntorch.export import networkx_json
 from syntorch.hardware import PRESETS
 from syntorch.options import Parser
 from syntorch.outdir import MANIFEST
+from syntorch.shard import write_shards
 from syntorch.train.__main__ import main as train_module_main
 from syntorch.train.options import add_arguments as train_arguments
 
@@ -80,6 +82,12 @@ def ws(tmp_path_factory):
     make_squad(root / "squad.json")
     make_tokenizer(root / "tok")
     make_model(root / "bert", "bert-base-uncased")
+    make_model(root / "gpt2", "gpt2")  # tiny HF folder (2 layers, 4 heads) to shard
+    write_shards(root / "gpt2", root / "sharded", tp=2, pp=1)
+    for broken in ("norank", "truncated"):
+        shutil.copytree(root / "sharded", root / broken)
+    (root / "norank" / "rank00001.safetensors").unlink()
+    (root / "truncated" / "rank00001.safetensors").write_bytes((root / "sharded" / "rank00001.safetensors").read_bytes()[:999])
     return root
 
 
@@ -150,6 +158,7 @@ EXPORT = "export --input {ws}/graph.json --output {out}"
 COMM = "comm --input {ws}/graph.json --html {out}"
 CALIBRATE = "calibrate --seconds 0.01 --output {out}"
 CONVERT = "convert --host {ws}/host.json --device {ws}/device.json --rank 0 --output {out}"
+SHARD = "shard --checkpoint {ws}/gpt2 --tp 2 --out {out}"
 TRAIN = ("train gpt2 --data {ws}/squad.json --tokenizer {ws}/tok --model_config {ws}/tiny.json --device cpu "
          "--max-seq-length 32 --save-dir {out}")
 
@@ -375,6 +384,29 @@ CASES = [
     ]),
 ]
 FORCE = {"infer", "trace", "export", "train", "predict"}  # the commands with --force, added when an earlier run is there
+    *cases(INFER, "out/", [
+        ("--checkpoint {ws}/sharded", "is sharded for --tp 2 --pp 1 but this run has --tp 1 --pp 1"),
+        ("--checkpoint {ws}/norank --tp 2", "rank 1's file"),
+        ("--checkpoint {ws}/truncated --tp 2", "corrupt or truncated"),
+        ("--quant_head", "--quant_head quantizes the LM head too; it needs --quant int8_weight_only"),
+        ("--quant int4", "argument --quant: invalid choice: 'int4'"),
+    ]),
+    *cases(SHARD, "out/", [
+        ("--tp 3", "--tp 3 does not divide"),
+        ("--pp 5", "--pp 5 is larger than the model's 2 layers"),
+        ("--checkpoint {ws}/sharded", "is already a sharded folder; give the HuggingFace folder"),
+        ("--checkpoint {ws}/missing", "checkpoint folder not found"),
+        ("--checkpoint {ws}/noweights", "model.safetensors"),
+        ("--checkpoint {ws}/badckpt", "config.json is not valid JSON"),
+        ("--pp x", "argument --pp: invalid int value: 'x'"),
+    ]),
+    *cases(SHARD.replace("{out}", ""), "", [
+        ("{userfile}", "exists and is not a folder"),
+        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{earlier}", "pass --force to replace them"),
+    ]),
+]
+FORCE = {"infer", "trace", "export", "train", "shard"}  # the commands with --force, added when an earlier run is there
 
 
 def run_case(case: Case, variant: str, ws: Path, case_dir: Path, capsys, entry=main, prog=None):
@@ -456,7 +488,7 @@ ZERO_MEANS_SOMETHING = {
     "convert": {"--rank"},
     "comm": {"--noise_level"},
 }
-RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM,
+RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM, "shard": SHARD,
             "convert": CONVERT.replace("{out}", "{case}/gpt2.0.et")}
 INTS = [(command, flag, value) for command, parser in commands().items() for flag in options(parser, int)
         for value in ("-1", "0", str(2**63)) if value != "0" or flag not in ZERO_MEANS_SOMETHING.get(command, ())]

@@ -14,11 +14,11 @@ LAYERS = [
               "syntorch.options"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
     ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints"]),
-    ("parallel", ["syntorch.parallel"]),
+    ("parallel", ["syntorch.parallel", "syntorch.quant"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),
     ("simulate", ["syntorch.simulate"]),  # reads TraceGraphs and Chakra files, predicts for the runs above
-    ("runs", ["syntorch.inference", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
+    ("runs", ["syntorch.inference", "syntorch.shard", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
     ("cli", ["syntorch.cli"]),
     ("package", ["syntorch"]),  # its __init__ (lazy CommDebugMode for users)
 ]

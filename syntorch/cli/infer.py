@@ -17,9 +17,13 @@ def add_parser(sub) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
-    m.add_argument("--checkpoint", help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin)")
+    m.add_argument("--checkpoint", help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin), "
+                   "or a folder written by syntorch shard for this --tp")
     m.add_argument("--device", default="cpu", help="cpu, cuda or meta (symbolic: no memory, no real numbers)")
     m.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    m.add_argument("--quant", choices=["int8_weight_only"], default=None,
+                   help="int8 weights with one scale per output channel, dequantized in the matmul (cpu, meta)")
+    m.add_argument("--quant_head", action="store_true", help="with --quant: quantize the LM head too")
     g = p.add_argument_group("generation")
     g.add_argument("--num_input_tokens", type=int, default=10, help="prompt length when ids are drawn at random")
     # default None, not 20: an encoder refuses the option only when it is given

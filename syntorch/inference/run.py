@@ -22,14 +22,13 @@ from syntorch.config import torch_dtype
 from syntorch.errors import UserError
 from syntorch.generate import stream_friendly_weights
 from syntorch.inference.outputs import RunOutputs, write_run_outputs
-from syntorch.inference.spec import (InferenceSpec, check_fits_model, load_model, make_prompt, resolve_config,
-                                     run_model, run_record, sampling_of, write_run_json)
+from syntorch.inference.spec import (InferenceSpec, check_checkpoint_layout, check_fits_model, load_model,
+                                     make_prompt, resolve_config, run_model, run_record, sampling_of, write_run_json)
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.launch import check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.pipeline import split_stage
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, check_pipeline, stage_of
-from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.parallel.tensor import check_tp
 from syntorch.trace.generation import trace_pp_symbolic, trace_run, trace_tp_run
 from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
@@ -47,6 +46,7 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
     prompt = make_prompt(spec, config)  # each rank of a real run makes the same one from the seed
     check_tp(config, spec.tp)
     check_pipeline(config, spec.pp, spec.sp)
+    check_checkpoint_layout(spec)
     if torch.device(spec.device).type == "meta":
         return _in_output_dir(out_dir, force, lambda tmp: _symbolic(spec, config, prompt, tmp, outputs))
     if spec.pp > 1 and outputs.any:
@@ -138,13 +138,11 @@ def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
     chain = chain_group(mesh) if spec.pp > 1 else None
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
-    model = load_model(spec, config)  # full weights (checkpoint or seeded), then only our stage and shard kept
-    if spec.tp > 1:
-        apply_tp(model, groups.tp, spec.sp)
-    forward = None
-    if spec.pp > 1:  # after TP, as apply_plans: a tied head is sharded like the embedding while both exist
-        forward = PipelineForward(groups, chain, config.n_layer, spec.beam_width)
-        split_stage(model, stage_of(groups, config.n_layer))
+    stage = stage_of(groups, config.n_layer) if spec.pp > 1 else None
+    # only this rank's stage and shard (TP before the stage cut, as apply_plans: a tied head is sharded like
+    # the embedding while both exist)
+    model = load_model(spec, config, groups.tp if spec.tp > 1 else None, stage)
+    forward = PipelineForward(groups, chain, config.n_layer, spec.beam_width) if spec.pp > 1 else None
     stream_friendly_weights(model)
     graph, result = _run(spec, config, model, prompt, outputs, forward, rank=rank, world_size=world,
                          meta={"tp": spec.tp, "pp": spec.pp, "sequence_parallel": spec.sp})

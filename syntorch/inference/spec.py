@@ -10,13 +10,16 @@ from pathlib import Path
 
 import torch
 
-from syntorch.checkpoints import load_checkpoint, resolve_model_config
+from syntorch.checkpoints import check_shard_layout, resolve_model_config
 from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
 from syntorch.fill_mask import predict_masked
 from syntorch.generate import Sampling, check_context, generate, left_pad
 from syntorch.models import build_model
-from syntorch.parallel.tensor import check_sp
+from syntorch.parallel.pipeline import Stage, split_stage
+from syntorch.parallel.tensor import apply_tp, check_sp
+from syntorch.quant import check_quant, quantize_int8_weight_only
+from syntorch.shard import load_rank_model
 from syntorch.userfiles import read_lines
 
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens
@@ -47,6 +50,8 @@ class InferenceSpec:
     tp: int = 1
     sp: bool = False
     pp: int = 1
+    quant: str | None = None  # "int8_weight_only" (syntorch/quant.py)
+    quant_head: bool = False  # quantize the LM head too
 
     def __post_init__(self):
         """Every option's own check, once, when the spec is made."""
@@ -72,6 +77,7 @@ class InferenceSpec:
             if getattr(self, flag) is not None and self.tokenizer is None:
                 raise UserError(f"--{flag} needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
         check_device(self.device)
+        check_quant(self.quant, self.quant_head, self.device)
 
     @property
     def output_tokens(self) -> int:
@@ -111,12 +117,26 @@ def _default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def load_model(spec: InferenceSpec, config: ModelConfig):
-    """The full (unsharded) model: loaded from --checkpoint, or random with the seed."""
+def load_model(spec: InferenceSpec, config: ModelConfig, tp_group=None, stage: Stage | None = None):
+    """The model this rank runs, TP-sharded over `tp_group` and cut to pipeline `stage` when given. From
+    --checkpoint each rank reads only its own weights (its file of a `syntorch shard` folder, or its slices of
+    a HuggingFace folder); random weights are drawn whole from the seed, as one process draws them, then cut."""
     if spec.checkpoint:
-        return load_checkpoint(spec.checkpoint, device=spec.device, dtype=torch_dtype(spec.dtype))[1]
+        return load_rank_model(config, spec.checkpoint, spec.device, torch_dtype(spec.dtype), tp_group, spec.sp,
+                               stage)
     torch.manual_seed(spec.seed)
-    return build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
+    model = build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
+    if tp_group is not None:
+        apply_tp(model, tp_group, spec.sp)
+    if stage is not None:  # after TP, which ties the head to the embedding both still hold
+        split_stage(model, stage)
+    return model
+
+
+def check_checkpoint_layout(spec: InferenceSpec) -> None:
+    """A `syntorch shard` folder serves only the --tp/--pp it was cut for, with every rank's file whole."""
+    if spec.checkpoint:
+        check_shard_layout(spec.checkpoint, spec.tp, spec.pp)
 
 
 @dataclass
@@ -213,6 +233,8 @@ def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, p
     """What the model does at inference, the same in every kind of run: a decoder generates
     (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction). `forward`:
     a pipeline stage's (generate.LocalForward otherwise)."""
+    if spec.quant:  # here, after loading and TP, so a symbolic run (whose model the tracer builds) quantizes too
+        quantize_int8_weight_only(model, head=spec.quant_head)
     if config.encoder:
         return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
                               lengths=[len(row) for row in prompt.rows])
@@ -228,6 +250,8 @@ def run_record(spec: InferenceSpec, config: ModelConfig, prompt: Prompt, result)
         "batch_size": len(prompt.pads), "seed": spec.seed,
         "input_ids": prompt.rows, "model_config": config.to_dict(),
     }
+    if spec.quant:
+        record["quant"] = {"mode": spec.quant, "head": spec.quant_head}
     symbolic = torch.device(spec.device).type == "meta"
     if symbolic:
         record["symbolic"] = True

@@ -40,7 +40,7 @@ def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
     for name, p in model.named_parameters():
         module, _, param = name.rpartition(".")
         style = styles.get(module, "replicated")
-        total += take_shard(style, param, p, 0, plan.tp, vocab, config.d_head).numel() if plan.tp > 1 else p.numel()
+        total += take_shard(style, param, p, 0, plan.tp, vocab, config.d_head, config.kv_heads).numel() if plan.tp > 1 else p.numel()
     return total
 
 

@@ -1,0 +1,26 @@
+"""`syntorch shard --checkpoint HF_DIR --tp N --pp M --out DIR`: a HuggingFace folder cut into one safetensors
+file per rank (FasterTransformer's `gptj_ckpt_convert.py --n-inference-gpus N`), which
+`syntorch infer --checkpoint DIR --tp N` then loads rank by rank (syntorch/shard.py)."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("shard", help="cut a HuggingFace checkpoint into one file per TP/PP rank")
+    p.add_argument("--checkpoint", "--ckpt-dir", dest="checkpoint", required=True,
+                   help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin)")
+    p.add_argument("--tp", "--n-inference-gpus", dest="tp", type=int, default=1, at_least=1,
+                   help="tensor-parallel degree the shards are for")
+    p.add_argument("--pp", type=int, default=1, at_least=1, help="pipeline stages the shards are for")
+    p.add_argument("--out", "--output-dir", dest="out", required=True, help="folder to write (rank files + index)")
+    p.add_argument("--force", action="store_true", help="replace an earlier syntorch shard folder in --out")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from syntorch.shard import write_shards
+
+    index = write_shards(args.checkpoint, args.out, args.tp, args.pp, force=args.force)
+    for rank, name in sorted(index.files.items()):
+        first, stop = index.layers[rank]
+        print(f"rank {rank} (stage {rank // index.tp}, tp rank {rank % index.tp}): layers {first}..{stop - 1}, "
+              f"{len(index.tensors[rank])} tensors -> {args.out}/{name}")
+    return 0

@@ -1,0 +1,158 @@
+"""Per-rank checkpoints: `syntorch shard` cuts a HuggingFace folder into one safetensors file per rank, and a
+rank of `syntorch infer` loads only its own weights (from its file, or its slices of a HuggingFace folder).
+
+Which part of which tensor a rank holds comes from the plans, never from one family's names:
+- the pipeline plan (parallel/pipeline.py): stage s owns the layers stage_layers gives it, the first stage the
+  embeddings, the last the head; split_stage on a meta model says which tensors remain;
+- the TP plan (parallel/tensor.py): a tensor of a module with a style is cut as take_shard cuts it (columns,
+  rows, q/k/v by heads, vocabulary rows padded to Megatron's multiple); every other tensor (LayerNorms,
+  row-parallel biases) is copied whole.
+A family that gets a TP plan and stage layers therefore shards with no change here. Reads go through
+checkpoints.LazyTensor (safetensors' get_slice), so neither the writer nor a rank holds more than one rank's
+tensors, plus the one tensor in flight.
+
+Ranks are numbered as parallel/mesh.py does (TP innermost): rank = stage * tp + tp_rank.
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from syntorch.checkpoints import SHARD_INDEX, ShardIndex, check_shard_layout, lazy_checkpoint, rank_file
+from syntorch.config import ModelConfig
+from syntorch.errors import UserError
+from syntorch.models import build_model
+from syntorch.outdir import atomic_output_dir
+from syntorch.parallel.pipeline import Stage, split_stage, stage_layers
+from syntorch.parallel.tensor import TPPlan, apply_tp, check_tp, padded_vocab, plan_for, take_shard
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def stages(config: ModelConfig, pp: int) -> list[Stage]:
+    return [Stage(s, pp, layers) for s, layers in enumerate(stage_layers(config.n_layer, pp))]
+
+
+def stage_model(config: ModelConfig, stage: Stage | None, dtype=torch.float32) -> nn.Module:
+    """The model on meta with only what `stage` owns (the whole model without a stage)."""
+    model = build_model(config, device="meta", dtype=dtype)
+    return model if stage is None or stage.count == 1 else split_stage(model, stage)
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with each tensor once (a tied head is stored as the embedding)."""
+    seen, out = set(), {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the name unique_state keeps for the same tensor (the tied head -> the embedding)."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def rank_tensors(names, full: dict, styles: dict[str, str], tp_rank: int, tp: int,
+                 config: ModelConfig) -> dict[str, torch.Tensor]:
+    """This TP rank's part of each named tensor: cut by its module's style, whole without one."""
+    vocab_pad = padded_vocab(config.vocab_size, tp)
+    out = {}
+    for name in names:
+        module, _, param = name.rpartition(".")
+        style = styles.get(module, "replicated")
+        out[name] = take_shard(style, param, full[name], tp_rank, tp, vocab_pad, config.d_head, config.kv_heads).contiguous()
+    return out
+
+
+def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> ShardIndex:
+    """`syntorch shard`: one safetensors file per rank plus SHARD_INDEX, written into a folder that appears
+    whole or not at all. Tensors keep the checkpoint's dtype; a run casts them to its --dtype."""
+    from safetensors.torch import save_file
+
+    if (Path(checkpoint) / SHARD_INDEX).is_file():
+        raise UserError(f"{checkpoint} is already a sharded folder; give the HuggingFace folder it was made from")
+    config, full = lazy_checkpoint(checkpoint, dtype=None)
+    check_tp(config, tp)
+    layout = stages(config, pp)
+    files, tensors, layers = {}, {}, {}
+    with atomic_output_dir(out_dir, force, "--out") as tmp:
+        for stage in layout:
+            model = stage_model(config, stage)
+            styles = plan_for(model, sequence_parallel=False) if tp > 1 else {}
+            for tp_rank in range(tp):
+                rank = stage.index * tp + tp_rank
+                part = rank_tensors(unique_state(model), full, styles, tp_rank, tp, config)
+                files[rank], tensors[rank] = rank_file_name(rank), sorted(part)
+                layers[rank] = [stage.layers.start, stage.layers.stop]
+                save_file(part, str(tmp / files[rank]), metadata={"format": "pt"})
+                del part
+        index = ShardIndex(config, tp, pp, files, tensors, layers)
+        (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")
+        for name in files.values():  # safetensors writes 0600; give the files the index's mode (umask applied)
+            os.chmod(tmp / name, (tmp / SHARD_INDEX).stat().st_mode & 0o777)
+    return index
+
+
+def load_rank_model(config: ModelConfig, checkpoint, device, dtype, tp_group=None, sequence_parallel: bool = False,
+                    stage: Stage | None = None) -> nn.Module:
+    """The model one rank runs, reading only its own weights: built on meta, cut to `stage`, TP applied over
+    `tp_group` (a MeshGroups or ProcessGroup; None: no TP), then filled from `checkpoint` (a shard folder:
+    this rank's file; a HuggingFace folder: this rank's slices)."""
+    model = build_model(config, device="meta", dtype=dtype)
+    plan = apply_tp(model, tp_group, sequence_parallel) if tp_group is not None else None
+    if stage is not None and stage.count > 1:  # after TP, which ties the head to the embedding both hold
+        split_stage(model, stage)
+    load_rank_weights(model, checkpoint, device, dtype, plan, stage)
+    return model.eval()
+
+
+def load_rank_weights(model: nn.Module, checkpoint, device, dtype, plan: TPPlan | None = None,
+                      stage: Stage | None = None) -> None:
+    """Fill `model` (on meta, already cut and TP-sharded) with this rank's tensors, assigned in place."""
+    config, names = model.config, unique_state(model)
+    tp, tp_rank = (plan.tp, plan.rank) if plan else (1, 0)
+    pp, stage_index = (stage.count, stage.index) if stage else (1, 0)
+    index = check_shard_layout(checkpoint, tp, pp)
+    if index is not None:
+        getters = rank_file(checkpoint, index, stage_index * tp + tp_rank)
+        state = {n: _cast(getters[n](), device, dtype) for n in names if n in getters}
+    else:
+        _, full = lazy_checkpoint(checkpoint, device, dtype)
+        state = rank_tensors(names, full, plan.styles if plan else {}, tp_rank, tp, config)
+    _check_rank_state(state, names, checkpoint)
+    aliases = _aliases(model)
+    model.load_state_dict(state, strict=False, assign=True)
+    for alias, kept in aliases.items():  # re-tie what assign replaced on one side only
+        parent, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, model.get_parameter(kept))
+    unfilled = [n for n, t in model.state_dict().items() if t.is_meta]
+    if unfilled:
+        raise RuntimeError(f"tensors {unfilled} were left unloaded (on meta); the rank's names disagree with the model's")
+
+
+def _cast(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
+
+def _check_rank_state(state: dict, expected: dict, checkpoint) -> None:
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise UserError(f"{checkpoint}: this rank's file lacks {missing[0]}; the folder was sharded for another "
+                        "model or layout, re-run syntorch shard")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise UserError(f"{checkpoint}: {name} has shape {list(t.shape)} where this rank needs "
+                            f"{list(expected[name].shape)}; re-run syntorch shard for this --tp/--pp")
+
