@@ -231,6 +231,13 @@ def tag(microbatch: int, backward: bool, boundary: int = 0, virtual: int = 1) ->
     return 2 * (microbatch * virtual + boundary) + int(backward)
 
 
+def wait_sends(works: list) -> None:
+    """Wait for the send works send_forward/send_backward returned (None: nothing was sent)."""
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 def send_forward(x: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1):
     """Returns the send's work, or None: the caller waits on it at the end of the schedule, so a stage never
     waits for its peer to reach the matching recv (with interleaving, the peer may first send it something)."""

@@ -92,7 +92,7 @@ class PipelineForward:
         R, T = idx.shape
         size = microbatch_rows(R // self.beam_width, T, self.stage.count) * self.beam_width
         param = next(model.parameters())
-        self.device, outs = param.device, []
+        self.device, outs, sends = param.device, [], []
         for r0 in range(0, R, size):
             rows = slice(r0, r0 + size)
             with _cache_rows(model, rows):
@@ -103,10 +103,11 @@ class PipelineForward:
                     x = pp_.recv_forward(shape, param.dtype, param.device, self.groups, self.sent)
                 y = pp_.stage_forward(model, x, start=start, last_only=True,
                                       **{k: v[rows] for k, v in inputs.items()})
-                pp_.send_forward(y, self.groups, self.sent)
+                sends.append(pp_.send_forward(y, self.groups, self.sent))
             self.sent += 1
             if self.stage.last:
                 outs.append(y[:, -1])
+        pp_.wait_sends(sends)  # every micro-batch on its way before this stage waits on the chosen tokens
         _reordered(model)
         return torch.cat(outs) if self.stage.last else None
 

@@ -227,7 +227,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
                 if on_step:
                     on_step("F", m, 0)
                 _forward(run, tokens, m, phase, sends)
-        _wait(sends)
+        pp_.wait_sends(sends)
         return None
     order = pp_.schedule(plan.schedule, stage.index, plan.pp, len(batches), plan.virtual_stages)
     inputs, outputs, losses = {}, {}, []
@@ -251,7 +251,7 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
             if not stage.holds_input(c):
                 sends.append(pp_.send_backward(x.grad, links, m, stage.in_boundary(c), plan.virtual_stages))
     with phase("backward"):
-        _wait(sends)
+        pp_.wait_sends(sends)
         run.grad_sync.finish()
     if on_step:
         on_step("optimizer", None, None)
@@ -283,7 +283,3 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
     return x, y
 
 
-def _wait(sends: list) -> None:
-    for work in sends:
-        if work is not None:
-            work.wait()
