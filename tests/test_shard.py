@@ -190,3 +190,27 @@ def test_int8_under_tp_quantizes_each_ranks_own_slice(gpt2_dir, tmp_path):
         assert torch.allclose(q.scale, full.abs().amax(1) / 127)
         deq = torch.tensor(q.tolist(), dtype=torch.float32) * q.scale[:, None]
         assert (deq - full).abs().max() <= q.scale.max() / 2 + 1e-7
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_gqa_and_moe_shards_serve_tp2_and_pp2_with_the_one_process_tokens(family, tmp_path):
+    """Llama's grouped-query qkv (8 query heads, 2 K/V heads) and fused [gate; up], and Mixtral's experts, cut
+    by the TP plan from a HuggingFace folder: TP 2 and PP 2 from shard files, and TP 2 reading the folder
+    lazily, generate what one process does with the whole checkpoint."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)) if family == "llama" else
+             transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)  # logits far from flat: greedy ties cannot flip
+    model.save_pretrained(tmp_path / "hf")
+    want = infer(tmp_path / "hf", tmp_path / "one", 1, 8)
+    write_shards(tmp_path / "hf", tmp_path / "tp2", tp=2, pp=1)
+    assert infer(tmp_path / "tp2", tmp_path / "a", 2, 8) == want
+    assert infer(tmp_path / "hf", tmp_path / "b", 2, 8) == want
+    write_shards(tmp_path / "hf", tmp_path / "pp2", tp=1, pp=2)
+    spec = InferenceSpec(checkpoint=str(tmp_path / "pp2"), pp=2, temperature=0, input_ids=PROMPT,
+                         num_output_tokens=8)
+    assert run_inference(spec, tmp_path / "c")["output_ids"][0] == want
