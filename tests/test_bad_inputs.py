@@ -382,8 +382,6 @@ CASES = [
         ("--mode infer --recompute selective", "--recompute selective recomputes activations in backward"),
         ("--recompute some", "argument --recompute: invalid choice: 'some'"),
     ]),
-]
-FORCE = {"infer", "trace", "export", "train", "predict"}  # the commands with --force, added when an earlier run is there
     *cases(INFER, "out/", [
         ("--checkpoint {ws}/sharded", "is sharded for --tp 2 --pp 1 but this run has --tp 1 --pp 1"),
         ("--checkpoint {ws}/norank --tp 2", "rank 1's file"),
@@ -406,7 +404,7 @@ FORCE = {"infer", "trace", "export", "train", "predict"}  # the commands with --
         ("{earlier}", "pass --force to replace them"),
     ]),
 ]
-FORCE = {"infer", "trace", "export", "train", "shard"}  # the commands with --force, added when an earlier run is there
+FORCE = {"infer", "trace", "export", "train", "predict", "shard"}  # the commands with --force, added when an earlier run is there
 
 
 def run_case(case: Case, variant: str, ws: Path, case_dir: Path, capsys, entry=main, prog=None):
