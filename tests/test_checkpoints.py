@@ -8,7 +8,8 @@ import transformers as hf
 from safetensors.torch import load_file, save_file
 
 import syntorch.checkpoints as ckpt
-from syntorch.checkpoints import hf_to_syntorch_state_dict, load_checkpoint, save_checkpoint
+from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.hf_format import hf_to_syntorch_state_dict
 from syntorch.errors import UserError
 from syntorch.models import build_model
 from conftest import tiny_config

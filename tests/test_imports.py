@@ -13,7 +13,7 @@ LAYERS = [
     ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console",
               "syntorch.options"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
-    ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints"]),
+    ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints", "syntorch.hf_format"]),
     ("parallel", ["syntorch.parallel", "syntorch.quant"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers as hf
 
-from syntorch.checkpoints import hf_config_to_model_config, load_checkpoint, save_checkpoint
+from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.hf_format import hf_config_to_model_config
 from syntorch.errors import UserError
 from syntorch.generate import Sampling, clear_caches, generate, setup_caches
 from syntorch.models import build_model
