@@ -17,3 +17,12 @@ def tiny_config(base: str = "gpt2", **overrides):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and OpenMP threads crawl when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_config
+from plan_steps import global_batch, reference_step
 from test_pipeline import _nodes_by_members, distinct_bodies
 
 from syntorch.chakra.validate import check_traces
@@ -74,24 +74,6 @@ REAL = TrainPlan(dp=2, cp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2
 BASES = ("gpt2", "gptj-6b")  # learned positions and rotary
 
 
-def global_batch(plan, config):
-    tokens = torch.randint(0, config.vocab_size, (plan.dp * plan.microbatches * plan.micro_batch_size, plan.seq + 1),
-                           generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference(plan, config):
-    """One process: the global batch's mean loss and its gradients."""
-    from syntorch.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model(config, "cpu").train()
-    x, y = global_batch(plan, config)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def real_rank(out_dir: str) -> None:
     from syntorch.parallel import plans
     from syntorch.parallel.launch import init_distributed
@@ -105,13 +87,13 @@ def real_rank(out_dir: str) -> None:
         groups = init_groups(REAL.mesh, config.tied_head)
         torch.manual_seed(0)
         run = plans.apply_plans(config, REAL, groups, "cpu")
-        x, y = global_batch(REAL, config)
+        x, y = global_batch(config, REAL)
         n, b = REAL.microbatches * REAL.micro_batch_size, REAL.micro_batch_size
         dp_idx = REAL.mesh.coords(rank)[0]
         batches = [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
         with Tracer(run.model, rank=rank, world_size=world, default_phase=None) as tracer:
             loss = plans.train_step(run, batches, tracer.phase)
-        ref_loss, ref_grads = reference(REAL, config)
+        ref_loss, ref_grads, _ = reference_step(config, REAL)
         results[base] = {
             "loss": loss.item(), "ref_loss": ref_loss,
             "grad_err": max((p.grad - ref_grads[name]).abs().max().item() for name, p in run.model.named_parameters()),

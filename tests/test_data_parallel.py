@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_config
+from plan_steps import global_batch, reference_step
 
 from syntorch.parallel.data import make_buckets
 from syntorch.parallel.plans import TrainPlan
@@ -68,26 +68,6 @@ def test_optimizer_updates_each_ranks_zero_shard():
 REAL = TrainPlan(dp=2, tp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)
 
 
-def global_batch(plan):
-    tokens = torch.randint(0, CONFIG.vocab_size, (plan.dp * plan.microbatches * plan.micro_batch_size, plan.seq + 1),
-                           generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference_step(plan):
-    """The same step in one process: mean loss over the global batch, its gradients, one AdamW step."""
-    from syntorch.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model(CONFIG, "cpu").train()
-    x, y = global_batch(plan)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    torch.optim.AdamW(model.parameters(), lr=plan.lr, foreach=True).step()
-    return loss.item(), grads, dict(model.named_parameters())
-
-
 def real_rank(out_dir: str) -> None:
     """DDP and ZeRO-1 steps on this rank from the same initial weights; results to out_dir/rank{r}.json."""
     import dataclasses
@@ -114,7 +94,7 @@ def real_rank(out_dir: str) -> None:
 
 
 def my_batches(plan, rank):
-    x, y = global_batch(plan)
+    x, y = global_batch(CONFIG, plan)
     n, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
     dp_idx = plan.mesh.coords(rank)[0]
     return [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
@@ -126,7 +106,7 @@ def errors_against_reference(run, plan, rank) -> dict:
     1e-7 difference in a 1e-8 gradient flips; everywhere they must move by at most the learning rate."""
     from syntorch.parallel.tensor import take_shard
 
-    ref_loss, ref_grads, ref_params = reference_step(plan)
+    ref_loss, ref_grads, ref_params = reference_step(CONFIG, plan)
     tp_rank = plan.mesh.coords(rank)[2]
 
     def shard(name, full):

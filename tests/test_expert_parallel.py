@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_config
+from plan_steps import global_batch, reference_step
 
 from syntorch.cli import main
 from syntorch.chakra.validate import check_traces
@@ -59,9 +59,7 @@ def test_symbolic_all_to_alls_carry_the_routed_rows():
     assert sum(d["bytes"] for _, d in graph.collectives() if d["collective"] == "all_reduce") == dense
 
 
-def global_batch(n, seq):
-    tokens = torch.randint(0, MOE.vocab_size, (n, seq + 1), generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
+EP2 = TrainPlan(dp=2, ep=2, microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
 
 
 def ep_rank(out_dir: str) -> None:
@@ -70,10 +68,10 @@ def ep_rank(out_dir: str) -> None:
     from syntorch.parallel.mesh import init_groups
 
     rank, _ = init_distributed("cpu")
-    plan = TrainPlan(dp=2, ep=2, microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
+    plan = EP2
     torch.manual_seed(0)
     run = plans.apply_plans(MOE, plan, init_groups(plan.mesh, MOE.tied_head), "cpu")
-    x, y = global_batch(8, plan.seq)
+    x, y = global_batch(MOE, plan)
     mine = [(x[i:i + 2], y[i:i + 2]) for i in range(rank * 4, rank * 4 + 4, 2)]
     loss = plans.train_step(run, mine)
     first = run.model.layers["0"].mlp.first_expert
@@ -89,26 +87,21 @@ def ep_rank(out_dir: str) -> None:
 
 
 def test_real_ep2_step_equals_one_process(tmp_path):
-    from syntorch.models import build_model
     from syntorch.parallel.launch import spawn
 
     spawn(ep_rank, 2, (str(tmp_path),))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    torch.manual_seed(0)
-    model = build_model(MOE, "cpu").train()
-    x, y = global_batch(8, 8)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(loss.item(), abs=1e-5)
+    ref_loss, ref_grads, _ = reference_step(MOE, EP2)
+    assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(ref_loss, abs=1e-5)
     experts_seen = set()
-    for name, p in model.named_parameters():
+    for name, grad in ref_grads.items():
         holders = [r["grads"][name] for r in ranks if name in r["grads"]]
         assert holders, name
         if ".experts." in name:
             assert len(holders) == 1  # each expert lives on one EP rank
             experts_seen.add(name.split(".experts.")[1].split(".")[0])
         for g in holders:
-            torch.testing.assert_close(torch.tensor(g), p.grad, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(torch.tensor(g), grad, atol=1e-5, rtol=1e-4)
     assert experts_seen == {"0", "1", "2", "3"}
 
 

@@ -6,8 +6,8 @@ import json
 import networkx as nx
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_config
+from plan_steps import global_batch, reference_step
 
 from syntorch.errors import UserError
 from syntorch.parallel.plans import TrainPlan
@@ -98,25 +98,6 @@ REAL = {"dp2_tp2_sp": TrainPlan(dp=2, tp=2, sp=True, zero=3, microbatches=2, mic
         "dp2_cp2": TrainPlan(dp=2, cp=2, zero=3, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)}
 
 
-def global_batch(plan):
-    tokens = torch.randint(0, CONFIG.vocab_size, (plan.dp * plan.microbatches * plan.micro_batch_size, plan.seq + 1),
-                           generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference_step(plan):
-    from syntorch.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model(CONFIG, "cpu").train()
-    x, y = global_batch(plan)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    torch.optim.AdamW(model.parameters(), lr=plan.lr, foreach=True).step()
-    return loss.item(), grads, {n: p.detach() for n, p in model.named_parameters()}
-
-
 def real_rank(out_dir: str) -> None:
     from syntorch.parallel import plans
     from syntorch.parallel.launch import init_distributed
@@ -129,7 +110,7 @@ def real_rank(out_dir: str) -> None:
         groups = init_groups(plan.mesh, CONFIG.tied_head)
         torch.manual_seed(0)
         run = plans.apply_plans(CONFIG, plan, groups, "cpu")
-        x, y = global_batch(plan)
+        x, y = global_batch(CONFIG, plan)
         n, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
         dp_idx = plan.mesh.coords(rank)[0]
         batches = [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
@@ -147,7 +128,7 @@ def errors(run, plan, rank) -> dict:
     updated parameters (all-gathered) where the gradient is not tiny (Adam's first step is g / (|g| + eps))."""
     from syntorch.parallel.tensor import take_shard
 
-    ref_loss, ref_grads, ref_params = reference_step(plan)
+    ref_loss, ref_grads, ref_params = reference_step(CONFIG, plan)
     tp_rank = plan.mesh.coords(rank)[2]
     tied = {"lm_head.weight": "tok_emb.weight"}
 

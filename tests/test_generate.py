@@ -19,13 +19,7 @@ GREEDY = Sampling(temperature=0)
 PAD = 127  # HF needs a pad id; prompts below never contain it
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models gain nothing from a second thread, and OpenMP threads crawl when the cores are busy
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_hf(family: str):

@@ -20,13 +20,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               eos_token_id=0, pad_token_id=VOCAB - 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models gain nothing from a second thread, and OpenMP threads crawl when the cores are busy
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(family: str):

@@ -12,7 +12,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.pipeline import schedule
 from syntorch.parallel.plans import TrainPlan
-from syntorch.simulate.chakra_files import RANK_KINDS, predict_traces
+from syntorch.simulate.chakra_files import predict_traces
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program, kind_programs
 from syntorch.simulate.predict import predict_inference, predict_training, run_summary

@@ -1,0 +1,26 @@
+"""The one-process reference that real multi-rank training steps are checked against: the global batch every
+rank takes its part of, and one step of the whole model on it."""
+import torch
+import torch.nn.functional as F
+
+from syntorch.models import build_model
+
+
+def global_batch(config, plan):
+    """dp * microbatches * micro_batch_size rows of (tokens, next tokens), the same in every process."""
+    tokens = torch.randint(0, config.vocab_size, (plan.dp * plan.microbatches * plan.micro_batch_size, plan.seq + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference_step(config, plan):
+    """The same step in one process: mean loss over the global batch, its gradients, one AdamW step.
+    Returns (loss, gradients, updated parameters) by name."""
+    torch.manual_seed(0)
+    model = build_model(config, "cpu").train()
+    x, y = global_batch(config, plan)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=plan.lr, foreach=True).step()
+    return loss.item(), grads, {n: p.detach() for n, p in model.named_parameters()}
