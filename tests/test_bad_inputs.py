@@ -97,19 +97,27 @@ def prepare(case_dir: Path) -> dict:
     """The places every case may name: a user's file and folder, an earlier run's folder, a folder named
     like a picture. They are inside the case's folder, so the check that nothing changed covers them."""
     places = {"userfile": case_dir / "notes.txt", "userdir": case_dir / "mine", "earlier": case_dir / "earlier",
-              "folder_png": case_dir / "pictures.png"}
+              "folder_png": case_dir / "pictures.png", "taken": case_dir / "taken"}
     places["userfile"].write_bytes(USER_BYTES)
-    for folder in ("userdir", "folder_png"):
+    for folder in ("userdir", "folder_png", "taken"):
         places[folder].mkdir()
         (places[folder] / "notes.txt").write_bytes(USER_BYTES)
+    for name in RUN_FILES:  # a user's files with the names a run writes: never replaced
+        (places["taken"] / name).write_bytes(USER_BYTES)
     earlier_run(places["earlier"])
     return places
 
 
+RUN_FILES = ("run.json", "summary.json", "comm_groups.json", "model.json", "syntorch_shards.json")  # one per command
+
+
 def earlier_run(folder: Path) -> None:
+    """An earlier run's folder that wrote (among others) the names the commands write."""
     folder.mkdir()
-    (folder / "old.txt").write_text("an earlier run's output\n")
-    (folder / MANIFEST).write_text(json.dumps({"syntorch_version": "0", "complete": True, "files": ["old.txt"]}))
+    for name in ("old.txt", *RUN_FILES):
+        (folder / name).write_text("an earlier run's output\n")
+    (folder / MANIFEST).write_text(json.dumps({"syntorch_version": "0", "complete": True,
+                                               "files": sorted(["old.txt", *RUN_FILES])}))
 
 
 def snapshot(folder: Path) -> dict:
@@ -143,7 +151,7 @@ def case_dir(tmp_path, monkeypatch):
 
 @dataclass
 class Case:
-    argv: str  # shell-quoted; {ws} the inputs, {out} the output, {case}, {userfile}, {userdir}, {earlier}, {folder_png}
+    argv: str  # shell-quoted; {ws} the inputs, {out} the output, {case}, {userfile}, {userdir}, {taken}, {earlier}, {folder_png}
     message: str  # what the error line must say
     output: str = ""  # the output {out} names, in the case's folder: "out/" a folder, "g.svg" a file, "" none
     name: str = ""  # the test id (default: the command line)
@@ -218,7 +226,7 @@ CASES = [
     ]),
     *cases(INFER.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),
-        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{taken}", "which syntorch did not write; move it away"),
         ("{earlier}", "pass --force to replace them"),
     ]),
     *cases(TRACE, "out/", [
@@ -255,7 +263,7 @@ CASES = [
     ]),
     *cases(TRACE.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),
-        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{taken}", "which syntorch did not write; move it away"),
         ("{earlier}", "pass --force to replace them"),
     ]),
     Case("export --input {ws}/missing.json --output {out} --format svg", "missing.json not found", "g.svg"),
@@ -277,7 +285,7 @@ CASES = [
         ("--format png --output {folder_png}", "pictures.png is a folder; give a file name"),
         ("--output {folder_png}", "pictures.png is a folder; give a file name"),
         ("--format png --output {userfile}/g.png", "cannot write --output {case}/notes.txt/g.png: {case}/notes.txt is a file"),
-        ("--format chakra --output {userdir}", "holds notes.txt, which syntorch did not write"),
+        ("--format chakra --output {taken}", "holds comm_groups.json, which syntorch did not write"),
         ("--format chakra --output {earlier}", "pass --force to replace them"),
         ("--format chakra --output {earlier}/model.json", "pass --force to replace them"),
         ("--format svg", "the following arguments are required: --output"),
@@ -342,7 +350,7 @@ CASES = [
         ("--seed 18446744073709551616", "--seed must fit in 64 bits (below 2**63), got 18446744073709551616"),
         ("--trace-name a/b --enable-tracing", "--trace-name is the prefix of file names"),
         ("--enable-tracing --max-steps 1 --trace-output-dir {case}/traces", "--enable-tracing needs 3 optimizer steps"),
-        ("--enable-tracing --trace-output-dir {userdir}", "holds notes.txt, which syntorch did not write"),
+        ("--enable-tracing --trace-output-dir {taken}", "holds comm_groups.json, which syntorch did not write"),
         ("--enable-tracing --trace-output-dir {earlier}", "pass --force to replace them"),
         ("--enable-tracing --trace-output-dir {case}/t --save-dir {case}/t/ckpt", "is inside --trace-output-dir"),
         ("--device tpu", "argument --device: invalid choice: 'tpu'"),
@@ -400,7 +408,7 @@ CASES = [
     ]),
     *cases(SHARD.replace("{out}", ""), "", [
         ("{userfile}", "exists and is not a folder"),
-        ("{userdir}", "holds notes.txt, which syntorch did not write"),
+        ("{taken}", "which syntorch did not write; move it away"),
         ("{earlier}", "pass --force to replace them"),
     ]),
 ]

@@ -137,16 +137,80 @@ def test_a_mount_point_is_filled_in_place_and_an_earlier_run_replaced_only_with_
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["", "--force"])
-@pytest.mark.parametrize("command", ALL, ids=ids(ALL))
-def test_a_folder_with_files_syntorch_did_not_write_is_refused(ws, tmp_path, monkeypatch, capsys, command, force):
-    home = tmp_path / "home"  # the current folder, with the user's notes (was: deleted by trace --force)
+@pytest.mark.parametrize("command", CHEAP, ids=ids(CHEAP))
+def test_a_run_adds_its_files_beside_a_users_and_touches_none(ws, tmp_path, monkeypatch, command, force):
+    home = tmp_path / "home"  # the current folder, with the user's notes (the seed writes beside its scripts)
     home.mkdir()
     (home / "notes.txt").write_text("important")
+    (home / "sub").mkdir()
+    (home / "sub" / "more.txt").write_text("mine too")
+    monkeypatch.chdir(home)
+    assert main(command.argv(ws, ".", *(["--force"] if force else []))) == 0
+    assert (home / command.writes).is_file()
+    assert (home / "notes.txt").read_text() == "important" and (home / "sub" / "more.txt").read_text() == "mine too"
+    written = recorded(home)["files"]
+    assert "notes.txt" not in written and "sub/more.txt" not in written
+    assert sorted(written) == [f for f in on_disk(home) if f not in ("notes.txt", "sub/more.txt")]
+    assert main(command.argv(ws, ".", "--force")) == 0  # replaces its own files, still not the user's
+    assert (home / "notes.txt").read_text() == "important" and recorded(home)["files"] == written
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["", "--force"])
+@pytest.mark.parametrize("command", ALL, ids=ids(ALL))
+def test_a_users_file_in_the_way_of_an_output_is_refused(ws, tmp_path, monkeypatch, capsys, command, force):
+    home = tmp_path / "home"
+    (home / Path(command.writes).parent).mkdir(parents=True)
+    (home / command.writes).write_text("important")  # the user's file under a name the run writes
     monkeypatch.chdir(home)
     assert main(command.argv(ws, ".", *(["--force"] if force else []))) == 2
     err = one_line_error(capsys)
-    assert f"{command.flag} . holds notes.txt, which syntorch did not write; choose a new or empty folder" in err
-    assert [p.name for p in home.iterdir()] == ["notes.txt"] and (home / "notes.txt").read_text() == "important"
+    assert f"{command.flag} . holds {command.writes}, which syntorch did not write; move it away" in err
+    assert on_disk(home) == [command.writes] and (home / command.writes).read_text() == "important"
+    assert not temporaries(home, *home.rglob("*"))
+
+
+def test_a_lookalike_temporary_name_of_the_users_is_not_swept(tmp_path):
+    user = tmp_path / f".syntorch-tmp.{outdir._host()}.999999.mydata"  # a dead pid, but no proof it is ours
+    user.mkdir()
+    (user / "photo.jpg").write_bytes(b"jpg")
+    with atomic_output_dir(tmp_path / "newrun") as tmp:
+        (tmp / "x").write_text("x")
+    with atomic_output_dir(tmp_path) as tmp:
+        (tmp / "y").write_text("y")
+    assert (user / "photo.jpg").read_bytes() == b"jpg"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "manifest"])
+def test_a_file_output_never_replaces_a_fifo_or_a_manifest(tmp_path, kind):
+    target = tmp_path / ("pipe.svg" if kind == "fifo" else MANIFEST)
+    if kind == "fifo":
+        os.mkfifo(target)
+    with pytest.raises(UserError, match="not a regular file" if kind == "fifo" else "syntorch's record"):
+        with outdir.atomic_output_file(target):
+            pass
+    assert (os.path.exists(target) and not target.is_file()) if kind == "fifo" else not target.exists()
+
+
+def test_an_unnamed_file_replaces_only_its_own(tmp_path):
+    (tmp_path / "train_log.json").write_text("the user's")
+    with pytest.raises(UserError, match="holds train_log.json, which syntorch did not write"):
+        with outdir.atomic_output_file(tmp_path / "train_log.json", "--save-dir", named=False):
+            pass
+    (tmp_path / "train_log.json").unlink()
+    for text in ("first", "second"):  # the first run's file is recorded, so the second may replace it
+        with outdir.atomic_output_file(tmp_path / "train_log.json", "--save-dir", named=False) as tmp:
+            tmp.write_text(text)
+    assert (tmp_path / "train_log.json").read_text() == "second"
+
+
+def test_force_never_removes_the_commands_own_inputs(ws, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main([*TRACE.argv(ws, run), "--dp", "2"]) == 0
+    inputs = sorted(p.name for p in run.glob("*.et"))
+    capsys.readouterr()
+    assert inputs and main(["predict", str(run), "--out", str(run), "--force"]) == 2
+    assert "which this command reads" in one_line_error(capsys)
+    assert sorted(p.name for p in run.glob("*.et")) == inputs
 
 
 def test_train_keeps_checkpoints_out_of_the_trace_folder(ws, tmp_path, capsys):
@@ -215,8 +279,9 @@ def test_a_killed_writers_temporary_folder_is_removed_by_the_next_run(ws, tmp_pa
 
 
 def test_live_and_other_hosts_temporaries_are_kept(tmp_path):
-    live = tmp_path / f".syntorch-tmp.{outdir._host()}.{os.getpid()}.abc"
-    elsewhere = tmp_path / ".syntorch-tmp.otherhost.999999999.abc"  # its host alone can tell whether it is gone
+    live = tmp_path / outdir._tmp_name()
+    other = "otherhost.999999999.0123abcd"
+    elsewhere = tmp_path / f".syntorch-tmp.{other}.{outdir._check(other)}"  # its host alone can tell if it is gone
     live.mkdir()
     elsewhere.mkdir()
     with atomic_output_dir(tmp_path / "out") as tmp:
@@ -234,11 +299,10 @@ def test_force_removes_nothing_outside_the_folder_or_behind_a_link(tmp_path, cap
         with atomic_output_dir(out, force=True):
             pass
     (out / MANIFEST).write_text(json.dumps({"files": ["sub/victim.txt"]}))
-    (out / "sub").symlink_to(tmp_path)
-    with pytest.raises(UserError, match="holds sub/, which syntorch did not write"):
-        with atomic_output_dir(out, force=True):
-            pass
-    assert victim.read_text() == "keep"
+    (out / "sub").symlink_to(tmp_path)  # the recorded file now lies behind a link: not ours to remove
+    with atomic_output_dir(out, force=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert victim.read_text() == "keep" and (out / "sub").is_symlink()
 
 
 def test_a_crash_while_moving_in_leaves_every_file_recorded(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """`syntorch predict DIR`: the step time of Chakra traces already written (ours or converted captures), from a
 cross-rank simulation of them: prediction.json and a Perfetto timeline.json in --out."""
+import os
+
 PROFILES = ("eager", "fused")
 
 
@@ -23,7 +25,9 @@ def run(args) -> int:
 
     if args.profile and not args.hw_config:
         raise UserError("--profile chooses how the performance model groups ops into kernels; give --hw_config too")
-    check_output_dir(args.out, args.force, "--out")
+    read = args.path if os.path.isdir(args.path) else os.path.dirname(args.path) or "."
+    check_output_dir(args.out, args.force, "--out", inputs=[read],
+                     new_files=["prediction.json", "timeline.json"])  # --force never removes the traces it reads
     hw = load_hw_config(args.hw_config) if args.hw_config else None
     prediction = predict_traces(args.path, hw, args.profile)
     write_prediction(args.out, {"predicted": prediction.summary}, prediction, "prediction.json", args.force)

@@ -59,7 +59,7 @@ def run(args) -> int:
     from syntorch.trace.cost import check_profile
     from syntorch.workload import trace_workload, write_workload
 
-    check_output_dir(args.out, args.force, "--out")  # before the work, not after it
+    check_output_dir(args.out, args.force, "--out", new_files=["summary.json"])  # before the work, not after it
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)

@@ -58,7 +58,7 @@ def run_inference(spec: InferenceSpec, out_dir, outputs: RunOutputs | None = Non
 
 
 def _in_output_dir(out_dir, force: bool, run) -> dict:
-    with atomic_output_dir(out_dir, force, "--out") as tmp:
+    with atomic_output_dir(out_dir, force, "--out", expect=["run.json"]) as tmp:
         return run(tmp)
 
 

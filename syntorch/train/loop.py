@@ -340,7 +340,7 @@ def report(summary: dict, opts: TrainOptions) -> None:
     from syntorch.outdir import atomic_output_file
 
     if opts.save_dir:
-        with atomic_output_file(Path(opts.save_dir) / "train_log.json", "--save-dir") as out:
+        with atomic_output_file(Path(opts.save_dir) / "train_log.json", "--save-dir", named=False) as out:
             Path(out).write_text(json.dumps(summary["history"], indent=1) + "\n")
     console = make_console()
     logged = sum(1 for h in summary["history"] if "loss" in h)
@@ -372,15 +372,18 @@ def preflight(opts: TrainOptions) -> None:
 def check_outputs(opts: TrainOptions) -> None:
     """The output folders, by syntorch.outdir's policy, before any training: a refusal is one line, not a
     lost run. Checkpoints replace earlier ones (see save_checkpoint); traces need --force to."""
-    from syntorch.outdir import check_output_dir
+    from syntorch.outdir import check_output_dir, check_output_file
 
     if opts.tracing:
-        check_output_dir(opts.trace_output_dir, opts.force, TRACE_FLAG)
+        prefix = opts.trace_name or f"{opts.family}_1rank"  # any rank count: numbered names are one family
+        check_output_dir(opts.trace_output_dir, opts.force, TRACE_FLAG, new_files=["comm_groups.json", f"{prefix}.0.et"])
         if opts.save_dir and Path(opts.save_dir).resolve().is_relative_to(Path(opts.trace_output_dir).resolve()):
             raise UserError(f"--save-dir {opts.save_dir} is inside {TRACE_FLAG} {opts.trace_output_dir}, "
                             "which holds the traces only; give them separate folders")
     for kind in CHECKPOINTS if opts.save_dir else ():
         check_output_dir(Path(opts.save_dir) / kind, True, "--save-dir")
+    if opts.save_dir:  # a train_log.json of the user's there is not ours to replace
+        check_output_file(Path(opts.save_dir) / "train_log.json", "--save-dir", named=False)
 
 
 def launch(opts: TrainOptions, nproc: int | None) -> None:
