@@ -21,7 +21,7 @@ RUNS = [("gpt3-175b", "1f1b", MEGATRON), ("gpt3-175b", "interleaved V=2", {**MEG
                                              recompute="full")),
         ("llama-3.1-405b", "128K selective", dict(dp=8, tp=8, pp=16, cp=16, sp=True, zero=2, seq=131072,
                                                   microbatches=16, recompute="selective")),
-        ("mixtral-8x7b", "ep4 tp2 pp2", dict(dp=4, ep=4, tp=2, pp=2, sp=True, seq=4096, microbatches=8))]
+        ("mixtral-8x7b", "ep4 tp2 pp2", dict(dp=4, ep=4, tp=2, pp=2, seq=4096, microbatches=8))]
 
 for model, name, kw in RUNS:
     config, plan = get_config(model), TrainPlan(**kw)

@@ -69,7 +69,7 @@ def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
     styles = plan_for(model, plan.sp) if plan.tp > 1 else {}
     vocab = padded_vocab(config.vocab_size, plan.tp)
     dense = experts = 0
-    units: dict[str, float] = {}
+    units: dict[str, int] = {}
     for name, p in model.named_parameters():
         module, _, param = name.rpartition(".")
         style = styles.get(module, "replicated")
@@ -81,7 +81,7 @@ def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
             dense += n
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
         units[unit] = units.get(unit, 0) + n
-    return StageParams(dense, experts, int(max(units.values())))
+    return StageParams(dense, experts, max(units.values()))
 
 
 def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
@@ -105,7 +105,8 @@ def model_state_bytes(params: StageParams, plan, element: int, mixed: bool) -> d
     """Weights, gradients and optimizer states of one rank, ZeRO's stages as Rajbhandari et al. 2020 count
     them, plus what ZeRO-2/3 hold whole for a moment (module docstring)."""
     whole = params.dense + params.experts  # Ψ
-    sharded = params.dense / plan.grad_ranks + params.experts * plan.ep / plan.grad_ranks  # Ψ / N_d
+    # Ψ / N_d: the dense parameters over the grad group, the experts over their replicas (grad group / ep)
+    sharded = params.dense / plan.grad_ranks + params.experts / (plan.grad_ranks / plan.ep)
     k = 12 if mixed else 2 * element  # Adam: FP32 masters and two FP32 moments, or the moments alone
     weights = element * (sharded if plan.zero == 3 else whole)
     gradients = element * (sharded if plan.zero >= 2 else whole)
@@ -173,8 +174,7 @@ def estimate(config: ModelConfig, plan, dtype: torch.dtype, stage_index: int) ->
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
 
 
-ADVICE = {"activations": "use --recompute full, --sp or --cp, or lower --micro_batch_size/--seq",
-          "weights": "raise --tp/--pp (or --ep), or use --zero 3"}
+ZERO_SHARDING = {"optimizer": 1, "gradients": 2, "weights": 3}  # the ZeRO stage that first shards each
 
 
 def check_fits(estimates: list[dict], memory_gb: float, hw_name: str) -> None:
@@ -182,7 +182,7 @@ def check_fits(estimates: list[dict], memory_gb: float, hw_name: str) -> None:
     for stage, est in enumerate(estimates):
         if est["total"] > memory_gb * GB:
             worst = max(("weights", "gradients", "optimizer", "activations"), key=lambda k: est[k])
-            advice = ADVICE.get(worst, "raise --tp/--pp (or --ep), or use --zero (1: optimizer, 2: and gradients, "
-                                       "3: and weights)")
+            advice = ("use --recompute full, --sp or --cp, or lower --micro_batch_size/--seq" if worst == "activations"
+                      else f"raise --tp/--pp (or --ep), or shard the {worst} with --zero {ZERO_SHARDING[worst]} or above")
             raise UserError(f"stage {stage} needs an estimated {est['total'] / GB:.1f} GB per rank but {hw_name} has "
                             f"{memory_gb:g} GB ({worst} {est[worst] / GB:.1f} GB); {advice}")
