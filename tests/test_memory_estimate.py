@@ -66,7 +66,7 @@ def test_in_flight_microbatches_follow_the_schedule():
     for p, v in ((4, 2), (4, 3), (8, 2), (2, 4)):
         interleaved = TrainPlan(pp=p, microbatches=2 * p, seq=16, virtual_stages=v)
         layers = p * v * 2  # L, two per chunk
-        # Megatron's first stage holds L(1 + (p-1)/(pv)) layers' activations (Narayanan et al. 2021, 2.2.2)
+        # the first stage holds L(1 + (p-1)/(pv)) layers' activations (Korthikanti et al. 2022, 4.2.3)
         held = memory.peak_in_flight(interleaved, 0) * layers / (p * v)
         assert held == pytest.approx(layers * (1 + (p - 1) / (p * v)))
 

@@ -17,8 +17,8 @@ Activations per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing 
 in Large Transformer Models", section 4 and Table 2), with 2-byte activations:
     no parallelism sbh(34 + 5as/h); TP t: sbh(10 + 24/t + 5as/(ht)); TP + SP: sbh/t (34 + 5as/h);
     selective recompute drops the 5as/h term; full recompute keeps the layer input, 2sbh (2sbh/t with SP).
-That count is derived from the tensors backward reads, and is derived here the same way from the model's
-shapes, per token, for any family:
+Korthikanti counts the tensors backward reads; they are counted here the same way from the model's shapes,
+per token, for any family:
 - outside the TP regions (whole on each TP rank, 1/t of the sequence with SP): the two norms' inputs and
   outputs (the outputs are the QKV and fc1 / router inputs); Korthikanti's 4 + 2 + 2 bytes of his 10;
 - inside (1/t): Q and the attention output (n_head·d_head each), the MLP's intermediates: GeLU's input and
@@ -39,7 +39,8 @@ once more. The last stage also holds the logits its loss reads (syntorch's head 
 parallel logits: copied to FP32, and their log-softmax).
 How many layer-micro-batches a stage holds is counted from the schedule itself: 1F1B's first stage holds
 min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1 + (p-1)/(p·v)) layers'
-worth (Narayanan et al. 2021, section 2.2.2); GPipe all m.
+worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
+4.2.3, give it); GPipe all m.
 """
 from dataclasses import dataclass
 
