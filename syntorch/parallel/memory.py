@@ -1,93 +1,189 @@
-"""Per-rank memory of a training step, estimated: what a rank of each pipeline stage holds at its peak.
+"""Per-rank memory of a training step, estimated by the published formulas: what a rank of each pipeline
+stage holds at its peak. Mixed precision with Adam unless the model dtype is FP32.
 
-- weights: the stage's parameters as the rank holds them (TP shards of the layers it owns, the embedding on
-  the first stage, the head on the last), counted from the stage model built on meta, in the model dtype;
-- gradients: one per parameter in the model dtype (syntorch keeps `.grad` whole, under ZeRO too), plus under
-  ZeRO the reduced shard (1/dp);
-- optimizer: AdamW's two moments over what the rank updates: every parameter, or under ZeRO its 1/dp shard,
-  in FP32, and in fp16/bf16 its FP32 master copy too (12 bytes per updated element, as Megatron's 16 bytes
-  per parameter less weight and gradient); under ZeRO also the shard itself in the model dtype;
-- activations: what backward needs of one layer and one micro-batch, after Korthikanti et al. 2022
-  ("Reducing Activation Recomputation in Large Transformer Models", section 4.1): s·b·h·34 + 5·a·s²·b bytes
-  with 16-bit activations, dropout and unfused attention. Counted here per tensor, so it holds for any
-  element size: 16 activations of s·b·h elements per layer (2 layer-norm inputs and outputs, Q, K, V, the
-  attention output, the MLP's 4h input and output). The rest of the 34 and the 5·a·s²·b are dropout masks
-  and attention scores, which syntorch's models do not keep: they have no dropout and call
-  scaled_dot_product_attention, which keeps no scores (so selective recompute, which recomputes just that
-  core, saves nothing here). Under TP each rank keeps 12 of the 16 (the replicated layer-norm inputs and
-  outputs stay whole) or, with sequence parallel, 1/t of all. Recompute "full" keeps only each layer's input.
-  The last stage also holds the logits the loss reads (s·b·V: syntorch's head gathers the vocabulary-parallel
-  logits; copied to fp32, and its log-softmax).
-  Times the layer-micro-batches in flight at the schedule's peak: counted from the schedule itself (1F1B:
-  pp - stage micro-batches, interleaved more, GPipe all of them), each chunk's layers per step.
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5): Ψ is what the rank holds of the model:
+its stage's layers (pipeline), their TP shards as apply_tp cuts them, its 1/ep of the experts (the rest is
+replicated over EP), counted on the stage model built on meta. With mixed precision a rank keeps 2Ψ of
+weights, 2Ψ of gradients and KΨ of optimizer states, K = 12 (FP32 master weights, Adam's two FP32 moments);
+in FP32, 4Ψ + 4Ψ + 8Ψ. ZeRO divides over N_d, the ranks gradients are averaged over (DP x CP; the experts'
+replicas, DP x CP / EP, for the experts): stage 1 the optimizer states, stage 2 the gradients too, stage 3
+the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
+- ZeRO-2: one gradient bucket (--bucket_mb) before its reduce-scatter;
+- ZeRO-3 (FSDP, fsdp.py): the unit being computed and the one prefetched (two of the largest unit, whole
+  over DP: a layer, or the stage's embeddings and head) and one unit's whole gradients before their
+  reduce-scatter.
+
+Activations per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", section 4 and Table 2), with 2-byte activations:
+    no parallelism sbh(34 + 5as/h); TP t: sbh(10 + 24/t + 5as/(ht)); TP + SP: sbh/t (34 + 5as/h);
+    selective recompute drops the 5as/h term; full recompute keeps the layer input, 2sbh (2sbh/t with SP).
+Korthikanti counts the tensors backward reads; they are counted here the same way from the model's shapes,
+per token, for any family:
+- outside the TP regions (whole on each TP rank, 1/t of the sequence with SP): the two norms' inputs and
+  outputs (the outputs are the QKV and fc1 / router inputs); Korthikanti's 4 + 2 + 2 bytes of his 10;
+- inside (1/t): Q and the attention output (n_head·d_head each), the MLP's intermediates: GeLU's input and
+  output (2·d_ff, his 16 bytes), or for SwiGLU the fc1 output [gate; up] and fc2's input (3·d_ff: Megatron-
+  Core's fused bias-SwiGLU keeps only its input and recomputes the rest; syntorch's eager model keeps the
+  SiLU output too); K and V (2·kv_heads·d_head, a K/V head replicated when t exceeds them: GQA);
+- a mixture of experts (Mixtral): each token's k routed copies into and out of the experts (2·k·h, counted
+  like the norms) and k experts' intermediates (k x the above with expert_d_ff), uniform load.
+Conventions, and why: flash attention, which the kernels run (and scaled_dot_product_attention, which
+syntorch's models call), keeps no a·s² score matrix, so the 5as/h term is never counted and selective
+recompute changes nothing here (its log-sum-exp statistics, a·s·b FP32, are left out: < 1% of the rest).
+syntorch's models have no dropout, so Korthikanti's dropout masks (2sbh bytes of his 34, plus 1 of his 5as/h)
+are left out: for GPT this is his selective-recompute row less 2sbh (2sbh/t with SP).
+Context parallelism (context.py) gives each rank s/cp of every sequence, so every term is divided by cp,
+except K and V, which attention gathers whole over the CP group and keeps for backward.
+Full recompute keeps each layer's input, and while a layer is recomputed in backward its full activations
+once more. The last stage also holds the logits its loss reads (syntorch's head gathers the vocabulary-
+parallel logits: copied to FP32, and their log-softmax).
+How many layer-micro-batches a stage holds is counted from the schedule itself: 1F1B's first stage holds
+min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1 + (p-1)/(p·v)) layers'
+worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
+4.2.3, give it); GPipe all m.
 """
+from dataclasses import dataclass
+
 import torch
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.expert import is_expert_param
 from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
 
 GB = 1e9
 
 
-def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
-    """Elements of the parameters one rank of `stage` holds (tied weights once), TP shards as apply_tp cuts them."""
+@dataclass(frozen=True)
+class StageParams:
+    """Elements of the parameters one rank of a stage holds: dense (replicated over EP), its 1/ep of the
+    experts, and its largest FSDP unit (a layer or the rest), whole over DP."""
+    dense: int
+    experts: int
+    largest_unit: int
+
+
+def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
+    """Counted on the stage model built on meta, TP shards as apply_tp cuts them, tied weights once."""
     model = pp_.split_stage(pp_.build_stage_model(config, stage, "meta"), stage)
     styles = plan_for(model, plan.sp) if plan.tp > 1 else {}
     vocab = padded_vocab(config.vocab_size, plan.tp)
-    total = 0
+    dense = experts = 0
+    units: dict[str, int] = {}
     for name, p in model.named_parameters():
         module, _, param = name.rpartition(".")
         style = styles.get(module, "replicated")
-        total += take_shard(style, param, p, 0, plan.tp, vocab, config.d_head, config.kv_heads).numel() if plan.tp > 1 else p.numel()
-    return total
+        n = take_shard(style, param, p, 0, plan.tp, vocab, config.d_head, config.kv_heads).numel() if plan.tp > 1 else p.numel()
+        if is_expert_param(name):
+            n //= plan.ep
+            experts += n
+        else:
+            dense += n
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
+        units[unit] = units.get(unit, 0) + n
+    return StageParams(dense, experts, max(units.values()))
 
 
-def peak_in_flight(plan, stage: int) -> int:
-    """The most chunk-micro-batches whose activations a stage holds at once in its schedule."""
+def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
+    """Ψ: elements of the parameters one rank of `stage` holds (TP shards, 1/ep of the experts)."""
+    params = stage_params(config, plan, stage)
+    return params.dense + params.experts
+
+
+def peak_in_flight(plan, stage: int, chunk: int | None = None) -> int:
+    """The most chunk-micro-batches whose activations a stage holds at once in its schedule (of one chunk
+    when given)."""
     alive = peak = 0
-    for kind, _, _ in pp_.schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages):
-        alive += 1 if kind == "F" else -1
-        peak = max(peak, alive)
+    for kind, _, c in pp_.schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages):
+        if chunk is None or c == chunk:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
     return peak
+
+
+def model_state_bytes(params: StageParams, plan, element: int, mixed: bool) -> dict:
+    """Weights, gradients and optimizer states of one rank, ZeRO's stages as Rajbhandari et al. 2020 count
+    them, plus what ZeRO-2/3 hold whole for a moment (module docstring)."""
+    whole = params.dense + params.experts  # Ψ
+    # Ψ / N_d: the dense parameters over the grad group, the experts over their replicas (grad group / ep)
+    sharded = params.dense / plan.grad_ranks + params.experts / (plan.grad_ranks / plan.ep)
+    k = 12 if mixed else 2 * element  # Adam: FP32 masters and two FP32 moments, or the moments alone
+    weights = element * (sharded if plan.zero == 3 else whole)
+    gradients = element * (sharded if plan.zero >= 2 else whole)
+    if plan.zero == 2:  # one bucket of whole gradients before its reduce-scatter
+        gradients += min(plan.bucket_mb * 2**20, element * whole)
+    if plan.zero == 3:  # the unit computed and the one prefetched, and one unit's gradients
+        weights += 2 * element * params.largest_unit
+        gradients += element * params.largest_unit
+    return {"weights": weights, "gradients": gradients, "optimizer": k * (sharded if plan.zero else whole)}
+
+
+def token_activations(config: ModelConfig, plan) -> tuple[float, float]:
+    """Elements one layer keeps for backward per token on one rank: (of the rank's own tokens, s/cp of each
+    sequence; of the whole sequence: K and V as attention reads them). See the module docstring."""
+    h, t = config.d_model, plan.tp
+    intermediates = (3 if config.gated_mlp else 2)  # per d_ff: SwiGLU's [gate; up] and fc2 input, or GeLU's
+    outside = 4 * h  # the norms' inputs and outputs
+    inside = 2 * config.n_head * config.d_head  # Q and the attention output
+    if config.n_experts:
+        outside += 2 * config.moe_top_k * h  # the routed copies into and out of the experts
+        inside += intermediates * (config.moe_top_k + config.n_shared_experts) * config.expert_d_ff
+    else:
+        inside += intermediates * config.d_ff
+    kv = 2 * max(config.kv_heads, t) * config.d_head / t  # replicated K/V heads when t exceeds them
+    return outside / (t if plan.sp else 1) + inside / t, kv
 
 
 def layer_activation_bytes(config: ModelConfig, plan, element: int) -> float:
     """What one layer keeps for backward, per micro-batch, on one rank (see the module docstring)."""
-    s, b, h, t = plan.seq, plan.micro_batch_size, config.d_model, plan.tp
-    if getattr(plan, "recompute", "none") == "full":  # the layer's input only
-        return element * s * b * h / (t if plan.sp else 1)
-    replicated = 4 * element * s * b * h  # the two layer norms' inputs and outputs
-    sharded = element * s * b * (4 * h + 2 * config.d_ff)  # Q, K, V, attention output; the MLP's two 4h tensors
-    return (replicated + sharded) / t if plan.sp else replicated + sharded / t
+    if plan.recompute == "full":  # the layer's input only
+        return element * (plan.seq // plan.cp) * plan.micro_batch_size * config.d_model / (plan.tp if plan.sp else 1)
+    return whole_layer_bytes(config, plan, element)
+
+
+def whole_layer_bytes(config: ModelConfig, plan, element: int) -> float:
+    """Everything one layer's backward reads, per micro-batch, on one rank: what it keeps without full
+    recompute (flash attention: selective recompute keeps the same)."""
+    own, whole = token_activations(config, plan)
+    return element * plan.micro_batch_size * (plan.seq // plan.cp * own + plan.seq * whole)
+
+
+def activation_bytes(config: ModelConfig, plan, element: int, stage: pp_.Stage) -> float:
+    """The stage's activations at the peak of its schedule: layers x micro-batches in flight, the layer
+    being recomputed under full recompute, and the last stage's logits."""
+    layers_per_chunk = len(stage.layers) / stage.virtual
+    total = peak_in_flight(plan, stage.index) * layers_per_chunk * layer_activation_bytes(config, plan, element)
+    if plan.recompute == "full":  # one layer's activations, while backward recomputes it
+        total += whole_layer_bytes(config, plan, element)
+    if stage.last:  # per micro-batch whose loss awaits its backward: logits, their FP32 copy, log-softmax
+        logits = plan.seq // plan.cp * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp)
+        total += peak_in_flight(plan, stage.index, stage.virtual - 1) * logits * (element + 8)
+    return total
 
 
 def estimate(config: ModelConfig, plan, dtype: torch.dtype, stage_index: int) -> dict:
     """Bytes one rank of stage `stage_index` holds at its peak, by kind, and their total."""
     stage = plan.stage(config, stage_index)
     element = torch.empty((), dtype=dtype).element_size()
-    n = stage_parameters(config, plan, stage)
+    params = stage_params(config, plan, stage)
     if plan.mode == "infer":  # forwards without gradients: nothing kept for a backward
-        return {"weights": n * element, "gradients": 0, "optimizer": 0, "activations": 0, "total": n * element}
-    shard = n / plan.dp if plan.zero else 0  # what ZeRO's optimizer updates (padding left out)
-    layers_per_step = len(stage.layers) / stage.virtual
-    activations = peak_in_flight(plan, stage_index) * layers_per_step * layer_activation_bytes(config, plan, element)
-    if stage.last:  # the logits, gathered to the whole vocabulary, their fp32 copy and its log-softmax
-        activations += plan.seq * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp) * (element + 8)
-    mixed = dtype != torch.float32  # FP32 masters beside AdamW's FP32 moments (parallel/precision.py)
-    updated = shard or n
-    optimizer = updated * (12 if mixed else 2 * element) + shard * element
-    out = {"weights": n * element, "gradients": n * element + shard * element,
-           "optimizer": optimizer, "activations": activations}
+        weights = (params.dense + params.experts) * element
+        return {"weights": weights, "gradients": 0, "optimizer": 0, "activations": 0, "total": weights}
+    out = model_state_bytes(params, plan, element, mixed=dtype != torch.float32)
+    out["activations"] = activation_bytes(config, plan, element, stage)
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
 
 
+ZERO_SHARDING = {"optimizer": 1, "gradients": 2, "weights": 3}  # the ZeRO stage that first shards each
+
+
 def check_fits(estimates: list[dict], memory_gb: float, hw_name: str) -> None:
-    """A stage whose estimate exceeds the device: one line naming it and what to change."""
+    """A stage whose estimate exceeds the device: one line naming it, its largest part and what to change."""
     for stage, est in enumerate(estimates):
         if est["total"] > memory_gb * GB:
             worst = max(("weights", "gradients", "optimizer", "activations"), key=lambda k: est[k])
+            advice = ("use --recompute full, --sp or --cp, or lower --micro_batch_size/--seq" if worst == "activations"
+                      else f"raise --tp/--pp (or --ep), or shard the {worst} with --zero {ZERO_SHARDING[worst]} or above")
             raise UserError(f"stage {stage} needs an estimated {est['total'] / GB:.1f} GB per rank but {hw_name} has "
-                            f"{memory_gb:g} GB ({worst} {est[worst] / GB:.1f} GB); raise --tp/--pp, use --zero, "
-                            f"or lower --micro_batch_size/--seq")
+                            f"{memory_gb:g} GB ({worst} {est[worst] / GB:.1f} GB); {advice}")
