@@ -570,39 +570,53 @@ def mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
 
 
 def _too_slow(signum, frame):
-    raise TimeoutError(f"syntorch validate ran over {PER_RUN_S} s on a mutated trace")
+    raise TimeoutError(f"a command ran over {PER_RUN_S} s on a mutated trace")
 
 
-def test_validate_answers_every_mutated_trace_cleanly(tmp_path, capsys):
-    """A seeded fuzz of a 4-rank TP x PP trace: whatever the bytes, validate lists problems (exit 1), finds
-    none (0), or says in one line that a file is corrupt (2): never a traceback, never a hang."""
+def fuzz(tmp_path, capsys, command: list[str], runs: int) -> dict[int, int]:
+    """Runs `command` + [the traces folder] on `runs` seeded mutations of a 4-rank TP x PP trace; checks
+    each answer: a one-line error (2), or 0/1 with nothing on stderr; never a traceback, never a hang.
+    Returns how often each exit code came."""
     traces = tmp_path / "mix"
     write_chakra({r: tp_pp_rank(r) for r in range(4)}, traces)
     files = sorted(traces.glob("*.et"))
     original = {f: f.read_bytes() for f in files}
     rng, seen = random.Random(FUZZ_SEED), {0: 0, 1: 0, 2: 0}
     previous = signal.signal(signal.SIGALRM, _too_slow)
-    start = time.monotonic()
     try:
-        for run in range(FUZZ_RUNS):
+        for run in range(runs):
             for f in files:
                 f.write_bytes(original[f])
             for _ in range(rng.randint(1, 3)):
                 f, other = rng.sample(files, 2)
                 f.write_bytes(mutate(rng, f.read_bytes(), original[other]))
             signal.alarm(PER_RUN_S)
-            code = main(["validate", str(traces)])
+            code = main([*command, str(traces)])
             signal.alarm(0)
             out, err = capsys.readouterr()
             assert "Traceback" not in out + err, (run, err)
             if code == 2:
-                assert out == "" and len(err.splitlines()) == 1 and err.startswith("syntorch validate: error: "), err
+                assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"syntorch {command[0]}: error: "), err
             else:
                 assert code in (0, 1) and err == "", (run, code, err)
-                assert out.splitlines()[-1].startswith("ok: " if code == 0 else ""), out
             seen[code] += 1
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+    return seen
+
+
+def test_validate_answers_every_mutated_trace_cleanly(tmp_path, capsys):
+    """validate lists problems (exit 1), finds none (0), or says in one line that a file is corrupt (2)."""
+    start = time.monotonic()
+    seen = fuzz(tmp_path, capsys, ["validate"], FUZZ_RUNS)
     assert all(seen.values()), f"the mutations should reach every outcome: {seen}"
     assert time.monotonic() - start < 60, "validate should take milliseconds per trace"
+
+
+@pytest.mark.parametrize("hw", [[], ["--hw_config", "h100-sxm"]], ids=["file durations", "h100-sxm"])
+def test_predict_answers_every_mutated_trace_cleanly(tmp_path, capsys, hw):
+    """predict simulates what the validator passes and refuses the rest in one line (was: IndexError,
+    KeyError: 'dtype', loops forever on a cycle)."""
+    seen = fuzz(tmp_path, capsys, ["predict", "--out", str(tmp_path / "p"), "--force", *hw], FUZZ_RUNS // 3)
+    assert seen[0] and seen[2] and not seen[1], seen

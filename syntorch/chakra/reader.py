@@ -27,7 +27,11 @@ def find_traces(path) -> list[tuple[int, Path]]:
         raise UserError(f"no <prefix>.<rank>.et files at {path}; give the trace folder or its prefix")
     if len(found) > 1:
         raise UserError(f"{path} holds traces of several prefixes ({', '.join(sorted(found))}); give one prefix")
-    return sorted(next(iter(found.values())))
+    files = sorted(next(iter(found.values())))
+    for _, f in files:  # a FIFO or device would block the read or never end
+        if not f.is_file():
+            raise UserError(f"{f} is not a regular file (a FIFO, socket or device); give a folder of .et files")
+    return files
 
 
 def check_trace_name(path, rank: int, flag: str = "--output") -> None:

@@ -29,11 +29,24 @@ def run(args) -> int:
     check_output_dir(args.out, args.force, "--out", inputs=[read],
                      new_files=["prediction.json", "timeline.json"])  # --force never removes the traces it reads
     hw = load_hw_config(args.hw_config) if args.hw_config else None
+    check_simulable(args.path)
     prediction = predict_traces(args.path, hw, args.profile)
     write_prediction(args.out, {"predicted": prediction.summary}, prediction, "prediction.json", args.force)
     print_prediction(prediction.summary)
     print(f"-> {args.out}/prediction.json, {args.out}/timeline.json (open in ui.perfetto.dev)")
     return 0
+
+
+def check_simulable(path) -> None:
+    """The validator's rules before any simulation: a cycle, a send without its recv or a group whose
+    members disagree would otherwise hang or mislead the simulator, as they would ASTRA-sim."""
+    from syntorch.chakra.validate import validate_traces
+    from syntorch.errors import UserError
+
+    problems = validate_traces(path)
+    if problems:
+        more = f" (and {len(problems) - 1} more: run `syntorch validate {path}`)" if len(problems) > 1 else ""
+        raise UserError(f"cannot simulate: {problems[0]}{more}")
 
 
 def print_prediction(predicted: dict) -> None:
