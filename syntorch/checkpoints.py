@@ -25,15 +25,25 @@ from syntorch.outdir import atomic_output_dir
 
 
 
-class _LazyTensors(Mapping):
-    """name -> tensor, read from disk on access and cast to (device, dtype), so no full second copy is held."""
+def checked_weight(name: str, t: torch.Tensor, where) -> torch.Tensor:
+    """A weight as read from a stranger's file: floating point and finite, else one line naming it."""
+    if not t.is_floating_point():
+        raise UserError(f"{where}: tensor {name} is {str(t.dtype).removeprefix('torch.')}, not floating point; "
+                        "a model's weights must be floats: re-save the checkpoint")
+    if t.device.type != "meta" and not torch.isfinite(t).all():
+        raise UserError(f"{where}: tensor {name} holds NaN or infinity; the checkpoint is damaged: re-save it")
+    return t
 
-    def __init__(self, getters: dict, device, dtype):
-        self._getters, self._device, self._dtype = getters, device, dtype
+
+class _LazyTensors(Mapping):
+    """name -> tensor, read from disk on access, checked and cast to (device, dtype), so no full second copy
+    is held."""
+
+    def __init__(self, getters: dict, device, dtype, where):
+        self._getters, self._device, self._dtype, self._where = getters, device, dtype, where
 
     def __getitem__(self, key):
-        t = self._getters[key]()
-        return t.to(self._device, self._dtype) if t.is_floating_point() else t
+        return checked_weight(key, self._getters[key](), self._where).to(self._device, self._dtype)
 
     def __iter__(self):
         return iter(self._getters)
@@ -137,7 +147,7 @@ def read_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfi
     """(ModelConfig, our full state dict) from a HuggingFace directory; tensors are read one at a time."""
     config = checkpoint_config(path)
     path = Path(path)
-    hf_state = _LazyTensors(_open_weights(_weight_files(path)), device, dtype)
+    hf_state = _LazyTensors(_open_weights(_weight_files(path)), device, dtype, path)
     return config, hf_to_syntorch_state_dict(hf_state, config)
 
 
@@ -181,8 +191,9 @@ class LazyTensor:
     `parts`: the HF tensors stacked along dim 0 into ours (GPT-J's q, k, v); `transposed`: HF stores them
     [in, out] (GPT-2's Conv1D); floating tensors are read as (device, dtype), dtype None keeping the stored one."""
 
-    def __init__(self, parts: list, transposed: bool, device, dtype):
+    def __init__(self, parts: list, transposed: bool, device, dtype, name: str = "", where=""):
         self._parts, self._transposed, self._device, self._dtype = parts, transposed, device, dtype
+        self._name, self._where = name, where
         shapes = [tuple(p.get_shape() if hasattr(p, "get_shape") else p.shape) for p in parts]
         shapes = [s[::-1] for s in shapes] if transposed else shapes
         self._rows = [s[0] for s in shapes]
@@ -209,7 +220,8 @@ class LazyTensor:
             t = part[rows]
         else:
             t = part[cols, rows].t() if self._transposed else part[rows, cols]
-        keep = self._dtype is None or not t.is_floating_point()  # dtype None: as stored
+        checked_weight(self._name, t, self._where)
+        keep = self._dtype is None  # dtype None: as stored
         return t.to(self._device, t.dtype if keep else self._dtype).contiguous()
 
 
@@ -222,7 +234,7 @@ def lazy_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfi
     out = {}
     for key, (source, conv1d) in key_map.items():
         names = source if isinstance(source, tuple) else (source,)
-        out[key] = LazyTensor([slices[hf_keys[s]] for s in names], conv1d, device, dtype)
+        out[key] = LazyTensor([slices[hf_keys[s]] for s in names], conv1d, device, dtype, "/".join(names), path)
         check_shape(source, out[key].get_shape(), expected[key])
     return config, out
 
@@ -299,4 +311,4 @@ def rank_file(path, index: ShardIndex, rank: int) -> dict:
     getters = _open_weights([f])
     if sorted(getters) != sorted(index.tensors[rank]):
         raise UserError(f"{f} does not hold the tensors {SHARD_INDEX} lists for rank {rank}; re-run syntorch shard")
-    return getters
+    return {name: (lambda name=name, read=read: checked_weight(name, read(), f)) for name, read in getters.items()}

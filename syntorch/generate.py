@@ -156,7 +156,10 @@ def choose_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
     (HuggingFace's order)."""
     if sampling.greedy:
         return logits.argmax(-1)
-    logits = logits / sampling.temperature
+    scaled = logits / sampling.temperature
+    if logits.device.type != "meta" and not torch.isfinite(scaled).all():
+        return logits.argmax(-1)  # a temperature so small that logits / T overflow: its limit, greedy
+    logits = scaled
     if sampling.top_k:
         logits = top_k_filter(logits, sampling.top_k)
     if sampling.top_p < 1:
@@ -290,6 +293,9 @@ def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[li
         generator.manual_seed(sampling.seed)
 
     def select(logits):
+        if logits.device.type != "meta" and not torch.isfinite(logits).all():
+            raise UserError(f"the logits of generated token {len(new) + 1} are not finite (NaN or infinity): "
+                            "check the checkpoint's weights, or run in a wider --dtype")
         return (choose_tokens(logits, sampling, generator),)
 
     B, T = prompt.shape

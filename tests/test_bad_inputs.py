@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from chakra_graphs import pp_rank, tp_rank
 from conftest import tiny_config
 from test_validate import tp_pp_rank
@@ -84,11 +85,27 @@ def ws(tmp_path_factory):
     make_model(root / "bert", "bert-base-uncased")
     make_model(root / "gpt2", "gpt2")  # tiny HF folder (2 layers, 4 heads) to shard
     write_shards(root / "gpt2", root / "sharded", tp=2, pp=1)
+    damaged_weights(root)
     for broken in ("norank", "truncated"):
         shutil.copytree(root / "sharded", root / broken)
     (root / "norank" / "rank00001.safetensors").unlink()
     (root / "truncated" / "rank00001.safetensors").write_bytes((root / "sharded" / "rank00001.safetensors").read_bytes()[:999])
     return root
+
+
+def damaged_weights(root: Path) -> None:
+    """Copies of the tiny GPT-2 with one weight as int32 or NaN, and shards with a NaN."""
+    from safetensors.torch import load_file, save_file
+
+    name = "transformer.h.0.attn.c_attn.weight"
+    for folder, change in (("int_weights", lambda t: t.to(torch.int32)), ("nan_weights", lambda t: t * float("nan"))):
+        shutil.copytree(root / "gpt2", root / folder)
+        state = load_file(root / folder / "model.safetensors")
+        save_file({**state, name: change(state[name])}, root / folder / "model.safetensors")
+    shutil.copytree(root / "sharded", root / "nan_shards")
+    state = load_file(root / "nan_shards" / "rank00001.safetensors")
+    first = sorted(state)[0]
+    save_file({**state, first: state[first] * float("nan")}, root / "nan_shards" / "rank00001.safetensors")
 
 
 # ---- running a case ----------------------------------------------------------------------------------
@@ -188,6 +205,13 @@ CASES = [
         ("--checkpoint {ws}/missing", "checkpoint folder not found"),
         ("--checkpoint {ws}/badckpt", "config.json is not valid JSON"),
         ("--checkpoint {ws}/noweights", "model.safetensors"),
+        ("--checkpoint {ws}/int_weights", "tensor transformer.h.0.attn.c_attn.weight is int32, not floating point"),
+        ("--checkpoint {ws}/int_weights --tp 2", "tensor transformer.h.0.attn.c_attn.weight is int32"),
+        ("--checkpoint {ws}/nan_weights", "tensor transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
+        ("--checkpoint {ws}/nan_weights --tp 2", "transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
+        ("--checkpoint {ws}/nan_shards --tp 2", "holds NaN or infinity"),
+        ("--batch_size 100000000000", "lower --batch_size"),
+        ("--batch_size 100000000000 --device meta", "lower --batch_size"),
         ("--hw_config no-such-gpu", "unknown --hw_config 'no-such-gpu'"),
         ("--hw_config {ws}/missing.json", "missing.json not found"),
         ("--hw_config {ws}/notjson.json", "is not valid JSON"),

@@ -154,6 +154,28 @@ class Prompt:
         return [row[:T - p] if self.right else row[p:] for row, p in zip(self.ids.tolist(), self.pads)]
 
 
+MAX_PROMPT_IDS = 2**28  # 2 GiB of int64 ids: beyond it the prompt alone fills a machine, even on meta
+
+
+def check_batch_size(spec: InferenceSpec, config: ModelConfig, prompt_len: int) -> None:
+    """Before anything is allocated: the prompt ids, and on a real device the KV cache against the memory
+    this machine has free (a MemoryError or the OOM killer otherwise)."""
+    import psutil
+
+    tokens = spec.batch_size * prompt_len
+    if tokens > MAX_PROMPT_IDS:
+        raise UserError(f"--batch_size {spec.batch_size} x {prompt_len} prompt tokens is {tokens:.3g} ids, over "
+                        f"{MAX_PROMPT_IDS:.3g}; lower --batch_size")
+    if torch.device(spec.device).type != "cpu":
+        return
+    per_token = 2 * config.n_layer * config.kv_heads * config.d_head * torch_dtype(spec.dtype).itemsize
+    need = spec.batch_size * (prompt_len + (spec.num_output_tokens or DEFAULT_OUTPUT_TOKENS)) * per_token
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise UserError(f"the KV cache of --batch_size {spec.batch_size} needs {need / 1e9:.3g} GB but this machine "
+                        f"has {free / 1e9:.3g} GB free; lower --batch_size or the token counts, or use --device meta")
+
+
 def make_prompt(spec: InferenceSpec, config: ModelConfig) -> Prompt:
     """The prompts: --input_ids, --prompt or --prompt_file via --tokenizer, or random ids drawn from the
     seed; one prompt is repeated --batch_size times, several make the batch."""
@@ -167,6 +189,7 @@ def make_prompt(spec: InferenceSpec, config: ModelConfig) -> Prompt:
             raise UserError(f"{flag} token id {bad[0]} is outside the vocabulary of {config.name} "
                             f"(0..{config.vocab_size - 1})")
     check_context(config, max(map(len, rows)), 0 if config.encoder else spec.output_tokens, spec.device)
+    check_batch_size(spec, config, max(map(len, rows)))
     if len(rows) == 1:
         rows = rows * spec.batch_size
     elif spec.batch_size not in (1, len(rows)):

@@ -127,8 +127,10 @@ def _entry(rank, world_size, port, run_dir, beats, launcher, fn, args):
     try:
         fn(*args)
     except BaseException as e:  # a one-line report for the launcher instead of a traceback on stderr
+        # a user's mistake reads the same from every rank: its own line; anything else names the rank
+        text = str(e) if isinstance(e, UserError) else f"rank {rank} failed: {type(e).__name__}" + (f": {e}" if str(e) else "")
         with open(os.path.join(run_dir, f"error.{time.time_ns()}.{rank}"), "w") as f:
-            f.write(f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__)
+            f.write(text.splitlines()[0])
         sys.exit(1)
     finally:
         if dist.is_initialized():
@@ -193,7 +195,7 @@ def _cause(procs, failed: list[int], run_dir: str) -> str:
     if reports:
         _, rank, name = reports[0]
         with open(os.path.join(run_dir, name)) as f:
-            return f"rank {rank} failed: {f.read()}"
+            return f.read()
     return f"rank {failed[0]} exited with code {procs[failed[0]].exitcode}"
 
 
