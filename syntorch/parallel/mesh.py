@@ -26,7 +26,7 @@ EP (all-to-all of routed tokens) and expert-DP, each pair of neighbouring stages
 first/last-stage pair that shares a tied embedding.
 """
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from itertools import product
 from math import prod
 from typing import NamedTuple
@@ -37,8 +37,17 @@ from syntorch.errors import UserError
 
 ORDER = "tp-cp-pp-dp"  # Megatron's name for the layout, innermost first
 DIMS = tuple(ORDER.split("-"))
-PARTS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("ep", "expert_dp"), "ep": ("ep",),
-         "expert_dp": ("expert_dp",)}  # each name as the axes it spans; dp is ep inside expert_dp
+AXES = ("tp", "cp", "pp", "ep", "expert_dp")  # DIMS with dp as its two parts, innermost first
+PARTS = {**{a: (a,) for a in AXES}, "dp": ("ep", "expert_dp")}  # each name as the axes it spans
+
+
+@cache
+def _axes_of(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes `names` span, innermost first."""
+    for name in names:
+        if name not in PARTS:
+            raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(PARTS)}")
+    return tuple(a for a in AXES if any(a in PARTS[n] for n in names))
 
 
 class Coordinate(NamedTuple):
@@ -87,26 +96,26 @@ class Mesh:
 
     @cached_property
     def _axes(self) -> dict[str, tuple[int, int]]:
-        """Axis name -> (size, stride): the four dimensions, dp as its two parts (innermost first)."""
+        """Axis (AXES) -> (size, stride)."""
         dp_stride = self.tp * self.cp * self.pp
         return {"tp": (self.tp, 1), "cp": (self.cp, self.tp), "pp": (self.pp, self.tp * self.cp),
                 "ep": (self.ep, dp_stride), "expert_dp": (self.dp // self.ep, dp_stride * self.ep)}
 
-    def _axes_of(self, names) -> list[str]:
-        axes = self._axes
-        for name in names:
-            if name not in PARTS:
-                raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(PARTS)}")
-        return [a for a in axes if any(a in PARTS[n] for n in names)]  # innermost first
+    @cached_property
+    def _dims(self) -> list[tuple[int, int]]:
+        """(size, stride) of each of DIMS."""
+        return [(self.dp, self._axes["ep"][1]) if d == "dp" else self._axes[d] for d in DIMS]
+
+    def _lines(self, names) -> list[tuple[int, int]]:
+        return [self._axes[a] for a in _axes_of(names)]
 
     def size(self, *names: str) -> int:
         """The ranks of one group along `names` (flattened): the product of their sizes."""
-        axes = self._axes
-        return prod(axes[a][0] for a in self._axes_of(names))
+        return prod(size for size, _ in self._lines(names))
 
     def stride(self, name: str) -> int:
         """How far apart in rank two neighbours along `name` are."""
-        return self._axes[self._axes_of([name])[0]][1]
+        return self._lines((name,))[0][1]
 
     def rank_of(self, **index: int) -> int:
         """The global rank at these indices (by dimension name; a missing one is 0)."""
@@ -116,39 +125,39 @@ class Mesh:
         return sum(i * self.stride(name) for name, i in index.items())
 
     def coordinate(self, rank: int) -> Coordinate:
-        return Coordinate(**{dim: self.index(rank, dim) for dim in DIMS})
+        return Coordinate(*(rank // stride % size for size, stride in self._dims))
 
     def index(self, rank: int, *names: str) -> int:
         """`rank`'s place in its group along `names` (flattened, ranks in order): coordinate(rank).cp for
         "cp", the EP rank for "ep", dp * cp_size + cp for ("dp", "cp")."""
-        axes, place, scale = self._axes, 0, 1
-        for a in self._axes_of(names):
-            size, stride = axes[a]
+        place, scale = 0, 1
+        for size, stride in self._lines(names):
             place += rank // stride % size * scale
             scale *= size
         return place
 
     def first(self, rank: int, *names: str) -> int:
         """The lowest rank of `rank`'s group along `names`."""
-        return rank - sum(rank // stride % size * stride for size, stride in map(self._axes.get, self._axes_of(names)))
+        return rank - sum(rank // stride % size * stride for size, stride in self._lines(names))
 
     def group(self, rank: int, *names: str) -> list[int]:
         """The ranks that differ from `rank` only along `names`, in rank order (a flattened view:
         `group(r, "dp", "cp")` is the DP x CP group)."""
-        axes = [self._axes[a] for a in self._axes_of(names)]
-        first = self.first(rank, *names)
-        return sorted(first + sum(i * stride for i, (_, stride) in zip(at, axes))
-                      for at in product(*(range(size) for size, _ in axes)))
+        lines, first = self._lines(names), self.first(rank, *names)
+        return sorted(first + sum(i * stride for i, (_, stride) in zip(at, lines))
+                      for at in product(*(range(size) for size, _ in lines)))
 
     def groups(self, *names: str) -> list[list[int]]:
-        """Every group along `names`, ordered by their lowest rank."""
-        return [self.group(r, *names) for r in range(self.world_size) if self.index(r, *names) == 0]
+        """Every group along `names`, ordered by their lowest rank (the ranks at 0 along `names`)."""
+        firsts = self.group(0, *(a for a in AXES if a not in _axes_of(names)))
+        return [self.group(first, *names) for first in firsts]
 
     def dims_of(self, ranks) -> tuple[str, ...]:
         """The names `ranks` differ in, outermost first: ("dp", "cp") for a DP x CP group, ("ep",) or
         ("expert_dp",) for part of a DP line, () for one rank."""
-        differ = [d for d in reversed(DIMS) if len({self.index(r, d) for r in ranks}) > 1]
-        if "dp" in differ and len({self.index(r, "dp") for r in ranks}) < self.dp:
+        coordinates = [self.coordinate(r) for r in ranks]
+        differ = [d for d in reversed(DIMS) if len({getattr(c, d) for c in coordinates}) > 1]
+        if "dp" in differ and len({c.dp for c in coordinates}) < self.dp:
             differ[differ.index("dp")] = "ep" if len({self.index(r, "expert_dp") for r in ranks}) == 1 else "expert_dp"
         return tuple(differ)
 
