@@ -60,10 +60,11 @@ class Coordinate(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    dp: int = 1
-    pp: int = 1
+    """The degrees by name (keywords only; fields in DIMS order)."""
     tp: int = 1
     cp: int = 1
+    pp: int = 1
+    dp: int = 1
     ep: int = 1  # expert parallel: divides dp (EP groups are made of DP ranks)
     ring: bool = False  # interleaved pipeline: the last stage also sends to the first
 
