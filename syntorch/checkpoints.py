@@ -250,7 +250,7 @@ class ShardIndex:
     config: ModelConfig
     tp: int
     pp: int
-    files: dict  # global rank (stage * tp + tp rank, as parallel/mesh.py numbers them) -> file name
+    files: dict  # global rank (as parallel/mesh.py numbers them: Mesh.rank_of) -> file name
     tensors: dict  # global rank -> the names of the tensors in its file
     layers: dict  # global rank -> [first, last + 1] of the stage's layers
 

@@ -11,7 +11,7 @@ A family that gets a TP plan and stage layers therefore shards with no change he
 checkpoints.LazyTensor (safetensors' get_slice), so neither the writer nor a rank holds more than one rank's
 tensors, plus the one tensor in flight.
 
-Ranks are numbered as parallel/mesh.py does (TP innermost): rank = stage * tp + tp_rank.
+Ranks are numbered as parallel/mesh.py does (TP innermost): Mesh(pp=.., tp=..).rank_of(pp=stage, tp=tp_rank).
 """
 import json
 import os
@@ -25,6 +25,7 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model
 from syntorch.outdir import atomic_output_dir
+from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.pipeline import Stage, split_stage, stage_layers
 from syntorch.parallel.tensor import TPPlan, apply_tp, check_tp, padded_vocab, plan_for, take_shard
 
@@ -92,7 +93,7 @@ def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> 
             model = stage_model(config, stage)
             styles = plan_for(model, sequence_parallel=False) if tp > 1 else {}
             for tp_rank in range(tp):
-                rank = stage.index * tp + tp_rank
+                rank = Mesh(pp=pp, tp=tp).rank_of(pp=stage.index, tp=tp_rank)
                 part = rank_tensors(unique_state(model), full, styles, tp_rank, tp, config)
                 files[rank], tensors[rank] = rank_file_name(rank), sorted(part)
                 layers[rank] = [stage.layers.start, stage.layers.stop]
@@ -126,7 +127,7 @@ def load_rank_weights(model: nn.Module, checkpoint, device, dtype, plan: TPPlan 
     pp, stage_index = (stage.count, stage.index) if stage else (1, 0)
     index = check_shard_layout(checkpoint, tp, pp)
     if index is not None:
-        getters = rank_file(checkpoint, index, stage_index * tp + tp_rank)
+        getters = rank_file(checkpoint, index, Mesh(pp=pp, tp=tp).rank_of(pp=stage_index, tp=tp_rank))
         state = {n: _cast(getters[n](), device, dtype) for n in names if n in getters}
     else:
         _, full = lazy_checkpoint(checkpoint, device, dtype)

@@ -23,6 +23,7 @@ from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel import memory
+from syntorch.parallel.mesh import ORDER
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.predict import TIMELINE, Prediction
@@ -110,7 +111,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
         write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
         for rank in _ranks(world, progress):
             with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
-                written, variant = templates[mesh.coords(rank)[1]].write(f, rank)
+                written, variant = templates[mesh.coordinate(rank).pp].write(f, rank)
             total += written
             variants.add(variant)
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
@@ -153,7 +154,7 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
         stages.append({
             "stage": s, "layers": [stage.layers[0], stage.layers[-1]],
             "chunks": [[chunk[0], chunk[-1]] for chunk in stage.chunks or (stage.layers,)],
-            "ranks": [r for r in range(mesh.world_size) if mesh.coords(r)[1] == s],
+            "ranks": mesh.stage_ranks(s),
             "flops": flops,
             "compute_bytes": sum(d["bytes_read"] + d["bytes_written"] for d in ops),
             "comm_bytes": sum(d["bytes"] for d in comms),
@@ -166,4 +167,4 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw_name, "profile": workload.profile, "traced_stages": workload.traced_stages,
-            "rank_layout": "rank = ((dp_idx * pp) + pp_stage) * tp + tp_rank", "stages": stages}
+            "rank_layout": ORDER, "stages": stages}

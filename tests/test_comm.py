@@ -113,15 +113,6 @@ def test_symbolic_collectives_are_traced_with_group_bytes_and_order():
     ]
 
 
-def test_mesh_layout_and_groups():
-    mesh = Mesh(dp=2, pp=2, tp=2)
-    assert [mesh.coords(r) for r in (0, 3, 5, 7)] == [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
-    assert all(mesh.rank(*mesh.coords(r)) == r for r in range(8))
-    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert mesh.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
 def test_mesh_rejects_bad_degrees_in_one_line():
     from syntorch.errors import UserError
     with pytest.raises(UserError, match=r"dp\(2\) \* pp\(1\) \* tp\(4\) = 8 but the world has 6 ranks"):

@@ -21,29 +21,6 @@ from syntorch.workload import trace_workload, write_workload
 CONFIG = tiny_config("gpt2", n_layer=4, vocab_size=200)
 
 
-def test_cp_sits_between_tp_and_pp_and_cp_1_keeps_the_old_layout():
-    old = Mesh(dp=2, pp=3, tp=2)
-    assert all(old.rank(*old.coords(r)) == r == ((old.coords(r)[0] * 3) + old.coords(r)[1]) * 2 + old.coords(r)[2]
-               for r in range(12))
-    mesh = Mesh(dp=2, pp=2, tp=2, cp=2)
-    assert mesh.world_size == 16
-    assert [mesh.position(r) for r in (0, 1, 2, 5, 13)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0),
-                                                            (0, 1, 0, 1), (1, 1, 0, 1)]
-    assert mesh.groups("tp")[:2] == [[0, 1], [2, 3]]  # TP innermost, then CP (stride tp)
-    assert mesh.group_ranks("cp", 5) == [5, 7]
-    assert mesh.group_ranks("pp", 0) == [0, 4]  # a PP chain strides by cp * tp
-    assert mesh.group_ranks("dp", 0) == [0, 8]
-    assert mesh.dp_cp_groups()[0] == [0, 2, 8, 10]
-    kinds = [kind for kind, _ in mesh.process_groups()]
-    assert kinds.count("cp") == 8 and kinds.count("dp_cp") == 4
-    assert "cp" not in [kind for kind, _ in old.process_groups()]  # cp = 1: the groups of before, in order
-    # translation moves along dp, cp and tp and keeps the stage; groups map onto groups
-    assert mesh.representative(1) == 4 and mesh.translate(4, 2) == 6 and mesh.translate(6, 11) == 13
-    for rank in range(16):
-        cp_group = [mesh.translate(r, rank) for r in mesh.group_ranks("cp", mesh.representative(mesh.coords(rank)[1]))]
-        assert sorted(cp_group) == mesh.group_ranks("cp", rank)
-
-
 def test_each_rank_holds_chunk_i_and_its_mirror():
     seq, cp = 16, 2
     parts = [chunk_positions(seq, cp, r).tolist() for r in range(cp)]
@@ -89,7 +66,7 @@ def real_rank(out_dir: str) -> None:
         run = plans.apply_plans(config, REAL, groups, "cpu")
         x, y = global_batch(config, REAL)
         n, b = REAL.microbatches * REAL.micro_batch_size, REAL.micro_batch_size
-        dp_idx = REAL.mesh.coords(rank)[0]
+        dp_idx = REAL.mesh.coordinate(rank).dp
         batches = [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
         with Tracer(run.model, rank=rank, world_size=world, default_phase=None) as tracer:
             loss = plans.train_step(run, batches, tracer.phase)
@@ -130,7 +107,7 @@ def test_cp_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path):
     world = plan.mesh.world_size
     traced = RankTraces(world)
     for rank in range(world):
-        traced.put(rank, trace_stage(CONFIG, plan, plan.mesh.coords(rank)[1], rank=rank))
+        traced.put(rank, trace_stage(CONFIG, plan, plan.mesh.coordinate(rank).pp, rank=rank))
     write_chakra(traced, tmp_path / "each", CONFIG.name, level="module")
     summary = write_workload(trace_workload(CONFIG, plan, torch.float32), tmp_path / "derived", level="module",
                              progress=False)
@@ -161,3 +138,30 @@ def test_microbatches_replicated_from_a_probe_equal_running_them_all():
         replicated, ran = trace_stage(CONFIG, plan, stage), trace_stage(CONFIG, plan, stage, replicate=False)
         assert dict(replicated.nodes(data=True)) == dict(ran.nodes(data=True))
         assert list(replicated.edges(data=True)) == list(ran.edges(data=True))
+
+
+# --- the mesh's cp in predictions: rank counts, syntorch_ranks.json, stream names ----------------------------
+
+def test_ranks_json_records_cp_and_ep_and_predictions_count_every_rank(tmp_path):
+    from syntorch.hardware import load_hw_config
+    from syntorch.simulate.chakra_files import RANK_KINDS
+    from syntorch.simulate.predict import predict_training
+
+    hw, plan = load_hw_config("h100-sxm"), TrainPlan(dp=2, cp=2, tp=2, pp=2, microbatches=2, seq=16)
+    workload = trace_workload(CONFIG, plan, torch.float32, hw)
+    write_workload(workload, tmp_path / "run", progress=False)
+    written = json.loads((tmp_path / "run" / RANK_KINDS).read_text())["mesh"]
+    assert (written["cp"], written["ep"]) == (2, 1) and Mesh(**written) == plan.mesh
+    summary = predict_training(workload.probes, workload.source, plan, hw).summary
+    assert summary["ranks"] == 16 == sum(kind["ranks"] for kind in summary["rank_kinds"])
+
+
+def test_cp_collectives_run_on_streams_named_by_their_group():
+    from syntorch.simulate.graphs import MeshFrame, graph_program
+
+    plan = TrainPlan(dp=2, cp=2, tp=2, microbatches=1, seq=16)
+    graph = trace_stage(CONFIG, plan, 0)
+    program, nodes = graph_program(graph, "stage 0", MeshFrame(plan.mesh))
+    assert {"comm tp", "comm cp", "comm dp_cp"} == set(program.streams) - {"compute"}  # none is "comm self"
+    on_cp = {stream for stream, n in zip(program.streams, nodes) if graph.node_attrs[n].get("group") == [0, 2]}
+    assert on_cp == {"comm cp"}  # rank 0's CP group: cp strides by tp

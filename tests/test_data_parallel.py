@@ -26,7 +26,7 @@ def stage_param_bytes(c, plan, stage: int) -> int:
 
 def dp_collectives(graph, plan, kind):
     rep = graph.graph["rank"]
-    group = plan.mesh.group_ranks("dp", rep)
+    group = plan.mesh.group(rep, "dp")
     return [(n, d) for n, d in graph.collectives() if d["group"] == group and d["collective"] == kind]
 
 
@@ -96,7 +96,7 @@ def real_rank(out_dir: str) -> None:
 def my_batches(plan, rank):
     x, y = global_batch(CONFIG, plan)
     n, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
-    dp_idx = plan.mesh.coords(rank)[0]
+    dp_idx = plan.mesh.coordinate(rank).dp
     return [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
 
 
@@ -107,7 +107,7 @@ def errors_against_reference(run, plan, rank) -> dict:
     from syntorch.parallel.tensor import take_shard
 
     ref_loss, ref_grads, ref_params = reference_step(CONFIG, plan)
-    tp_rank = plan.mesh.coords(rank)[2]
+    tp_rank = plan.mesh.coordinate(rank).tp
 
     def shard(name, full):
         module, _, param = name.rpartition(".")
@@ -121,7 +121,7 @@ def errors_against_reference(run, plan, rank) -> dict:
         for bucket in run.grad_sync.all_buckets:
             flat = torch.cat([shard(names[id(p)], ref_grads[names[id(p)]]).flatten() for p in bucket.params])
             flat = torch.cat([flat, flat.new_zeros(bucket.size - flat.numel())])
-            mine.append(flat.chunk(plan.dp)[plan.mesh.coords(rank)[0]])
+            mine.append(flat.chunk(plan.dp)[plan.mesh.coordinate(rank).dp])
         grad_err = (run.grad_sync.shard.grad - torch.cat(mine)).abs().max().item()
     for name, p in run.model.named_parameters():
         g, new = shard(name, ref_grads[name]), shard(name, ref_params[name])

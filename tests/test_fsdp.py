@@ -112,7 +112,7 @@ def real_rank(out_dir: str) -> None:
         run = plans.apply_plans(CONFIG, plan, groups, "cpu")
         x, y = global_batch(CONFIG, plan)
         n, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
-        dp_idx = plan.mesh.coords(rank)[0]
+        dp_idx = plan.mesh.coordinate(rank).dp
         batches = [(x[i:i + b], y[i:i + b]) for i in range(dp_idx * n, (dp_idx + 1) * n, b)]
         with Tracer(run.model, rank=rank, world_size=world, default_phase=None) as tracer:
             loss = plans.train_step(run, batches, tracer.phase)
@@ -129,7 +129,7 @@ def errors(run, plan, rank) -> dict:
     from syntorch.parallel.tensor import take_shard
 
     ref_loss, ref_grads, ref_params = reference_step(CONFIG, plan)
-    tp_rank = plan.mesh.coords(rank)[2]
+    tp_rank = plan.mesh.coordinate(rank).tp
     tied = {"lm_head.weight": "tok_emb.weight"}
 
     def shard(name, full):
@@ -173,7 +173,7 @@ def test_real_fsdp_steps_equal_one_process_and_the_symbolic_trace(tmp_path):
             assert r["step_excess"] <= 0
             if rank not in (0, 3):  # the others are translations of these (test_context_parallel's symmetry test)
                 continue
-            symbolic = trace_stage(CONFIG, plan, plan.mesh.coords(rank)[1], torch.float32, rank=rank)
+            symbolic = trace_stage(CONFIG, plan, plan.mesh.coordinate(rank).pp, torch.float32, rank=rank)
             assert r["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                         for _, d in symbolic.collectives()], f"{name} rank {rank}"
 

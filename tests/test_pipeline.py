@@ -72,7 +72,7 @@ def test_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path, plan, level
     config = tiny_config("gpt2", n_layer=4, vocab_size=200)
     traced = RankTraces(plan.mesh.world_size)
     for rank in range(plan.mesh.world_size):
-        traced.put(rank, trace_stage(config, plan, plan.mesh.coords(rank)[1], rank=rank))
+        traced.put(rank, trace_stage(config, plan, plan.mesh.coordinate(rank).pp, rank=rank))
     write_chakra(traced, tmp_path / "each", config.name, level=level)
     summary = write_workload(trace_workload(config, plan, torch.float32), tmp_path / "derived", level=level, progress=False)
     assert summary["distinct_rank_traces"] == distinct_bodies(tmp_path / "derived")
@@ -99,7 +99,7 @@ def test_every_family_validates_and_every_send_has_its_recv(tmp_path, base):
     assert check_traces(tmp_path)[0] == []
     sends = _comm_nodes(tmp_path)
     for rank in range(8):
-        stage = plan.mesh.coords(rank)[1]
+        stage = plan.mesh.coordinate(rank).pp
         links = (stage > 0) + (stage < plan.pp - 1)  # each link carries 3 activations one way, 3 grads back
         assert sends[(rank, et.COMM_SEND_NODE)] == sends[(rank, et.COMM_RECV_NODE)] == 3 * links
 

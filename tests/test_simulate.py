@@ -140,26 +140,27 @@ def test_simulating_each_stage_once_equals_simulating_every_rank(tiny):
     mesh = PLAN.mesh
     graphs = {}
     for rank in range(mesh.world_size):
-        graphs[rank] = trace_stage(tiny, PLAN, mesh.coords(rank)[1], torch.float32, rank=rank)
+        graphs[rank] = trace_stage(tiny, PLAN, mesh.coordinate(rank).pp, torch.float32, rank=rank)
         fill_durations(graphs[rank], HW)
     every = simulate(kind_programs(graphs, RankFrame()))
     stages = {f"stage {s}": graphs[mesh.representative(s)] for s in range(mesh.pp)}
     symmetric = simulate(kind_programs(stages, MeshFrame(mesh)))
     assert symmetric.end_us == pytest.approx(every.end_us, rel=1e-12)
     for rank in range(mesh.world_size):  # each rank's timeline is its stage representative's
-        assert every.ends[rank] == pytest.approx(symmetric.ends[mesh.coords(rank)[1]], rel=1e-12)
+        assert every.ends[rank] == pytest.approx(symmetric.ends[mesh.coordinate(rank).pp], rel=1e-12)
     # the tied embedding's all-reduce meets across stages: drop stage 1 and stage 0 cannot finish
     with pytest.raises(UserError, match="deadlock"):
         simulate([graph_program(stages["stage 0"], "stage 0", MeshFrame(mesh))[0]])
 
 
-@pytest.mark.parametrize("plan", [PLAN, TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=1, microbatches=2, seq=16)])
+@pytest.mark.parametrize("plan", [PLAN, TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=1, microbatches=2, seq=16),
+                                  TrainPlan(dp=2, cp=2, tp=2, pp=2, microbatches=2, seq=16)])
 def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path, plan):
     workload = trace_workload(tiny, plan, torch.float32, HW)
     write_workload(workload, tmp_path / "t", progress=False)
     symmetric = predict_traces(tmp_path / "t", HW)
     assert "one program per pipeline stage" in symmetric.summary["notes"][0]
-    assert [p.ranks for p in symmetric.run.programs] == [4, 4]
+    assert [p.ranks for p in symmetric.run.programs] == [plan.dp * plan.cp * plan.tp] * 2  # a stage's ranks
     # a rank's file replaced by another rank's of its stage (same size, other groups): every rank is read,
     # and the ranks' collectives no longer meet
     rank5, rank4 = tmp_path / "t" / "tiny-gpt2.5.et", tmp_path / "t" / "tiny-gpt2.4.et"
@@ -170,7 +171,7 @@ def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path, pl
     rank5.write_bytes(original)  # the right bytes, but a new time: still every rank
     every = predict_traces(tmp_path / "t", HW)
     assert "every rank simulated on its own" in every.summary["notes"][0]
-    assert len(every.run.programs) == 8
+    assert len(every.run.programs) == plan.dp * plan.cp * plan.tp * plan.pp
     assert symmetric.summary["step_s"] == pytest.approx(every.summary["step_s"], rel=1e-12)
     assert symmetric.summary["mfu"] == pytest.approx(every.summary["mfu"], rel=1e-12)
     assert symmetric.summary["exposed_comm_s"] == pytest.approx(every.summary["exposed_comm_s"], rel=1e-9)

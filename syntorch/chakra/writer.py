@@ -24,7 +24,7 @@ from syntorch.chakra.groups import comm_groups_json, graph_group_ids
 from syntorch.chakra.nodes import NodeSpec, chakra_nodes, global_metadata, rewrite_notes, to_json, to_proto
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.mesh import DIMS, Mesh
+from syntorch.parallel.mesh import Mesh
 from syntorch.trace.cost import shared_key
 from syntorch.trace.graph import RankTraces
 from syntorch.trace import levels
@@ -142,7 +142,7 @@ def _attr_piece(name: str, value) -> bytes:
 
 
 class StageTemplate:
-    """One stage's Chakra nodes serialized once, as its representative's (dp 0, tp 0); `write(f, rank)`
+    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(f, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
     Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
@@ -171,18 +171,15 @@ class StageTemplate:
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
         width = len(str(next(iter(ids.values())))) if ids else 0
         self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
+        self.names = {g: mesh.dims_of(g) for g in group_at}  # the mesh dimensions each group spans
 
     def _group_id(self, group: tuple, rank: int) -> int:
         """The id of the group that plays, for `rank`, the part `group` plays for the representative. Every
-        mesh group is a line along one axis, and translation moves it along the others, so the translated
-        line is known from where its first member lands off that axis (a 128-rank DP group would otherwise
-        be 128 translations and a sort for each of 8192 ranks)."""
-        where = list(self.mesh.position(self.mesh.translate(group[0], rank)))
-        if len(group) > 1:
-            axis = next(i for i, (a, b) in enumerate(zip(*map(self.mesh.position, group[:2]))) if a != b)
-            if len(group) == getattr(self.mesh, DIMS[axis]):  # a whole line; EP groups are parts of one
-                where[axis] = None
-        key = (group, *where)
+        mesh group is a whole line along its dimensions (Mesh.dims_of), and translation moves it along the
+        others, so the translated line is known from the lowest rank of the line its first member lands on
+        (a 128-rank DP group would otherwise be 128 translations and a sort for each of 8192 ranks)."""
+        moved, names = self.mesh.translate(group[0], rank), self.names[group]
+        key = (group, self.mesh.first(moved, *names) if len(group) == self.mesh.size(*names) else moved)
         if key not in self._ids_seen:
             self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]
         return self._ids_seen[key]

@@ -16,11 +16,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from syntorch.parallel.mesh import Mesh
     from syntorch.shard import write_shards
 
     index = write_shards(args.checkpoint, args.out, args.tp, args.pp, force=args.force)
+    mesh = Mesh(pp=args.pp, tp=args.tp)
     for rank, name in sorted(index.files.items()):
         first, stop = index.layers[rank]
-        print(f"rank {rank} (stage {rank // index.tp}, tp rank {rank % index.tp}): layers {first}..{stop - 1}, "
+        place = mesh.coordinate(rank)
+        print(f"rank {rank} (stage {place.pp}, tp rank {place.tp}): layers {first}..{stop - 1}, "
               f"{len(index.tensors[rank])} tensors -> {args.out}/{name}")
     return 0

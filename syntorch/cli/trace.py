@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
     m.add_argument("--mode", default="train", choices=["train", "infer"],
                    help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
     m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
-    par = p.add_argument_group("parallelism (rank = (((dp_idx * pp) + pp_stage) * cp + cp_rank) * tp + tp_rank)")
+    par = p.add_argument_group("parallelism (ranks in Megatron's order tp-cp-pp-dp: TP innermost, parallel/mesh.py)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")

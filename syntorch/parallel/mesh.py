@@ -1,41 +1,70 @@
-"""The (dp, pp, cp, tp) device mesh: which global rank does what, and every process group of a run.
+"""The named device mesh: which global rank does what, and every process group of a run.
 
-Rank layout (Megatron's order "tp-cp-pp-dp": TP innermost so a TP group sits on one node's fast links, CP
-next, as Megatron-LM's parallel_state orders them):
+One order, Megatron's "tp-cp-pp-dp" (DIMS, innermost first): TP innermost so a TP group sits on one node's
+fast links, then CP, PP and DP, as Megatron-LM's parallel_state orders them:
 
-    rank = (((dp_idx * pp) + pp_stage) * cp + cp_rank) * tp + tp_rank
+    rank = ((dp * pp_size + pp) * cp_size + cp) * tp_size + tp
 
-so with dp=2, pp=2, tp=2 (cp=1): ranks 0,1 are TP group (dp 0, stage 0); 2,3 (dp 0, stage 1); 4,5 (dp 1,
-stage 0) ... A TP group is tp consecutive ranks; a CP group strides by tp; a PP chain by cp * tp; a DP
-group by pp * cp * tp. With cp=1 the layout is the (dp, pp, tp) one of earlier releases, rank for rank.
+so a TP group is tp consecutive ranks, a CP group strides by tp, a PP chain by cp * tp and a DP group by
+pp * cp * tp (Mesh.stride). With dp=2, pp=2, tp=2 (cp=1): ranks 0,1 are the TP group of (dp 0, stage 0);
+2,3 (dp 0, stage 1); 4,5 (dp 1, stage 0) ...
 
-Expert parallelism splits the DP group, as Megatron-Core does (its expert rank order "tp-ep-dp-pp": EP inside
-DP): the dp index is `outer * ep + ep_rank`, so an EP group is `ep` DP-neighbours (dp indices o*ep .. o*ep+ep-1)
-and the expert-data-parallel group (the replicas of one expert, which reduce its gradients) strides by ep.
+Ranks and groups are asked for by name only, as torchtitan's ParallelDims/DeviceMesh does: `rank_of(dp=1,
+tp=1)`, `coordinate(rank).cp`, `group(rank, "dp", "cp")` (a flattened view: the ranks that differ from
+`rank` only along dp and cp, the group gradients are averaged over with context parallelism), `groups("tp")`.
+
+Expert parallelism splits the DP dimension, as Megatron-Core does (its expert rank order "tp-ep-dp-pp": EP
+inside DP): dp = expert_dp * ep + ep_index, so an EP group ("ep") is `ep` DP-neighbours (dp indices o*ep ..
+o*ep+ep-1) and the expert-data-parallel group ("expert_dp": the replicas of one expert, which reduce its
+gradients) strides by ep along dp. Both are names `group` and `groups` take like the four dimensions.
 
 The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), with cp > 1 CP
-(K/V all-gathers) and DP x CP (gradients are averaged over every rank that saw part of the batch, as
-Megatron's data-parallel-with-context-parallel group), with ep > 1 EP (all-to-all of routed tokens) and
-expert-DP, each pair of neighbouring stages (pipeline send/recv; with `ring`, also the last stage to the
-first, the link an interleaved pipeline's chunks wrap around), and the first/last-stage pair that shares a
-tied embedding.
+(K/V all-gathers) and DP x CP ("dp_cp", Megatron's data-parallel-with-context-parallel group), with ep > 1
+EP (all-to-all of routed tokens) and expert-DP, each pair of neighbouring stages (pipeline send/recv; with
+`ring`, also the last stage to the first, the link an interleaved pipeline's chunks wrap around), and the
+first/last-stage pair that shares a tied embedding.
 """
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import cache, cached_property
+from itertools import product
+from math import prod
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 from syntorch.errors import UserError
 
-DIMS = ("dp", "pp", "cp", "tp")  # outermost first
+ORDER = "tp-cp-pp-dp"  # Megatron's name for the layout, innermost first
+DIMS = tuple(ORDER.split("-"))
+AXES = ("tp", "cp", "pp", "ep", "expert_dp")  # DIMS with dp as its two parts, innermost first
+PARTS = {**{a: (a,) for a in AXES}, "dp": ("ep", "expert_dp")}  # each name as the axes it spans
 
 
-@dataclass(frozen=True)
+@cache
+def _axes_of(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes `names` span, innermost first."""
+    for name in names:
+        if name not in PARTS:
+            raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(PARTS)}")
+    return tuple(a for a in AXES if any(a in PARTS[n] for n in names))
+
+
+class Coordinate(NamedTuple):
+    """A rank's index along each dimension (fields in DIMS order; read them by name)."""
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Mesh:
-    dp: int = 1
-    pp: int = 1
+    """The degrees by name (keywords only; fields in DIMS order)."""
     tp: int = 1
     cp: int = 1
+    pp: int = 1
+    dp: int = 1
     ep: int = 1  # expert parallel: divides dp (EP groups are made of DP ranks)
     ring: bool = False  # interleaved pipeline: the last stage also sends to the first
 
@@ -60,64 +89,92 @@ class Mesh:
             raise UserError(f"dp({self.dp}) * pp({self.pp}){cp} * tp({self.tp}) = {self.world_size} "
                             f"but the world has {world_size} ranks; make the product equal the rank count")
 
-    def rank(self, dp_idx: int, pp_stage: int, tp_rank: int, cp_rank: int = 0) -> int:
-        return self.at(dp=dp_idx, pp=pp_stage, cp=cp_rank, tp=tp_rank)
+    def to_json(self) -> dict:
+        """Every field by name (`Mesh(**that)` builds it again)."""
+        return asdict(self)
 
-    def at(self, **index: int) -> int:
-        """The global rank at these indices along DIMS (a missing one is 0)."""
-        rank = 0
-        for dim in DIMS:
-            rank = rank * getattr(self, dim) + index.get(dim, 0)
-        return rank
+    # --- names to ranks -------------------------------------------------------------------------------
 
-    def position(self, rank: int) -> tuple[int, ...]:
-        """The indices of a global rank along DIMS: (dp_idx, pp_stage, cp_rank, tp_rank)."""
-        index = []
-        for dim in reversed(DIMS):
-            rank, i = divmod(rank, getattr(self, dim))
-            index.append(i)
-        return tuple(reversed(index))
+    @cached_property
+    def _axes(self) -> dict[str, tuple[int, int]]:
+        """Axis (AXES) -> (size, stride)."""
+        dp_stride = self.tp * self.cp * self.pp
+        return {"tp": (self.tp, 1), "cp": (self.cp, self.tp), "pp": (self.pp, self.tp * self.cp),
+                "ep": (self.ep, dp_stride), "expert_dp": (self.dp // self.ep, dp_stride * self.ep)}
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_idx, pp_stage, tp_rank) of a global rank (its cp_rank: `position`)."""
-        d, s, _, t = self.position(rank)
-        return d, s, t
+    @cached_property
+    def _dims(self) -> list[tuple[int, int]]:
+        """(size, stride) of each of DIMS."""
+        return [(self.dp, self._axes["ep"][1]) if d == "dp" else self._axes[d] for d in DIMS]
 
-    def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The global ranks of `rank`'s group along `dim` (the ranks that differ from it only in that index)."""
-        index = dict(zip(DIMS, self.position(rank)))
-        return [self.at(**{**index, dim: i}) for i in range(getattr(self, dim))]
+    def _lines(self, names) -> list[tuple[int, int]]:
+        return [self._axes[a] for a in _axes_of(names)]
 
-    def groups(self, dim: str) -> list[list[int]]:
-        """Every group along `dim`, in a fixed order (the other indices outermost first, as DIMS)."""
-        if dim in ("ep", "expert_dp"):  # sub-lines of the dp axis (module docstring)
-            outer = self.dp // self.ep
-            lines = ([[o * self.ep + e for e in range(self.ep)] for o in range(outer)] if dim == "ep" else
-                     [[o * self.ep + e for o in range(outer)] for e in range(self.ep)])
-            return [[self.at(dp=d, pp=s, cp=c, tp=t) for d in line]
-                    for s in range(self.pp) for c in range(self.cp) for t in range(self.tp) for line in lines]
-        return [self.group_ranks(dim, r) for r in range(self.world_size) if self.position(r)[DIMS.index(dim)] == 0]
+    def size(self, *names: str) -> int:
+        """The ranks of one group along `names` (flattened): the product of their sizes."""
+        return prod(size for size, _ in self._lines(names))
 
-    def dp_cp_groups(self) -> list[list[int]]:
-        """The ranks that differ only in their dp and cp indices: where gradients are averaged."""
-        return [[r for d in self.group_ranks("dp", first) for r in self.group_ranks("cp", d)]
-                for first in self.world_ranks(dp=0, cp=0)]
+    def stride(self, name: str) -> int:
+        """How far apart in rank two neighbours along `name` are."""
+        return self._lines((name,))[0][1]
 
-    def world_ranks(self, **fixed: int) -> list[int]:
-        """The global ranks whose indices equal `fixed`, in rank order."""
-        return [r for r in range(self.world_size)
-                if all(self.position(r)[DIMS.index(dim)] == i for dim, i in fixed.items())]
+    def rank_of(self, **index: int) -> int:
+        """The global rank at these indices (by dimension name; a missing one is 0)."""
+        for name, i in index.items():
+            if not 0 <= i < self.size(name):
+                raise ValueError(f"{name} index {i} is outside 0..{self.size(name) - 1}")
+        return sum(i * self.stride(name) for name, i in index.items())
+
+    def coordinate(self, rank: int) -> Coordinate:
+        return Coordinate(*(rank // stride % size for size, stride in self._dims))
+
+    def index(self, rank: int, *names: str) -> int:
+        """`rank`'s place in its group along `names` (flattened, ranks in order): coordinate(rank).cp for
+        "cp", the EP rank for "ep", dp * cp_size + cp for ("dp", "cp")."""
+        place, scale = 0, 1
+        for size, stride in self._lines(names):
+            place += rank // stride % size * scale
+            scale *= size
+        return place
+
+    def first(self, rank: int, *names: str) -> int:
+        """The lowest rank of `rank`'s group along `names`."""
+        return rank - sum(rank // stride % size * stride for size, stride in self._lines(names))
+
+    def group(self, rank: int, *names: str) -> list[int]:
+        """The ranks that differ from `rank` only along `names`, in rank order (a flattened view:
+        `group(r, "dp", "cp")` is the DP x CP group)."""
+        lines, first = self._lines(names), self.first(rank, *names)
+        return sorted(first + sum(i * stride for i, (_, stride) in zip(at, lines))
+                      for at in product(*(range(size) for size, _ in lines)))
+
+    def groups(self, *names: str) -> list[list[int]]:
+        """Every group along `names`, ordered by their lowest rank (the ranks at 0 along `names`)."""
+        firsts = self.group(0, *(a for a in AXES if a not in _axes_of(names)))
+        return [self.group(first, *names) for first in firsts]
+
+    def dims_of(self, ranks) -> tuple[str, ...]:
+        """The names `ranks` differ in, outermost first: ("dp", "cp") for a DP x CP group, ("ep",) or
+        ("expert_dp",) for part of a DP line, () for one rank."""
+        coordinates = [self.coordinate(r) for r in ranks]
+        differ = [d for d in reversed(DIMS) if len({getattr(c, d) for c in coordinates}) > 1]
+        if "dp" in differ and len({c.dp for c in coordinates}) < self.dp:
+            differ[differ.index("dp")] = "ep" if len({self.index(r, "expert_dp") for r in ranks}) == 1 else "expert_dp"
+        return tuple(differ)
+
+    def name(self, ranks) -> str:
+        """What kind of group `ranks` form, as process_groups names them ("tp", "dp_cp", "ep"), "self" for one."""
+        return "_".join(self.dims_of(ranks)) or "self"
+
+    # --- the groups of a run and translation -------------------------------------------------------------
 
     def process_groups(self, tied: bool = False) -> list[tuple[str, list[int]]]:
         """(kind, ranks) of every process group a run creates, in the order every rank must create them:
-        "tp", "dp", with cp > 1 "cp" and "dp_cp", then per PP chain its "stage_pair"s and, for a model whose
-        head is tied to its embedding and pp > 1, the "embedding" pair of the first and last stage (Megatron's
-        embedding group)."""
-        groups = [("tp", g) for g in self.groups("tp")] + [("dp", g) for g in self.groups("dp")]
-        if self.ep > 1:
-            groups += [("ep", g) for g in self.groups("ep")] + [("expert_dp", g) for g in self.groups("expert_dp")]
-        if self.cp > 1:
-            groups += [("cp", g) for g in self.groups("cp")] + [("dp_cp", g) for g in self.dp_cp_groups()]
+        "tp", "dp", with ep > 1 "ep" and "expert_dp", with cp > 1 "cp" and "dp_cp", then per PP chain its
+        "stage_pair"s and, for a model whose head is tied to its embedding and pp > 1, the "embedding" pair
+        of the first and last stage (Megatron's embedding group)."""
+        kinds = [("tp",), ("dp",)] + [("ep",), ("expert_dp",)] * (self.ep > 1) + [("cp",), ("dp", "cp")] * (self.cp > 1)
+        groups = [("_".join(names), g) for names in kinds for g in self.groups(*names)]
         for chain in self.groups("pp"):
             groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
             if self.ring and self.pp > 1:
@@ -126,23 +183,26 @@ class Mesh:
                 groups.append(("embedding", [chain[0], chain[-1]]))
         return groups
 
-    def translate(self, rank: int, to_rank: int) -> int:
+    def translate(self, rank: int, to_rank: int, back: bool = False) -> int:
         """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative (dp 0,
-        cp 0, tp 0): shifted along dp, cp and tp by to_rank's indices, the stage kept. Ranks of a stage run
-        the same program over groups that are such translations of each other (a CP rank's chunks differ in
-        their positions, values a symbolic trace does not hold)."""
-        index, by = self.position(rank), self.position(to_rank)
-        moved = {dim: i if dim == "pp" else (i + j) % getattr(self, dim) for dim, i, j in zip(DIMS, index, by)}
-        # dp = outer * ep + ep_rank: each part moves on its own, so EP and expert-DP groups map onto such groups
-        (o, e), (to_o, to_e) = divmod(index[0], self.ep), divmod(by[0], self.ep)
-        moved["dp"] = (o + to_o) % (self.dp // self.ep) * self.ep + (e + to_e) % self.ep
-        return self.at(**moved)
-
-    def ep_rank(self, rank: int) -> int:
-        return self.coords(rank)[0] % self.ep
+        cp 0, tp 0): moved along tp, cp and dp by to_rank's indices (`back`: against them), the stage kept.
+        Ranks of a stage run the same program over groups that are such translations of each other (a CP
+        rank's chunks differ in their positions, values a symbolic trace does not hold). dp moves as its
+        two parts, each on its own, so EP and expert-DP groups map onto such groups."""
+        sign = -1 if back else 1
+        moved = rank
+        for a, (size, stride) in self._axes.items():
+            if a != "pp":
+                i = rank // stride % size
+                moved += ((i + sign * (to_rank // stride % size)) % size - i) * stride
+        return moved
 
     def representative(self, stage: int) -> int:
-        return self.at(pp=stage)
+        return self.rank_of(pp=stage)
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks of pipeline stage `stage` (they run one program, translations of its representative's)."""
+        return self.group(self.representative(stage), "dp", "cp", "tp")
 
 
 @dataclass
@@ -164,11 +224,11 @@ class MeshGroups:
 
     @property
     def tp_rank(self) -> int:
-        return self.mesh.coords(self.rank)[2]
+        return self.mesh.coordinate(self.rank).tp
 
     @property
     def cp_rank(self) -> int:
-        return self.mesh.position(self.rank)[DIMS.index("cp")]
+        return self.mesh.coordinate(self.rank).cp
 
     @property
     def grad_group(self):
@@ -177,7 +237,7 @@ class MeshGroups:
 
     @property
     def stage(self) -> int:
-        return self.mesh.coords(self.rank)[1]
+        return self.mesh.coordinate(self.rank).pp
 
 
 def init_groups(mesh: Mesh, tied: bool = False, only_mine: bool = False) -> MeshGroups:

@@ -83,7 +83,7 @@ class PipelineForward:
         self.groups, self.chain, self.beam_width = groups, chain, beam_width
         self.stage = stage_of(groups, n_layer)
         mesh, rank = groups.mesh, groups.rank
-        self.last_rank = mesh.rank(mesh.coords(rank)[0], mesh.pp - 1, mesh.coords(rank)[2])
+        self.last_rank = mesh.group(rank, "pp")[-1]
         self.sent = 0  # micro-batches this stage has passed on (or received), numbering their tags
         self.device = None  # the model's (meta when symbolic, cuda for NCCL): the broadcasts' too
 

@@ -60,7 +60,7 @@ class TrainPlan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1)
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1)
 
     @property
     def grad_ranks(self) -> int:

@@ -40,7 +40,7 @@ def rank_kinds_json(model: str, mesh: Mesh, folder: Path) -> str:
     use; a file rewritten since, even to the same size, shows a new time)."""
     stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
-                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
+                       "mesh": mesh.to_json(),
                        "files": [[st.st_size, st.st_mtime_ns] for st in stats]})
 
 
@@ -58,7 +58,7 @@ def _predict_traces(path, hw, profile) -> Prediction:
     mesh, why = _symmetric_mesh(folder, files)
     if mesh is not None:
         paths = dict(files)
-        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.dp * mesh.tp)
+        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.size("dp", "cp", "tp"))
                  for s in range(mesh.pp)]
         frame, note = MeshFrame(mesh), f"one program per pipeline stage, from {RANK_KINDS}"
     else:

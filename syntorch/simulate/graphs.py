@@ -4,10 +4,10 @@ A frame says which ranks share a program and how the communication of one progra
 - `RankFrame`: every rank its own program (foreign traces, and the reference the symmetric form is tested
   against); a collective waits for every rank of its group, a recv for its sender's send.
 - `MeshFrame`: the ranks of a pipeline stage run one graph (trace/training.py traces its representative,
-  dp 0 and tp 0; the others are translations along dp and tp, Mesh.translate). A group inside one stage
-  (TP, DP) has one member program: its ranks reach it at the same time. A group across stages (pipeline
-  pairs, the tied embedding) meets the other stages' representatives, which name it by the same
-  translation-free form: each rank moved along dp and tp by the coordinates of the group's lowest rank.
+  dp 0, cp 0 and tp 0; the others are translations along dp, cp and tp, Mesh.translate). A group inside one
+  stage (TP, CP, DP) has one member program: its ranks reach it at the same time. A group across stages
+  (pipeline pairs, the tied embedding) meets the other stages' representatives, which name it by the same
+  translation-free form: each rank moved back by the place of the group's lowest rank (Mesh.translate).
 """
 from syntorch.parallel.mesh import Mesh
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync
@@ -37,19 +37,18 @@ class MeshFrame:
         self.mesh = mesh
 
     def kind(self, rank: int) -> int:
-        return self.mesh.coords(rank)[1]
+        return self.mesh.coordinate(rank).pp
 
     def canonical(self, ranks) -> tuple:
-        mesh = self.mesh
-        d0, _, t0 = mesh.coords(min(ranks))
-        return tuple(mesh.rank((d - d0) % mesh.dp, s, (t - t0) % mesh.tp) for d, s, t in map(mesh.coords, ranks))
+        """The group as its stage representatives name it: moved back by its lowest rank's place."""
+        lowest = min(ranks)
+        return tuple(self.mesh.translate(r, lowest, back=True) for r in ranks)
 
     def label(self, group) -> str:
-        coords = list(zip(*map(self.mesh.coords, group)))
-        varying = [axis for axis, values in zip(("dp", "pp", "tp"), coords) if len(set(values)) > 1]
-        if varying == ["pp"]:
-            return "pp " + "-".join(map(str, sorted(coords[1])))
-        return "+".join(varying) or "self"
+        """The group's name in the mesh ("tp", "cp", "dp_cp", "ep"), or the stages of a pipeline pair."""
+        if self.mesh.dims_of(group) == ("pp",):
+            return "pp " + "-".join(str(self.mesh.coordinate(r).pp) for r in sorted(group))
+        return self.mesh.name(group)
 
 
 def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=None,

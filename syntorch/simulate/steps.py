@@ -10,7 +10,7 @@ gradients sent between (virtual) stages, and, for a head tied to the embedding, 
 first and the last stage before the optimizer. A step is copied from the probed step that plays its part
 (trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward).
 
-Cost: (steps per stage) x stages tasks; a stage's DP and TP ranks share its program.
+Cost: (steps per stage) x stages tasks; a stage's DP, CP and TP ranks share its program.
 """
 from dataclasses import dataclass
 

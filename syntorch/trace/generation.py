@@ -100,7 +100,7 @@ def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1,
     for stage in range(mesh.pp):
         graph, out = trace_pp_stage(config, run, mesh, stage, beam_width, dtype)
         result = out if stage == 0 else result
-        for rank in (r for r in range(mesh.world_size) if mesh.coords(r)[1] == stage):
+        for rank in mesh.stage_ranks(stage):
             traces.put_shared([rank], lambda graph=graph, rank=rank: translated(graph, mesh, rank))
     return traces, result
 
