@@ -219,3 +219,16 @@ def test_convert_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path,
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_tracing_without_the_capture_extra_says_what_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hta" else find_spec(name, *a))
+    argv = ["train", "gpt2", "--data", str(tmp_path / "squad.json"), "--device", "cpu", "--enable-tracing",
+            "--trace-output-dir", str(tmp_path / "t")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "pip install -e '.[capture]'" in err, err
+    assert not (tmp_path / "t").exists()

@@ -21,9 +21,19 @@ from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_file
 
 
+CAPTURE_EXTRA = "pip install -e '.[capture]' (holistictraceanalysis, which the official linker needs)"
+
+
+def check_capture_tools() -> None:
+    """Capturing needs the optional [capture] extra; say so in one line before any run starts."""
+    if importlib.util.find_spec("hta") is None:
+        raise UserError(f"capturing real runs needs the capture tools: {CAPTURE_EXTRA}")
+
+
 def _param_bench() -> Path:
     # chakra_trace_link imports et_replay, which PyPI ships only inside holistictraceanalysis's wheel,
     # as a top-level `param_bench/et_replay` folder beside `hta`
+    check_capture_tools()
     spec = importlib.util.find_spec("hta")
     return Path(spec.origin).parents[1] / "param_bench"
 
