@@ -270,7 +270,7 @@ def read_shard_index(path) -> ShardIndex:
     tp, pp, ranks = d.get("tp"), d.get("pp"), d.get("ranks")
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (tp, pp)) or not isinstance(ranks, dict):
         raise UserError(f"{index}: 'tp' and 'pp' must be positive integers and 'ranks' an object; re-run syntorch shard")
-    if set(ranks) != {str(r) for r in range(tp * pp)}:
+    if len(ranks) != tp * pp or set(ranks) != {str(r) for r in range(tp * pp)}:  # len first: tp may be 10**18
         raise UserError(f"{index} lists ranks {few_names(ranks)} but tp {tp} x pp {pp} needs ranks 0..{tp * pp - 1}; "
                         "re-run syntorch shard")
     files, tensors, layers = {}, {}, {}

@@ -8,7 +8,7 @@ mistake in an option is one line, naming the option as the user typed it.
   `--top_p nan` or `calibrate --seconds nan` (which never ended) slipped past the range checks;
 - every `type=int` option refusing what 64 bits do not hold (torch's integers: `--batch_size 10**21` was an
   OverflowError);
-- `at_least=` and `above=` on add_argument: a bound checked as the option is parsed, so the message names
+- `at_least=`, `above=` and `at_most=` on add_argument: a bound checked as the option is parsed, so the message names
   the spelling typed (`--num-gpus 0`, not its other spelling `--nproc`).
 The checks hold for the parser's argument groups and subcommands too. Ranges that a library object checks
 itself (InferenceSpec, TrainPlan, Sampling, for Python callers as well) are left to it.
@@ -46,9 +46,9 @@ class Parser(argparse.ArgumentParser):
 class _Store(argparse.Action):
     """argparse's "store", checking the value first (see the module docstring)."""
 
-    def __init__(self, *args, at_least=None, above=None, **kwargs):
+    def __init__(self, *args, at_least=None, above=None, at_most=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.at_least, self.above = at_least, above
+        self.at_least, self.above, self.at_most = at_least, above, at_most
 
     def __call__(self, parser, namespace, values, option_string=None):
         for value in values if isinstance(values, list) else [values]:
@@ -66,4 +66,13 @@ class _Store(argparse.Action):
             return f"must be {'0 or more' if self.at_least == 0 else f'at least {self.at_least}'}, got {value}"
         if self.above is not None and value <= self.above:
             return f"must be {'positive' if self.above == 0 else f'more than {self.above}'}, got {value}"
+        if self.at_most is not None and value > self.at_most:
+            return f"must be at most {self.at_most}, got {value}"
         return None
+
+
+def named(text: str) -> str:
+    """An option that names something (a preset, a file): an empty string names nothing."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name something, got an empty string")
+    return text

@@ -89,6 +89,9 @@ def ws(tmp_path_factory):
     for broken in ("norank", "truncated"):
         shutil.copytree(root / "sharded", root / broken)
     (root / "norank" / "rank00001.safetensors").unlink()
+    shutil.copytree(root / "sharded", root / "huge_tp")  # was: 10**18 rank names built
+    index = json.loads((root / "huge_tp" / "syntorch_shards.json").read_text())
+    (root / "huge_tp" / "syntorch_shards.json").write_text(json.dumps({**index, "tp": 10**18}))
     (root / "truncated" / "rank00001.safetensors").write_bytes((root / "sharded" / "rank00001.safetensors").read_bytes()[:999])
     return root
 
@@ -328,6 +331,7 @@ CASES = [
         ("--seconds 0", "--seconds must be positive, got 0.0"),
         ("--seconds -1", "--seconds must be positive, got -1.0"),
         ("--seconds x", "argument --seconds: invalid float value: 'x'"),
+        ("--seconds 1e300", "--seconds must be at most 3600, got 1e+300"),
     ]),
     *cases("calibrate --seconds 0.01", "", [
         ("--output {userdir}", "mine is a folder; give a file name"),
@@ -411,12 +415,19 @@ CASES = [
         ("--hw_config a100-80gb --profile tuned", "unknown --profile 'tuned'; use one of eager, fused"),
         ("--hw_config {ws}/no_sm_hw.json", "no_sm_hw.json: missing field(s) sm_count"),
         ("--hw_config {ws}/negative_hw.json", "gemm_efficiency must be > 0, got -0.8"),
+        ("--dp 1000000000", "= 1,000,000,000 ranks; syntorch models up to 1,048,576: lower the degrees"),
+        ("--dp 2 --fsdp --zero 1", "--fsdp is --zero 3; drop --zero 1 or --fsdp"),
+        ("--hw_config ''", "argument --hw_config: must name something, got an empty string"),
+        ("--profile fused", "--profile fused chooses how predicted durations group ops into kernels; give --hw_config"),
         ("--mode infer --recompute selective", "--recompute selective recomputes activations in backward"),
         ("--recompute some", "argument --recompute: invalid choice: 'some'"),
     ]),
     *cases(INFER, "out/", [
         ("--checkpoint {ws}/sharded", "is sharded for --tp 2 --pp 1 but this run has --tp 1 --pp 1"),
         ("--checkpoint {ws}/norank --tp 2", "rank 1's file"),
+        ("--hw_config ''", "argument --hw_config: must name something, got an empty string"),
+        ("--profile fused", "give --hw_config too"),
+        ("--checkpoint {ws}/huge_tp --tp 2", "lists ranks 0, 1 but tp 1000000000000000000 x pp 1 needs ranks"),
         ("--checkpoint {ws}/truncated --tp 2", "corrupt or truncated"),
         ("--quant_head", "--quant_head quantizes the LM head too; it needs --quant int8_weight_only"),
         ("--quant int4", "argument --quant: invalid choice: 'int4'"),

@@ -5,7 +5,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this CPU (matmul FLOP/s, memory bandwidth) for --hw_config cpu")
     p.add_argument("--output", help="where to save the JSON (default: ~/.cache/syntorch/cpu.json, "
                                     "or $SYNTORCH_CACHE_DIR/cpu.json)")
-    p.add_argument("--seconds", type=float, default=1.0, above=0, help="time spent on each figure")
+    p.add_argument("--seconds", type=float, default=1.0, above=0, at_most=3600,
+                   help="time spent on each figure (at most an hour)")
     p.set_defaults(func=run)
 
 

@@ -12,10 +12,13 @@ def int_list(text: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
+    from syntorch.options import named
+    from syntorch.config import REGISTRY
+
     p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache; BERT: one pass "
                                       "predicting masked tokens), optionally traced")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
+    m.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
     m.add_argument("--checkpoint", help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin), "
                    "or a folder written by syntorch shard for this --tp")
@@ -53,7 +56,7 @@ def add_parser(sub) -> None:
     out.add_argument("--visualize_trace", action="store_true", help="write tensor_trace_graph.png/.json")
     out.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                      help="graph level for images and exports (default: op, or coarser when too big to draw)")
-    out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file")
+    out.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file")
     out.add_argument("--profile", default="eager",
                      help="software profile of the predicted durations: eager (one kernel per aten op, as PyTorch "
                           "runs) or fused (FasterTransformer/Megatron kernels)")
@@ -69,8 +72,10 @@ def run(args) -> int:
     from syntorch.inference import InferenceSpec, RunOutputs, run_inference
 
     from syntorch.parallel.recompute import check_recompute
+    from syntorch.trace.cost import check_profile_needs_hw
 
     check_recompute(args.recompute, mode="infer")
+    check_profile_needs_hw(args.profile, args.hw_config)
     outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
     record = run_inference(from_args(InferenceSpec, args), args.out, outputs, force=args.force)
     if record is not None:  # None on torchrun's other ranks

@@ -6,9 +6,10 @@ PROFILES = ("eager", "fused")
 
 
 def add_parser(sub) -> None:
+    from syntorch.options import named
     p = sub.add_parser("predict", help="simulate Chakra .et traces across ranks: step time, MFU, bubbles, timeline")
     p.add_argument("path", help="folder of <prefix>.<rank>.et files, or the prefix itself")
-    p.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file; "
+    p.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file; "
                                        "without it, the files' own duration_micros")
     p.add_argument("--profile", choices=PROFILES, help="software profile of the performance model (needs --hw_config)")
     p.add_argument("--out", default="runs/predict", help="output folder (prediction.json, timeline.json)")

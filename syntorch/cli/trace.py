@@ -3,9 +3,12 @@ written as one Chakra `.et` per rank, `comm_groups.json`, `tensor_trace_chakra.j
 
 
 def add_parser(sub) -> None:
+    from syntorch.options import named
+    from syntorch.config import REGISTRY
+
     p = sub.add_parser("trace", help="symbolic training-step traces per rank (Chakra) for a TP x CP x PP x DP plan")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="gpt3-125m", help="registry name (gpt2, gpt3-125m … gpt3-175b, gptj-6b, bert-…)")
+    m.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
     m.add_argument("--mode", default="train", choices=["train", "infer"],
                    help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
@@ -21,7 +24,7 @@ def add_parser(sub) -> None:
     par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
     par.add_argument("--zero", type=int, default=0, help="0: DDP all-reduce; 1, 2: ZeRO stage 1 or 2; "
                      "3: fully sharded (FSDP)")
-    par.add_argument("--fsdp", action="store_const", const=3, dest="zero", help="fully sharded data parallel: --zero 3")
+    par.add_argument("--fsdp", action="store_true", help="fully sharded data parallel: --zero 3")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     par.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
@@ -35,7 +38,7 @@ def add_parser(sub) -> None:
     b.add_argument("--global_batch", type=int, help="check that dp * microbatches * micro_batch_size equals it")
     b.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
     out = p.add_argument_group("outputs")
-    out.add_argument("--hw_config", help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
+    out.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
     out.add_argument("--profile", default="eager",
                      help="software profile of the durations: eager (one kernel per aten op) or fused (Megatron's kernels)")
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
@@ -56,10 +59,15 @@ def run(args) -> int:
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
     from syntorch.simulate.predict import predict_training, write_prediction
-    from syntorch.trace.cost import check_profile
+    from syntorch.trace.cost import check_profile, check_profile_needs_hw
     from syntorch.workload import trace_workload, write_workload
 
     check_output_dir(args.out, args.force, "--out", new_files=["summary.json"])  # before the work, not after it
+    check_profile_needs_hw(args.profile, args.hw_config)
+    if args.fsdp:
+        if args.zero not in (0, 3):
+            raise UserError(f"--fsdp is --zero 3; drop --zero {args.zero} or --fsdp")
+        args.zero = 3
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
     plan.check(config, args.world_size, args.global_batch)

@@ -58,6 +58,9 @@ class Coordinate(NamedTuple):
     dp: int
 
 
+MAX_WORLD = 2**20  # 1,048,576 ranks: ten times today's largest clusters; beyond, the mesh's groups fill memory
+
+
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
     """The degrees by name (keywords only; fields in DIMS order)."""
@@ -76,6 +79,9 @@ class Mesh:
         if self.dp % self.ep:
             raise UserError(f"--ep {self.ep} must divide --dp {self.dp}: expert-parallel groups are made of "
                             f"data-parallel ranks (Megatron's layout)")
+        if self.world_size > MAX_WORLD:
+            raise UserError(f"{' * '.join(f'{d}({getattr(self, d)})' for d in reversed(DIMS))} = {self.world_size:,} "
+                            f"ranks; syntorch models up to {MAX_WORLD:,}: lower the degrees")
 
     @property
     def world_size(self) -> int:

@@ -30,6 +30,13 @@ def check_profile(profile: str) -> str:
     return profile
 
 
+def check_profile_needs_hw(profile: str, hw_config) -> None:
+    """A profile groups ops into kernels for the performance model; without a device there is none."""
+    if profile != "eager" and not hw_config:
+        raise UserError(f"--profile {profile} chooses how predicted durations group ops into kernels; "
+                        "give --hw_config too")
+
+
 @dataclass(frozen=True)
 class Kernel:
     """What a node's duration depends on, apart from the hardware: equal for the same op in every layer."""
