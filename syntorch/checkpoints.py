@@ -61,7 +61,12 @@ def _weight_files(path: Path) -> list[Path]:
             weight_map = _read_json(path / index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{path / index} has no 'weight_map' object; re-save the checkpoint")
-            files = [path / name for name in dict.fromkeys(weight_map.values())]
+            names = list(dict.fromkeys(weight_map.values()))
+            outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+            if outside:  # a stranger's index must not make us read /etc/hostname
+                raise UserError(f"{path / index} names {outside[0]!r}, not a file of {path}; an index names the "
+                                "shard files beside it")
+            files = [path / name for name in names]
             absent = [f.name for f in files if not f.is_file()]
             if absent:
                 raise UserError(f"{path / index} names shard(s) {few_names(absent)} that are not in {path}")

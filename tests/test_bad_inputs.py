@@ -86,6 +86,10 @@ def ws(tmp_path_factory):
     make_model(root / "gpt2", "gpt2")  # tiny HF folder (2 layers, 4 heads) to shard
     write_shards(root / "gpt2", root / "sharded", tp=2, pp=1)
     damaged_weights(root)
+    shutil.copytree(root / "gpt2", root / "outside_index")  # an HF index pointing outside its folder
+    (root / "outside_index" / "model.safetensors").unlink()
+    (root / "outside_index" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"transformer.wte.weight": "/etc/hostname"}}))
     for broken in ("norank", "truncated"):
         shutil.copytree(root / "sharded", root / broken)
     (root / "norank" / "rank00001.safetensors").unlink()
@@ -247,6 +251,9 @@ CASES = [
         ("--pp 2 --chakra", "traces of a --pp run are made symbolically: add --device meta"),
         ("--prompt_file {ws}/missing.txt --tokenizer {ws}/tok", "missing.txt not found"),
         ("--prompt_file {ws}/blank.txt --tokenizer {ws}/tok", "blank.txt is empty; give one prompt per line"),
+        ("--prompt_file /dev/null --tokenizer {ws}/tok", "/dev/null is not a regular file (a folder, device or FIFO)"),
+        ("--model_config /dev/zero", "/dev/zero is not a regular file"),
+        ("--checkpoint {ws}/outside_index", "names '/etc/hostname', not a file of"),
         ("--prompt_file {ws}/long.txt --tokenizer {ws}/tok", "exceed the context of tiny-gpt2 (64)"),
         ("--prompt_file {ws}/blank.txt", "--prompt_file needs --tokenizer"),
         ("--input_ids 1,2 --input_ids 3 --batch_size 3", "--batch_size 3 does not match the 2 prompts given"),
