@@ -22,9 +22,10 @@ def nic(hw, nbytes, fraction):
 
 def test_collectives_inside_a_node_are_rings_at_nccl_bus_bandwidth():
     mb, lat, c = 10**6, H100.intra_node_latency_us, H100.collective_latency_us
-    assert collective_us("all_reduce", mb, list(range(8)), H100) == pytest.approx(c + 14 * lat + nvlink(H100, mb, 2 * 7 / 8))
-    assert collective_us("reduce_scatter", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(H100, mb, 7 / 8))
-    assert collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(H100, mb, 7 / 8))
+    node = list(range(8))
+    assert collective_us("all_reduce", mb, node, H100) == pytest.approx(c + 14 * lat + nvlink(H100, mb, 2 * 7 / 8))
+    assert collective_us("reduce_scatter", mb, node, H100) == pytest.approx(c + 7 * lat + nvlink(H100, mb, 7 / 8))
+    assert collective_us("all_gather", mb, node, H100) == pytest.approx(c + 7 * lat + nvlink(H100, mb, 7 / 8))
     assert collective_us("all_reduce", mb, [3], H100) == 0.0
 
 

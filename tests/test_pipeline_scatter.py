@@ -10,7 +10,7 @@ from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 
 from syntorch.parallel.plans import TrainPlan
-from syntorch.trace.training import trace_stage
+from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage
 
 CONFIG = tiny_config("gpt2", n_layer=4, vocab_size=200)
 PLAN = TrainPlan(tp=2, pp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)
@@ -18,7 +18,8 @@ PLAN = TrainPlan(tp=2, pp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2
 
 def pipeline_comm(graph, tp_group):
     """(p2p sends/recvs, all-gathers over the stage's TP group) as (kind, bytes, phase)."""
-    p2p = [(d["collective"], d["bytes"], d["phase"]) for _, d in graph.collectives() if d["collective"] in ("send", "recv")]
+    p2p = [(d["collective"], d["bytes"], d["phase"]) for _, d in graph.collectives()
+           if d["collective"] in ("send", "recv")]
     gathers = [(d["bytes"], d["phase"]) for _, d in graph.collectives()
                if d["collective"] == "all_gather" and d["group"] == tp_group]
     return p2p, gathers
@@ -50,6 +51,19 @@ def test_sequence_parallel_and_the_flag_send_the_whole_stream():
         share = PLAN.seq // PLAN.tp if plan.sp else PLAN.seq
         assert {d["bytes"] for _, d in graph.collectives() if d["collective"] in ("send", "recv")} == {
             PLAN.micro_batch_size * share * CONFIG.d_model * 4}
+
+
+def test_scattered_stages_derived_by_shifting_and_replicating_equal_tracing_them():
+    """The trace's shortcuts (micro-batches copied from a probe, a middle stage as another's shifted copy) keep
+    the all-gathers right: their stage's TP group, their place in the schedule."""
+    config = tiny_config("gpt2", n_layer=8, vocab_size=200)
+    plan = TrainPlan(dp=2, tp=2, pp=4, microbatches=5, seq=16)
+    probe, blocks = probe_stage(config, plan, 1)
+    for derived, stage in ((schedule_stage(probe, blocks, plan), 1),
+                           (schedule_stage(shift_stage(probe, plan.mesh, 2, 2), blocks, plan), 2)):
+        traced = trace_stage(config, plan, stage, replicate=False)
+        assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+        assert list(derived.edges(data=True)) == list(traced.edges(data=True))
 
 
 # --- real steps: TP2 x PP2 on four gloo ranks -------------------------------------------------------------

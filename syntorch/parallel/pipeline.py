@@ -266,7 +266,8 @@ def send_forward(x: torch.Tensor, links, microbatch: int, boundary: int = 0, vir
     waits for its peer to reach the matching recv (with interleaving, the peer may first send it something).
     `split`: the TP group the stream is scattered over (see the module docstring), or None."""
     if links.next is not None:
-        return comm.isend(_part(x.detach(), split), links.next_rank, links.next, tag(microbatch, False, boundary, virtual))
+        return comm.isend(_part(x.detach(), split), links.next_rank, links.next,
+                          tag(microbatch, False, boundary, virtual))
 
 
 def recv_forward(shape, dtype, device, links, microbatch: int, boundary: int = 0, virtual: int = 1,
