@@ -119,3 +119,18 @@ def test_real_tp2_pp2_steps_equal_one_process(tmp_path):
             symbolic = trace_stage(CONFIG, plan, PLAN.mesh.coords(rank)[1], torch.float32, rank=rank)
             assert r[i]["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                            for _, d in symbolic.collectives()]
+
+
+def test_trace_command_takes_megatrons_flag(tmp_path):
+    from syntorch.cli import main
+    from syntorch.config import save_model_config
+
+    save_model_config(CONFIG, tmp_path / "tiny.json")
+    sends = {}
+    for flag in ([], ["--no-scatter-gather-tensors-in-pipeline"]):
+        out = tmp_path / f"run{len(flag)}"
+        assert main(["trace", "--model_config", str(tmp_path / "tiny.json"), "--tp", "2", "--pp", "2", "--seq", "16",
+                     "--microbatches", "2", "--out", str(out), "--no_progress", *flag]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        sends[len(flag)] = summary["stages"][0]["comm"]["send"]["bytes"]
+    assert sends[0] * 2 == sends[1] > 0
