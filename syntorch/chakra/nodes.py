@@ -13,9 +13,9 @@ Graph -> Chakra:
   channel, as NCCL runs one stream per communicator: a process group's collectives are ordered among
   themselves (every member issues them in one order, or the run hangs), never behind another group's, so a
   DP bucket's all-reduce can run beside TP and pipeline traffic. Send/recv between one pair of ranks are a
-  channel of their own, in traced order. ASTRA-sim runs one communication at a time per NPU and starts
-  the ready node with the lowest id (ids are traced order); the ranks of a collective's group run the same
-  program, so they reach its ready nodes in the same order.
+  channel of their own, in traced order. ASTRA-sim (mlcommons) runs one communication at a time per NPU,
+  the ready one with the lowest id (traced order); the members of a TP, DP or CP group run one stage's
+  program and come to their ready nodes alike, so none holds its slot for a collective its peers put off.
 """
 import math
 from collections.abc import Mapping

@@ -245,17 +245,20 @@ def wait_sends(works: list) -> None:
             work.wait()
 
 
+def _scattered(x: torch.Tensor, split) -> bool:
+    """Is x sent in parts over the TP group `split` (None: no scatter/gather)?"""
+    return split is not None and x.numel() % comm.world_size(split) == 0
+
+
 def _part(x: torch.Tensor, split) -> torch.Tensor:
-    """What this rank sends of x: its 1/t of the flattened tensor over the TP group `split`, or all of x."""
-    if split is None or x.numel() % comm.world_size(split):
-        return x
-    return comm.own_chunk(x.reshape(-1), 0, split)
+    """What this rank sends of x: its 1/t of the flattened tensor, or all of x."""
+    return comm.own_chunk(x.reshape(-1), 0, split) if _scattered(x, split) else x
 
 
 def _recv_whole(buffer: torch.Tensor, src: int, group, tag: int, split) -> torch.Tensor:
     """Receives into `buffer` (the whole tensor's shape) from `src`: all of it, or this rank's 1/t of it and
     then the other TP ranks' parts gathered over `split`."""
-    if split is None or buffer.numel() % comm.world_size(split):
+    if not _scattered(buffer, split):
         return comm.recv(buffer, src, group, tag)
     part = comm.recv(buffer.new_empty(buffer.numel() // comm.world_size(split)), src, group, tag)
     return comm.all_gather(part, group=split).view(buffer.shape)
