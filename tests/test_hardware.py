@@ -103,29 +103,6 @@ def nvlink(nbytes, fraction):
     return 1e6 * fraction * nbytes / (450e9 * H100.intra_node_bus_efficiency)
 
 
-def test_collectives_inside_a_node_are_rings_at_nccl_bus_bandwidth():
-    mb, lat, c = 10**6, H100.intra_node_latency_us, H100.collective_latency_us
-    assert cost.collective_us("all_reduce", mb, list(range(8)), H100) == pytest.approx(c + 14 * lat + nvlink(mb, 2 * 7 / 8))
-    assert cost.collective_us("reduce_scatter", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(mb, 7 / 8))
-    assert cost.collective_us("all_gather", mb, list(range(8)), H100) == pytest.approx(c + 7 * lat + nvlink(mb, 7 / 8))
-    assert cost.collective_us("send", mb, [0, 1], H100) == pytest.approx(c + lat + nvlink(mb, 1))
-    assert cost.collective_us("all_reduce", mb, [3], H100) == 0.0
-
-
-def test_all_reduce_across_nodes_is_hierarchical_and_takes_the_tree_when_it_is_faster():
-    mb, lat, net, c = 10**6, H100.intra_node_latency_us, H100.inter_node_latency_us, H100.collective_latency_us
-    ib = 50e9 * H100.inter_node_bus_efficiency
-    # 2 nodes x 8: reduce-scatter and all-gather over NVLink, then each rank's 1/8 across its own NIC
-    inside = 2 * (7 * lat + nvlink(mb, 7 / 8))
-    assert cost.collective_us("all_reduce", mb, list(range(16)), H100) == pytest.approx(
-        c + inside + 2 * net + 1e6 * (mb / 8) / ib)
-    # 4 nodes, one rank each: the tree's 2 log2(4) = 4 steps beat the ring's 6, the bandwidth is the same
-    ranks = [0, 8, 16, 24]
-    assert cost.collective_us("all_reduce", mb, ranks, H100) == pytest.approx(c + 4 * net + 1e6 * 2 * 3 / 4 * mb / ib)
-    # other collectives spanning nodes: one ring at the NIC's figures
-    assert cost.collective_us("all_gather", mb, ranks, H100) == pytest.approx(c + 3 * net + 1e6 * 3 / 4 * mb / ib)
-
-
 def _tiny_tp_graph():
     g = TraceGraph(rank=0, world_size=2, tp=2)
     x = g.add_tensor([4, 8], "torch.bfloat16", 64)

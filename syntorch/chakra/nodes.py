@@ -9,10 +9,13 @@ Graph -> Chakra:
 - collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE with
   comm_src/comm_dst/comm_tag as int32_val: mlcommons' et_feeder_node.cpp reads them with int32_val() (any
   other integer kind reads as 0 there).
-- data_deps: op -> tensor -> op in the graph; ctrl_deps: the rank's previous communication node, so a
-  rank issues its communication in traced (program) order. ASTRA-sim runs one communication at a time
-  per NPU and otherwise starts the ready node with the lowest id, so without this chain two ranks could
-  each hold their slot for a collective the other has not reached yet, and hang.
+- data_deps: op -> tensor -> op in the graph; ctrl_deps: the previous communication node of the same
+  channel, as NCCL runs one stream per communicator: a process group's collectives are ordered among
+  themselves (every member issues them in one order, or the run hangs), never behind another group's, so a
+  DP bucket's all-reduce can run beside TP and pipeline traffic. Send/recv between one pair of ranks are a
+  channel of their own, in traced order. ASTRA-sim (mlcommons) runs one communication at a time per NPU,
+  the ready one with the lowest id (traced order); the members of a TP, DP or CP group run one stage's
+  program and come to their ready nodes alike, so none holds its slot for a collective its peers put off.
 """
 import math
 from collections.abc import Mapping
@@ -141,7 +144,7 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
 def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.nodes, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
-    last_comm = []  # the previous communication node's Chakra id, once there is one
+    last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
 
     def ordered(adj):
@@ -174,12 +177,21 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
                      ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])]
         else:
             kind, attrs = _comm_attrs(data, str(groups[tuple(sorted(data["group"]))]))
-            ctrl, last_comm = last_comm, [nid]
+            channel = _channel(data)
+            ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
         attrs.append(("is_cpu_op", "bool_val", False))
         out.append(NodeSpec(nid, _node_name(data), kind, deps, ctrl, round(data.get("duration_us") or 0),
                             io_text(inputs), io_text(ordered(succ[n])), attrs))
         deps_of[n] = (nid,)
     return out
+
+
+def _channel(data: dict) -> tuple:
+    """What a communication node is ordered within: its group's collectives, or the sends and recvs
+    between its two ranks."""
+    if data["collective"] in P2P:
+        return "p2p", min(data["src"], data["dst"]), max(data["src"], data["dst"])
+    return "group", *sorted(data["group"])
 
 
 def _node_name(data: dict) -> str:

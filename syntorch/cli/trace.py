@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                      help="activation recomputation in backward: selective (the attention core) or full (each layer)")
     par.add_argument("--virtual_stages", type=int, default=1,
                      help="interleaved 1F1B: chunks of layers per stage (Megatron's virtual pipeline; 1: none)")
+    par.add_argument("--no_scatter_gather", "--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
+                     action="store_false", help="with --tp > 1 and --pp > 1, send the whole stream between stages "
+                     "from every TP rank (default: Megatron's scatter/gather, 1/tp each and an all-gather over TP)")
     par.add_argument("--world_size", type=int, help="check that dp * pp * cp * tp equals it")
     b = p.add_argument_group("batch")
     b.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (per DP replica)")

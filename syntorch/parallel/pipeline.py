@@ -15,6 +15,13 @@ Schedules are lists of steps ("F" or "B", micro-batch, chunk), the order one sta
 Activations go forward and their gradients backward as send/recv pairs over a 2-rank process group of
 neighbouring stages (and, interleaved, from the last stage to the first), tagged by micro-batch, chunk
 boundary and direction so every send meets its recv. Sends do not wait for their recv (`send_forward`).
+
+Scatter/gather (Megatron-LM's default with TP and without sequence parallel; `--no-scatter-gather-tensors-in-
+pipeline` turns it off there, `--no_scatter_gather` here): the stream, and its gradient, are the same on every
+TP rank, so each TP rank sends only its 1/t of the flattened tensor to its peer of the next (previous) stage,
+and the receiving stage all-gathers the parts over TP (Narayanan et al. 2021, section 4.1; Megatron's
+`split_tensor_into_1d_equal_chunks` and `gather_split_1d_tensor`). Without TP, under sequence parallel (the
+stream is split already) or when t does not divide the tensor, the whole tensor is sent.
 """
 import copy
 import dataclasses
@@ -238,24 +245,48 @@ def wait_sends(works: list) -> None:
             work.wait()
 
 
-def send_forward(x: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1):
+def _scattered(x: torch.Tensor, split) -> bool:
+    """Is x sent in parts over the TP group `split` (None: no scatter/gather)?"""
+    return split is not None and x.numel() % comm.world_size(split) == 0
+
+
+def _part(x: torch.Tensor, split) -> torch.Tensor:
+    """What this rank sends of x: its 1/t of the flattened tensor, or all of x."""
+    return comm.own_chunk(x.reshape(-1), 0, split) if _scattered(x, split) else x
+
+
+def _recv_whole(buffer: torch.Tensor, src: int, group, tag: int, split) -> torch.Tensor:
+    """Receives into `buffer` (the whole tensor's shape) from `src`: all of it, or this rank's 1/t of it and
+    then the other TP ranks' parts gathered over `split`."""
+    if not _scattered(buffer, split):
+        return comm.recv(buffer, src, group, tag)
+    part = comm.recv(buffer.new_empty(buffer.numel() // comm.world_size(split)), src, group, tag)
+    return comm.all_gather(part, group=split).view(buffer.shape)
+
+
+def send_forward(x: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1, split=None):
     """Returns the send's work, or None: the caller waits on it at the end of the schedule, so a stage never
-    waits for its peer to reach the matching recv (with interleaving, the peer may first send it something)."""
+    waits for its peer to reach the matching recv (with interleaving, the peer may first send it something).
+    `split`: the TP group the stream is scattered over (see the module docstring), or None."""
     if links.next is not None:
-        return comm.isend(x.detach(), links.next_rank, links.next, tag(microbatch, False, boundary, virtual))
+        return comm.isend(_part(x.detach(), split), links.next_rank, links.next,
+                          tag(microbatch, False, boundary, virtual))
 
 
-def recv_forward(shape, dtype, device, links, microbatch: int, boundary: int = 0, virtual: int = 1) -> torch.Tensor:
+def recv_forward(shape, dtype, device, links, microbatch: int, boundary: int = 0, virtual: int = 1,
+                 split=None) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype, device=device)
-    return comm.recv(x, links.prev_rank, links.prev,
-                     tag(microbatch, False, boundary, virtual)).requires_grad_(torch.is_grad_enabled())
+    return _recv_whole(x, links.prev_rank, links.prev, tag(microbatch, False, boundary, virtual),
+                       split).requires_grad_(torch.is_grad_enabled())
 
 
-def send_backward(grad: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1):
+def send_backward(grad: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1, split=None):
     """Returns the send's work, or None (see send_forward)."""
     if links.prev is not None:
-        return comm.isend(grad, links.prev_rank, links.prev, tag(microbatch, True, boundary, virtual))
+        return comm.isend(_part(grad, split), links.prev_rank, links.prev, tag(microbatch, True, boundary, virtual))
 
 
-def recv_backward(like: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1) -> torch.Tensor:
-    return comm.recv(torch.empty_like(like), links.next_rank, links.next, tag(microbatch, True, boundary, virtual))
+def recv_backward(like: torch.Tensor, links, microbatch: int, boundary: int = 0, virtual: int = 1,
+                  split=None) -> torch.Tensor:
+    return _recv_whole(torch.empty_like(like), links.next_rank, links.next, tag(microbatch, True, boundary, virtual),
+                       split)

@@ -57,6 +57,7 @@ class TrainPlan:
     recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
     virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
     cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
+    scatter_gather: bool = True  # with TP, stages exchange 1/t of the stream each and all-gather it (pipeline.py)
 
     @property
     def mesh(self) -> Mesh:
@@ -145,6 +146,11 @@ class StageRun:
 
     def __post_init__(self):
         self._chunks = {}
+
+    @property
+    def split(self):
+        """The TP group the stream between stages is scattered over (Megatron's scatter/gather), or None."""
+        return self.groups.tp if self.plan.scatter_gather and self.plan.tp > 1 and not self.plan.sp else None
 
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
@@ -244,12 +250,12 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
         with phase("backward"):
             run.grad_sync.active = m == len(batches) - 1  # DDP's no_sync for all but each chunk's last
             x, y = inputs.pop((m, c)), outputs.pop((m, c))
-            grad = None if stage.holds_loss(c) else pp_.recv_backward(y, links, m, c, plan.virtual_stages)
+            grad = None if stage.holds_loss(c) else pp_.recv_backward(y, links, m, c, plan.virtual_stages, run.split)
             if run.precision and stage.holds_loss(c):
                 y = run.precision.scale_loss(y)  # fp16: the loss scaled, so small gradients stay above fp16's least
             torch.autograd.backward(y, grad)
             if not stage.holds_input(c):
-                sends.append(pp_.send_backward(x.grad, links, m, stage.in_boundary(c), plan.virtual_stages))
+                sends.append(pp_.send_backward(x.grad, links, m, stage.in_boundary(c), plan.virtual_stages, run.split))
     with phase("backward"):
         pp_.wait_sends(sends)
         run.grad_sync.finish()
@@ -273,13 +279,13 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
             shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
                                          plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
-                                 plan.virtual_stages)
+                                 plan.virtual_stages, run.split)
         if stage.holds_loss(chunk) and context is not None:
             targets = context.local(targets)
         y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
                               **(context.inputs() if context else {}))
         if not stage.holds_loss(chunk):
-            sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages))
+            sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages, run.split))
     return x, y
 
 

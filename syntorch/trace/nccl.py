@@ -1,42 +1,52 @@
 """Collective times as NCCL runs them, from a HardwareConfig's link figures.
 
-A collective of n ranks on B bytes (the node's `bytes`: the larger of its input and output buffer, as
-nccl-tests count a collective's size) costs
-    collective_latency_us + steps * step latency + moved(B) / (link bandwidth * bus efficiency)
-(NCCL's own tuning model has this form per protocol, src/graph/tuning.cc: a base latency, a latency per
-step, a bus bandwidth; the calibration lands near its LL128 ring figures on NVLink, 14 us + 1.9 us per
-step), with, for a ring (NCCL's algorithm inside a node and for all but all-reduce across nodes):
-    all_reduce      2(n-1) steps, moves 2(n-1)/n B   (reduce-scatter then all-gather)
-    reduce_scatter  (n-1) steps,  moves (n-1)/n B    (B is the input)
-    all_gather      (n-1) steps,  moves (n-1)/n B    (B is the output)
-    all_to_all      (n-1) steps,  moves (n-1)/n B
-    broadcast       (n-1) steps,  moves B            (pipelined ring)
-    send / recv     1 step,       moves B
-    barrier         2(n-1) steps, moves nothing
-"moved / (bandwidth * bus efficiency)" is nccl-tests' bus bandwidth read backwards: busbw = B * moved
-fraction / time, so the bus efficiency is busbw over the link's datasheet bandwidth.
-
-A group spanning nodes runs hierarchically (one NIC per GPU, as DGX nodes have): an all-reduce is a
-reduce-scatter among the group's ranks in each node over NVLink, an all-reduce of each rank's 1/local
-share across the N nodes over its own NIC, and an all-gather in the node. Across nodes NCCL picks a ring
-(2(N-1) steps) or a double binary tree (2 ceil(log2 N) steps, the same bus bandwidth), whichever is
-faster for the size: the tree for small messages, equal for large ones. Other collectives spanning nodes
-run one ring whose slowest hop is the NIC.
+NCCL's own tuning model (src/graph/tuning.cc) gives a collective a base latency, a latency per ring step
+(hwLat: per NVLink step inside a node, per network step across) and a bus bandwidth; so do we. A collective
+of n ranks on N nodes (at least `local` of its ranks on each), on B bytes (the node's `bytes`: the larger of
+its input and output buffer, as nccl-tests count a collective's size), costs
+    collective_latency_us + passes * ((n - N) * NVLink step + (N - 1) * network step) + moved(B) / busbw
+with, for NCCL's ring (tuning.cc: nsteps - nInterSteps NVLink steps, nInterSteps network steps):
+    all_reduce      2 passes, moves 2(n-1)/n B   (reduce-scatter then all-gather)
+    reduce_scatter  1 pass,   moves (n-1)/n B    (B is the input)
+    all_gather      1 pass,   moves (n-1)/n B    (B is the output)
+    broadcast       1 pass,   moves B            (pipelined ring)
+    barrier         2 passes, moves nothing
+so an all-reduce costs a reduce-scatter plus an all-gather of the same bytes, inside a node and across.
+"moved / busbw" is nccl-tests' bus bandwidth read backwards (busbw = B * moved fraction / time); busbw is
+the link's datasheet bandwidth times its bus efficiency:
+- inside a node, NVLink's;
+- across nodes, a DGX node has one NIC per GPU and NCCL runs its ring channels through all of them in
+  parallel, NVLink hops and NIC hops pipelined: every channel crosses each node boundary once, so the
+  node's traffic out is spread over the `local` NICs of the group's ranks there, and the bus bandwidth is
+  min(local * NIC, NVLink). nccl-tests measure ~24 GB/s per HDR NIC, growing with the NICs in use "up to
+  ... the NVLink intra-node bandwidth" (S. Jeaugey, NVIDIA/nccl#412; 4 x HDR: 86 of 96 GB/s,
+  NVIDIA/nccl#1048), so ~185 GB/s across DGX A100 nodes (8 x HDR), and 46-48 GB/s per NDR NIC
+  (NVIDIA/nccl-tests#290).
+An all-reduce across nodes takes NCCL's double binary tree instead when its latency is lower (tuning.cc:
+2 ((n/N - 1) NVLink steps + log2 N network steps), the same bus bandwidth): small messages.
+An all-to-all is point-to-point: each rank's share for its node's peers goes over NVLink and the rest,
+(n - local)/n of B, over its own NIC, at the same time; it cannot aggregate the node's NICs (S. Jeaugey,
+NVIDIA/nccl-tests#267: "the performance you should see is the performance of a single NIC").
+Send / recv: NCCL's base latency for its Simple protocol, P2P_BASE_US, plus one step of the link (NVLink,
+or the network between nodes), plus B at that link's bus bandwidth; not the fitted collective_latency_us,
+which is an all-reduce call's fixed cost.
 """
 import math
+from collections import Counter
 
 from syntorch.hardware import HardwareConfig
 
-# collective -> (ring steps, fraction of B each rank moves) for n ranks
+# NCCL src/graph/tuning.cc baseLat[Ring][Simple]: 8.4 us, the protocol of pipeline-sized messages (NCCL sends
+# messages under NCCL_P2P_LL_THRESHOLD, 16 KiB, with LL and larger ones with Simple)
+P2P_BASE_US = 8.4
+# collective -> (ring passes: passes * (n - 1) steps, fraction of B each rank moves) for n ranks
 RING = {
-    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-    "all_gather": lambda n: (n - 1, (n - 1) / n),
-    "all_to_all": lambda n: (n - 1, (n - 1) / n),
-    "broadcast": lambda n: (n - 1, 1.0),
-    "send": lambda n: (1, 1.0),
-    "recv": lambda n: (1, 1.0),
-    "barrier": lambda n: (2 * (n - 1), 0.0),
+    "all_reduce": (2, lambda n: 2 * (n - 1) / n),
+    "reduce_scatter": (1, lambda n: (n - 1) / n),
+    "all_gather": (1, lambda n: (n - 1) / n),
+    "all_to_all": (1, lambda n: (n - 1) / n),
+    "broadcast": (1, lambda n: 1.0),
+    "barrier": (2, lambda n: 0.0),
 }
 
 
@@ -46,32 +56,20 @@ def collective_us(collective: str, nbytes: int, ranks: list[int], hw: HardwareCo
     n = len(ranks)
     if n <= 1:
         return 0.0
-    per_node = {}
-    for r in ranks:
-        per_node[r // hw.devices_per_node] = per_node.get(r // hw.devices_per_node, 0) + 1
-    nodes, local = len(per_node), max(per_node.values())
+    per_node = Counter(r // hw.devices_per_node for r in ranks)
+    nodes, local = len(per_node), min(per_node.values())
+    nvlink = hw.intra_node_bw_gb_s * 1e3 * hw.intra_node_bus_efficiency  # bytes per us
+    nic = hw.inter_node_bw_gb_s * 1e3 * hw.inter_node_bus_efficiency
+    if collective in ("send", "recv"):
+        step, bandwidth = (hw.intra_node_latency_us, nvlink) if nodes == 1 else (hw.inter_node_latency_us, nic)
+        return P2P_BASE_US + step + nbytes / bandwidth
+    passes, fraction = RING[collective]
+    steps = passes * ((n - nodes) * hw.intra_node_latency_us + (nodes - 1) * hw.inter_node_latency_us)
     if nodes == 1:
-        return hw.collective_latency_us + _ring_us(collective, n, nbytes, _nvlink(hw))
-    if collective != "all_reduce":
-        return hw.collective_latency_us + _ring_us(collective, n, nbytes, _network(hw))
-    inside = 2 * _ring_us("reduce_scatter", local, nbytes, _nvlink(hw)) if local > 1 else 0.0
-    share = nbytes / local
-    ring = _ring_us("all_reduce", nodes, share, _network(hw))
-    tree_steps = 2 * math.ceil(math.log2(nodes))
-    tree = ring - (2 * (nodes - 1) - tree_steps) * hw.inter_node_latency_us
-    return hw.collective_latency_us + inside + min(ring, tree)
-
-
-def _nvlink(hw: HardwareConfig) -> tuple[float, float]:
-    """(bytes per us, latency per step in us) inside a node."""
-    return hw.intra_node_bw_gb_s * 1e3 * hw.intra_node_bus_efficiency, hw.intra_node_latency_us
-
-
-def _network(hw: HardwareConfig) -> tuple[float, float]:
-    return hw.inter_node_bw_gb_s * 1e3 * hw.inter_node_bus_efficiency, hw.inter_node_latency_us
-
-
-def _ring_us(collective: str, n: int, nbytes: float, link: tuple[float, float]) -> float:
-    bytes_per_us, step_us = link
-    steps, fraction = RING[collective](n)
-    return steps * step_us + fraction * nbytes / bytes_per_us
+        return hw.collective_latency_us + steps + fraction(n) * nbytes / nvlink
+    if collective == "all_to_all":
+        return hw.collective_latency_us + steps + max((n - local) / n * nbytes / nic, (local - 1) / n * nbytes / nvlink)
+    if collective == "all_reduce":
+        tree = 2 * ((local - 1) * hw.intra_node_latency_us + math.ceil(math.log2(nodes)) * hw.inter_node_latency_us)
+        steps = min(steps, tree)
+    return hw.collective_latency_us + steps + fraction(n) * nbytes / min(local * nic, nvlink)
