@@ -60,6 +60,8 @@ class ContextSplit:
         self.positions = chunk_positions(seq, cp, cp_rank, device)
         key_positions = torch.cat([chunk_positions(seq, cp, r, device) for r in range(cp)])
         self.mask = key_positions[None, :] <= self.positions[:, None]  # [T/cp, T], True = attend
+        # the pairs it keeps, for the tracer's attention FLOPs: query at position p attends p + 1 keys
+        self.mask.attended_pairs = int((chunk_positions(seq, cp, cp_rank) + 1).sum())
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (or targets) of a [B, T] batch."""
