@@ -25,12 +25,15 @@ def attention_ops(base, device="cpu", seq=T):
     with Tracer(model) as tracer:
         model(torch.randint(0, c.vocab_size, (B, seq), device=device)).sum().backward()
     graph = tracer.graph
-    return c, graph, {d["phase"]: d for _, d in graph.ops() if d["name"].startswith(SDPA) and d["module"] == "layers.0.attn"}
+    ops = {d["phase"]: d for _, d in graph.ops() if d["name"].startswith(SDPA) and d["module"] == "layers.0.attn"}
+    return c, graph, ops
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_causal_attention_counts_the_lower_triangle_with_its_diagonal(device):
-    c, _, ops = attention_ops("gpt2", device)
+    c, graph, ops = attention_ops("gpt2", device)
+    counting = [d for _, d in graph.ops() if d["module"].endswith("attn") and d["name"] in ("aten.arange", "aten.sum")]
+    assert not counting  # the pairs are counted in plain integers, not by traced ops
     full = 2 * 2 * B * c.n_head * T * T * c.d_head  # QK^T and PV over every score
     kept = full // (T * T) * (T * (T + 1) // 2)
     assert (ops["forward"]["flops"], ops["forward"]["dense_flops"]) == (kept, full)
