@@ -13,34 +13,35 @@ from syntorch.parallel.tensor import padded_vocab
 from syntorch.trace.training import trace_stage
 
 CONFIG = tiny_config("gpt2", vocab_size=200)  # padded to 256 at TP 2: rank 1 holds 56 padding rows
+BERT = tiny_config("bert-base-uncased", vocab_size=200)  # its head has a bias, sharded like the rows
+RUNS = {"gpt2": (CONFIG, False), "gpt2 sp": (CONFIG, True), "bert": (BERT, False)}
 PLAN = TrainPlan(tp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)
 
 
 def real_rank(out_dir: str) -> None:
-    """One TP2 step and one TP2 + SP step; loss and largest gradient error to out_dir/rank{r}.json."""
+    """The RUNS' TP2 steps; loss and largest gradient error to out_dir/rank{r}.json."""
     from syntorch.parallel import plans
     from syntorch.parallel.launch import init_distributed
     from syntorch.parallel.mesh import init_groups
     from syntorch.parallel.tensor import take_shard
 
     rank, world = init_distributed("cpu")
-    groups = init_groups(PLAN.mesh, CONFIG.tied_head)
-    x, y = global_batch(CONFIG, PLAN)
-    batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 4, 2)]
+    groups = init_groups(PLAN.mesh)
     results = {}
-    for sp in (False, True):
+    for what, (config, sp) in RUNS.items():
         plan = dataclasses.replace(PLAN, sp=sp)
+        x, y = global_batch(config, plan)
         torch.manual_seed(0)
-        run = plans.apply_plans(CONFIG, plan, groups, "cpu")
-        loss = plans.train_step(run, batches)
-        ref_loss, ref_grads, _ = reference_step(CONFIG, plan)
+        run = plans.apply_plans(config, plan, groups, "cpu")
+        loss = plans.train_step(run, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 4, 2)])
+        ref_loss, ref_grads, _ = reference_step(config, plan)
         err = 0.0
         for name, p in run.model.named_parameters():
             module, _, param = name.rpartition(".")
             style = run.tp_plan.styles.get(module, "replicated")
-            want = take_shard(style, param, ref_grads[name], rank, plan.tp, run.tp_plan.padded_vocab, CONFIG.d_head)
+            want = take_shard(style, param, ref_grads[name], rank, plan.tp, run.tp_plan.padded_vocab, config.d_head)
             err = max(err, (p.grad - want).abs().max().item())
-        results[sp] = {"loss": loss.item(), "ref_loss": ref_loss, "grad_err": err}
+        results[what] = {"loss": loss.item(), "ref_loss": ref_loss, "grad_err": err}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
 
@@ -50,9 +51,11 @@ def test_real_tp2_step_with_the_vocab_parallel_loss_equals_one_process(tmp_path,
 
     spawn(real_rank, 2, (str(tmp_path),))
     for rank in range(2):
-        for sp, r in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
-            assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5), f"sp {sp} rank {rank}: {r}"
-            assert r["grad_err"] < 1e-5, f"sp {sp} rank {rank}: {r}"
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(results) == set(RUNS)
+        for what, r in results.items():
+            assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5), f"{what} rank {rank}: {r}"
+            assert r["grad_err"] < 1e-5, f"{what} rank {rank}: {r}"
 
 
 @pytest.mark.parametrize("sp", [False, True])
