@@ -38,9 +38,12 @@ def timeline_events(run: Run) -> list[dict]:
 
 
 # what each MFU of a training summary counts as the model's FLOPs (both 3 x the forward's, however much is recomputed)
+# (NeMo 24.07's model_tflops_per_gpu in ../shared/calibration/nemo2407_h100_fp8.csv is the dense one: GPT3-5B's
+# 23,406 tokens/s x (6N + 12·L·h·s) = 765 TFLOP/s as published; halving attention would give 736)
 MFU_CONVENTIONS = {
     "mfu": "attention over the (query, key) pairs the causal mask keeps, as flash kernels compute them: "
-           "Megatron-LM's and MaxText's count since 2025 (attention halved), NeMo's flops_formulas since 2025",
+           "Megatron-LM's num_floating_point_operations (attention halved), MaxText's since July 2025 "
+           "(PR 1988), NeMo's flops_formulas from 2025 (NVIDIA-NeMo issue 14376)",
     "mfu_dense_attention": "attention over every score, masked or not: Megatron-LM/PaLM's 6N + 12·L·h·s per token "
                            "(Narayanan et al. 2021; Chowdhery et al. 2022, appendix B), NeMo's before 2025",
 }

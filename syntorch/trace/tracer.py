@@ -10,7 +10,8 @@ Three pieces cooperate (DESIGN.md, facts):
 - a TorchFunctionMode tags each new autograd node with the module it was created in, so a backward op is
   attributed through `torch._C._current_autograd_node()` -- exact even when modules share an input, where
   torch's ModuleTracker merges them; it also records scaled_dot_product_attention as one fused op, so the
-  op structure does not depend on the device (on meta sdpa decomposes into the math path);
+  op structure does not depend on the device (on meta sdpa decomposes into the math path), with the FLOPs a
+  flash kernel spends under a causal mask (attention.py);
 - a TorchDispatchMode records each aten op (after autograd) with FLOPs from torch.utils.flop_counter's
   formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
 """
