@@ -1,5 +1,6 @@
 """Traced FLOPs of grouped-query attention, SwiGLU and the MoE MLP against counts written out by hand
-(2 FLOPs per multiply-add; attention counted over all T x T scores, as torch's flop_counter does)."""
+(2 FLOPs per multiply-add; attention over the T(T+1)/2 query-key pairs the causal mask keeps, as flash kernels
+compute them, and over all T x T scores in `dense_flops`, as torch's flop_counter counts them)."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ B, T = 2, 12
 
 
 def analytic_forward(c) -> tuple[int, int]:
-    """(forward FLOPs of everything but attention scores, attention's) for B x T tokens."""
+    """(forward FLOPs of everything but attention scores, attention's over all T x T scores) for B x T tokens."""
     n, d, D = B * T, c.d_model, c.d_head
     qkv = 2 * n * d * (c.n_head + 2 * c.kv_heads) * D  # K/V projections are n_head / n_kv_head times smaller
     proj = 2 * n * c.n_head * D * d
@@ -38,10 +39,13 @@ def test_traced_flops_match_analytic_counts(base, fields, device):
         model(torch.randint(0, c.vocab_size, (B, T), device=device)).sum().backward()
     graph = tracer.graph
     dense, scores = analytic_forward(c)
-    phase = {p: sum(d["flops"] for _, d in graph.ops() if d["phase"] == p) for p in ("forward", "backward")}
-    assert phase["forward"] == dense + scores
-    # backward: two matmuls per linear (input and weight gradients); attention's five score-sized products
-    assert phase["backward"] == 2 * dense + scores // 4 * 10
+    causal = scores // (T * T) * (T * (T + 1) // 2)  # the pairs key <= query, the diagonal included
+    for key, attention in (("flops", causal), ("dense_flops", scores)):
+        phase = {p: sum(d.get(key, d["flops"]) for _, d in graph.ops() if d["phase"] == p)
+                 for p in ("forward", "backward")}
+        assert phase["forward"] == dense + attention
+        # backward: two matmuls per linear (input and weight gradients); attention's five score-sized products
+        assert phase["backward"] == 2 * dense + attention // 4 * 10
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])

@@ -30,7 +30,8 @@ def forward_ops(graph):
 
 
 def flops(ops) -> int:
-    return sum(d["flops"] for d in ops)
+    """With attention over every score, as Korthikanti et al. count it (`flops` keeps the causal pairs only)."""
+    return sum(d.get("dense_flops", d["flops"]) for d in ops)
 
 
 def layer_forward_flops(b, s, h) -> int:

@@ -16,10 +16,11 @@ def test_vocab_size_from_model_config_shapes_the_embedding_and_the_head(tmp_path
                  "--out", str(out), "--no_progress"]) == 0
     first, last = (read_trace(out / f"tiny-gpt2.{rank}.et")[1] for rank in (0, 2))
     shapes = {n.name: (n.inputs.shapes, n.outputs.shapes) for n in first + last}
-    # each TP rank's half of the 51,200 rows (already a multiple of 128·tp); the head gathers them for the loss
+    # each TP rank's half of the 51,200 rows (already a multiple of 128·tp); the loss reads them vocab-parallel
     assert shapes["tok_emb:aten.embedding"][0].startswith("[[25600,64]")
-    assert shapes["lm_head:aten.cat"] == ("[[1,16,25600],[1,16,25600]]", "[[1,16,51200]]")
-    assert shapes["loss:aten._log_softmax"][0] == "[[16,51200]]"
+    assert shapes["loss:aten.amax"] == ("[[16,25600]]", "[[16]]")
+    assert shapes["loss:aten.exp_"] == ("[[16,25600]]", "[[16,25600]]")
+    assert "lm_head:aten.cat" not in shapes  # no gather of the logits
     summary = json.loads((out / "summary.json").read_text())
     # the first stage holds its half of the embedding, in the trace's default bf16
     assert summary["stages"][0]["memory_bytes"]["weights"] >= 25600 * 64 * 2

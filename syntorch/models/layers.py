@@ -129,7 +129,11 @@ class Attention(nn.Module):
         allowed = k_slot <= q_slot
         if window:
             allowed = allowed & (q_slot - k_slot < window)
-        return allowed if mask is None else mask & allowed, False
+        if mask is not None:
+            return mask & allowed, False
+        from syntorch.trace.attention import causal_pairs  # here: the trace package imports the models
+        allowed.attended_pairs = causal_pairs(T, keys, start, window)  # the tracer's FLOPs (meta has no values)
+        return allowed, False
 
 
 _ACTIVATIONS = {"gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}

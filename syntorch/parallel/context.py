@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from syntorch.errors import UserError
 from syntorch.parallel import comm
+from syntorch.trace.attention import causal_pairs
 
 
 def check_cp(cp: int, seq: int, tp: int = 1, sp: bool = False) -> None:
@@ -60,6 +61,10 @@ class ContextSplit:
         self.positions = chunk_positions(seq, cp, cp_rank, device)
         key_positions = torch.cat([chunk_positions(seq, cp, r, device) for r in range(cp)])
         self.mask = key_positions[None, :] <= self.positions[:, None]  # [T/cp, T], True = attend
+        # the pairs it keeps, for the tracer's attention FLOPs (meta has no values): each chunk's queries attend
+        # every key up to their own position
+        size, chunks = seq // (2 * cp), (cp_rank, 2 * cp - 1 - cp_rank)
+        self.mask.attended_pairs = sum(causal_pairs(size, seq, chunk * size) for chunk in chunks)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (or targets) of a [B, T] batch."""

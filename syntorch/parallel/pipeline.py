@@ -34,6 +34,7 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model, on_meta
 from syntorch.parallel import comm
+from syntorch.parallel.loss import loss_module, sharded_logits
 
 SCHEDULES = ("1f1b", "gpipe")
 # what each family's first and last stage own, beside their layers
@@ -176,7 +177,7 @@ def split_stage(model: nn.Module, stage: Stage) -> nn.Module:
         if hasattr(model, name):
             setattr(model, name, None)
     if stage.last:
-        model.loss = nn.CrossEntropyLoss()  # a module, so its ops are attributed to `loss`
+        model.loss = loss_module(model)  # a module, so its ops are attributed to `loss`; vocab-parallel under TP
     return model
 
 
@@ -215,8 +216,11 @@ def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | Non
     targets), else the stream to send on. The model runs whatever part it holds."""
     if model.tok_emb is None:
         inputs = {**inputs, **_received_stream(model, x)}
-    out = model(x, **inputs)
-    return out if targets is None else model.loss(out.flatten(0, 1).float(), targets.flatten())
+    if targets is None:
+        return model(x, **inputs)
+    with sharded_logits(model):  # under TP the loss reads each rank's vocabulary shard (loss.py)
+        out = model(x, **inputs)
+    return model.loss(out.flatten(0, 1).float(), targets.flatten())
 
 
 def _received_stream(model: nn.Module, x: torch.Tensor) -> dict:

@@ -9,7 +9,8 @@ state dicts keep their keys). As in torchtitan the plan is data, {module suffix:
   before: identity forward, all-reduce of the gradient backward.
 - rowwise: input features split; g after: all-reduce forward; the bias is added once, after it.
 - vocab_embedding: rows of the padded vocabulary split; masked lookup, then all-reduce.
-- vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling.
+- vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling; in
+  training they stay sharded for the vocabulary-parallel loss (loss.py).
 
 MoE layers (Megatron's MoE under TP without EP): each expert's MLP (and the shared experts') is sharded like the
 dense MLP and the router is replicated, but the whole MoE layer is one TP region: f before it, g (one all-reduce)
@@ -228,6 +229,7 @@ class VocabParallelHead(nn.Module):
     def __init__(self, weight, bias, vocab_size: int, tp: TPGroup):
         super().__init__()
         self.weight, self.bias, self.vocab_size, self.tp = weight, bias, vocab_size, tp
+        self.gather = True  # False: return this rank's logits (loss.sharded_logits)
 
     def forward(self, x):  # x: [B, T, d] (sequence-split under SP) -> logits [B, T, vocab_size] on every rank
         tp = self.tp
@@ -240,6 +242,8 @@ class VocabParallelHead(nn.Module):
         else:
             x = comm.copy_to_tp(x, tp.group)
         logits = F.linear(x, self.weight, self.bias)  # [B, T, V_pad/tp]
+        if not self.gather:
+            return logits
         return comm.gather_from_tp(logits, -1, self.tp.group)[..., :self.vocab_size]
 
 

@@ -37,9 +37,23 @@ def timeline_events(run: Run) -> list[dict]:
     return events
 
 
-def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_flops: float = 0.0) -> dict:
+# what each MFU of a training summary counts as the model's FLOPs (both 3 x the forward's, however much is recomputed)
+# (NeMo 24.07's model_tflops_per_gpu in ../shared/calibration/nemo2407_h100_fp8.csv is the dense one: GPT3-5B's
+# 23,406 tokens/s x (6N + 12·L·h·s) = 765 TFLOP/s as published; halving attention would give 736)
+MFU_CONVENTIONS = {
+    "mfu": "attention over the (query, key) pairs the causal mask keeps, as flash kernels compute them: "
+           "Megatron-LM's num_floating_point_operations (attention halved), MaxText's since July 2025 "
+           "(PR 1988), NeMo's flops_formulas from 2025 (NVIDIA-NeMo issue 14376)",
+    "mfu_dense_attention": "attention over every score, masked or not: Megatron-LM/PaLM's 6N + 12·L·h·s per token "
+                           "(Narayanan et al. 2021; Chowdhery et al. 2022, appendix B), NeMo's before 2025",
+}
+
+
+def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_flops: float = 0.0,
+                dense_model_flops: float = 0.0) -> dict:
     """Step (or latency) time, rank-weighted means of busy/idle/exposed communication, and per kind the same;
-    MFU/HFU when FLOPs (summed over all ranks) and a device peak are given."""
+    MFU/HFU when FLOPs (summed over all ranks) and a device peak are given; with `dense_model_flops` (model
+    FLOPs with attention over every score) also that MFU, the two conventions named (MFU_CONVENTIONS)."""
     step = run.end_us
     kinds = kind_stats(run)
     world = sum(k["ranks"] for k in kinds)
@@ -55,6 +69,9 @@ def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_
         capacity = step / 1e6 * world * peak_flops
         out.update(mfu=model_flops / capacity, hfu=hw_flops / capacity, model_flops=model_flops,
                    hardware_flops=hw_flops, peak_tflops=peak_flops / 1e12)
+        if dense_model_flops:
+            out.update(mfu_dense_attention=dense_model_flops / capacity, model_flops_dense_attention=dense_model_flops,
+                       mfu_conventions=MFU_CONVENTIONS)
     return out
 
 
@@ -82,7 +99,8 @@ def _predict_training(probes, source, plan, hw, profile) -> Prediction:
     hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
     # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
     flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
-    summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)))
+    dense = sum(c.model_flops_dense for stage in per_step for c in stage) // (1 if plan.mode == "train" else 3)
+    summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)), ranks * dense)
     for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
         kind["stage"] = s
     summary["stages"] = summary["rank_kinds"]

@@ -31,8 +31,9 @@ class StepCost:
     cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
     cross_at_us: float | None = None  # when in the step it is issued (the step's later work waits for it)
     model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
-    # much is recomputed (MFU, as Megatron-LM and PaLM count it)
+    # much is recomputed (MFU, as Megatron-LM and PaLM count it), causal attention over the pairs it keeps
     hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
+    model_flops_dense: int = 0  # model_flops with attention over every score (the op's dense_flops)
 
 
 def step_cost(graph, start: int, end: int, frame) -> StepCost:
@@ -43,7 +44,7 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     attrs = graph.node_attrs
     send = cross = 0.0
     send_at = cross_at = None
-    model = hardware = 0
+    model = hardware = dense = 0
     for task, n in enumerate(nodes):
         d = attrs[n]
         if d["kind"] == "collective":
@@ -55,9 +56,11 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                 cross_at = run.starts[0][task]
         elif d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
-            model += 3 * d["flops"] if d["phase"] == "forward" else 0
+            if d["phase"] == "forward":
+                model += 3 * d["flops"]
+                dense += 3 * d.get("dense_flops", d["flops"])
     return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
-                    hardware)
+                    hardware, dense)
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:

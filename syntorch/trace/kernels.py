@@ -10,10 +10,12 @@ Kernel time = kernel_overhead_us + one of
   Memory: the bytes the op reads and writes at `memory_efficiency` of the bandwidth.
 - attention (the fused sdpa op): FlashAttention-style, one kernel, max(math, memory) -- for the eager
   profile (PyTorch picks a flash kernel on GPUs) and for decode (FasterTransformer's masked attention
-  kernel). With more than one query in the fused profile it runs as Megatron-LM and FasterTransformer's
-  context attention do: a batched GEMM for QK^T, a softmax kernel and a batched GEMM over V, the score
-  matrix going through memory SCORE_PASSES times (forward: written, read and written by softmax, read;
-  backward: dP written, P read for dV, softmax backward reads P and dP and writes dS, dS read twice).
+  kernel). Its math is the op's FLOPs, which count only the (query, key) pairs a causal mask keeps
+  (attention.py): flash kernels skip the masked blocks. With more than one query in the fused profile it
+  runs as Megatron-LM and FasterTransformer's context attention do: a batched GEMM for QK^T, a softmax kernel
+  and a batched GEMM over V over the whole score matrix, masked or not (so the dense FLOPs, from the shapes),
+  the score matrix going through memory SCORE_PASSES times (forward: written, read and written by softmax,
+  read; backward: dP written, P read for dV, softmax backward reads P and dP and writes dS, dS read twice).
 - anything else: max(FLOPs at `gemm_efficiency` of peak, bytes at `memory_efficiency` of bandwidth).
 
 Profiles (the same trace, other kernels):
@@ -30,8 +32,10 @@ Profiles (the same trace, other kernels):
 """
 import math
 
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
 from syntorch.hardware import HardwareConfig
-from syntorch.trace.tracer import SDPA
+from syntorch.trace.attention import SDPA
 
 PROFILES = ("eager", "fused")
 GEMMS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
@@ -85,7 +89,10 @@ def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: st
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk
     kernels = 3 if name == SDPA else 5  # GEMM, softmax, GEMM / two GEMMs, softmax backward, two GEMMs
     score_bytes = SCORE_PASSES[name] * scores * 2  # FP16 scores, as Megatron's fused softmax keeps them
-    return kernels * hw.kernel_overhead_us + math_us(flops, dtype, hw) + memory_us(nbytes + score_bytes, hw)
+    # every score computed, masked or not (V's head size is Q's in every model here, so k stands for v)
+    dense = sdpa_flop_count(q_shape, k_shape, k_shape) if name == SDPA else \
+        sdpa_backward_flop_count(q_shape, q_shape, k_shape, k_shape)
+    return kernels * hw.kernel_overhead_us + math_us(dense, dtype, hw) + memory_us(nbytes + score_bytes, hw)
 
 
 def launches_kernel(data: dict) -> bool:

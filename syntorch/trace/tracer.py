@@ -10,7 +10,8 @@ Three pieces cooperate (DESIGN.md, facts):
 - a TorchFunctionMode tags each new autograd node with the module it was created in, so a backward op is
   attributed through `torch._C._current_autograd_node()` -- exact even when modules share an input, where
   torch's ModuleTracker merges them; it also records scaled_dot_product_attention as one fused op, so the
-  op structure does not depend on the device (on meta sdpa decomposes into the math path);
+  op structure does not depend on the device (on meta sdpa decomposes into the math path), with the FLOPs a
+  flash kernel spends under a causal mask (attention.py);
 - a TorchDispatchMode records each aten op (after autograd) with FLOPs from torch.utils.flop_counter's
   formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
 """
@@ -23,14 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
+from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.replicate import LayerCall
 from syntorch.trace.values import flat_tensors
-
-SDPA = "aten.scaled_dot_product_attention"
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -218,15 +218,16 @@ class Tracer:
         return out, (time.perf_counter() - begin) * 1e6
 
     def record_op(self, name: str, inputs: list, outputs: list, flops: int, is_view: bool = False,
-                  written: list | None = None, duration_us: float | None = None) -> int | None:
-        """inputs/outputs: tensors (or None) in argument order; `written`: inputs the op mutated in place."""
+                  written: list | None = None, duration_us: float | None = None, **attrs) -> int | None:
+        """inputs/outputs: tensors (or None) in argument order; `written`: inputs the op mutated in place;
+        `attrs`: more attributes of the op node."""
         module, phase = self.where()
         if phase is None:
             return None
         in_nodes = [self.tensor_node(t) if t is not None else None for t in inputs]
         cost = 0 if is_view else 1  # views move no data
         timing = {} if duration_us is None else {"duration_us": duration_us}
-        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view, **timing,
+        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view, **timing, **attrs,
                                bytes_read=cost * _unique_bytes(inputs),
                                bytes_written=cost * _unique_bytes(list(outputs) + list(written or [])))
         written_ids = {id(t) for t in written or []}
@@ -300,53 +301,6 @@ class _FunctionMode(TorchFunctionMode):
         if torch.is_grad_enabled():
             self.tracer.tag_autograd_nodes(out)
         return out
-
-
-def fused_attention(tracer: Tracer, q, k, v, attn_mask=None, **kwargs):
-    """scaled_dot_product_attention as one op (and one backward op), whatever kernel the device picks."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _FusedAttention.apply(tracer, kwargs, q, k, v, attn_mask)
-    with tracer.paused_recording():
-        out, duration_us = tracer.timed(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, **kwargs)
-        out = _fused_layout(out)
-    tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape),
-                     duration_us=duration_us)
-    return out
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Runs sdpa's own forward and backward unrecorded; records each as a single op."""
-
-    @staticmethod
-    def forward(ctx, tracer, kwargs, q, k, v, attn_mask):
-        ctx.tracer = tracer
-        with tracer.paused_recording(), torch.enable_grad():
-            ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            ctx.out, duration_us = tracer.timed(F.scaled_dot_product_attention, *ctx.inputs, attn_mask=attn_mask,
-                                                **kwargs)
-            out = _fused_layout(ctx.out.detach())
-        tracer.record_op(SDPA, [q, k, v, attn_mask], [out], sdpa_flop_count(q.shape, k.shape, v.shape),
-                         duration_us=duration_us)
-        ctx.saved = (q, k, v)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        tracer, (q, k, v) = ctx.tracer, ctx.saved
-        wanted = [t for t in ctx.inputs if t.requires_grad]
-        with tracer.paused_recording():
-            found, duration_us = tracer.timed(torch.autograd.grad, ctx.out, wanted, grad)
-        found = iter(found)
-        grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
-        tracer.record_op(SDPA + "_backward", [grad, q, k, v], grads,
-                         sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape), duration_us=duration_us)
-        return None, None, *grads, None
-
-
-def _fused_layout(out: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, D] stored as [B, T, H, D], as fused kernels (FlashAttention, CPU flash) write it; the math
-    path writes [B, H, T, D] contiguous, which would change the ops that follow (a view vs a copy)."""
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _modes_popped(modes) -> contextlib.ExitStack:
