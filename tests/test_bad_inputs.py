@@ -8,6 +8,7 @@ and infinity, every int option -1, and 0 unless 0 means something), so a new opt
 added; and a seeded fuzz of `.et` bytes that `syntorch validate` must answer cleanly and quickly.
 Commands run in-process on tiny models (about 15 s in all)."""
 import json
+import os
 import random
 import shlex
 import shutil
@@ -80,6 +81,8 @@ def ws(tmp_path_factory):
     write_chakra({r: tp_rank(r) for r in range(2)}, root / "two", model_name="a")
     (root / "two" / "b.0.et").write_bytes((root / "two" / "a.0.et").read_bytes())
     (root / "dir_et" / "a.0.et").mkdir(parents=True)
+    (root / "fifo_et").mkdir()
+    os.mkfifo(root / "fifo_et" / "x.0.et")  # was: validate and predict blocked reading it
     make_squad(root / "squad.json")
     make_tokenizer(root / "tok")
     make_model(root / "bert", "bert-base-uncased")
@@ -360,7 +363,8 @@ CASES = [
         ("{ws}/corrupt", "bad.0.et: corrupt .et"),
         ("{ws}/empty/bad", "bad.0.et: empty .et file"),
         ("{ws}/two", "holds traces of several prefixes (a, b); give one prefix"),
-        ("{ws}/dir_et", "cannot read"),
+        ("{ws}/dir_et", "a.0.et is not a regular file (a folder, FIFO or device)"),
+        ("{ws}/fifo_et", "x.0.et is not a regular file (a folder, FIFO or device)"),
         ("{ws}/chakra --comm_groups {ws}/missing.json", "comm groups file"),
         ("{ws}/chakra --comm_groups {ws}/list.json", "integer-string keys"),
         ("{ws}/chakra --comm_groups {ws}/notjson.json", "is not valid JSON"),
@@ -406,6 +410,7 @@ CASES = [
     *cases("predict --out {out}", "out/", [
         ("{ws}/nothing", "no <prefix>.<rank>.et files at"),
         ("{ws}/corrupt", "bad.0.et: corrupt .et"),
+        ("{ws}/fifo_et", "x.0.et is not a regular file (a folder, FIFO or device)"),
         ("{ws}/chakra --profile fused", "--profile chooses how the performance model groups ops into kernels; give --hw_config too"),
         ("{ws}/chakra --hw_config a100-80gb --profile slow", "argument --profile: invalid choice: 'slow'"),
         ("{ws}/chakra --hw_config nope", "unknown --hw_config 'nope'"),

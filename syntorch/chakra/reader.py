@@ -30,7 +30,7 @@ def find_traces(path) -> list[tuple[int, Path]]:
     files = sorted(next(iter(found.values())))
     for _, f in files:  # a FIFO or device would block the read or never end
         if not f.is_file():
-            raise UserError(f"{f} is not a regular file (a FIFO, socket or device); give a folder of .et files")
+            raise UserError(f"{f} is not a regular file (a folder, FIFO or device); give a folder of .et files")
     return files
 
 

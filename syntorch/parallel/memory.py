@@ -35,8 +35,9 @@ are left out: for GPT this is his selective-recompute row less 2sbh (2sbh/t with
 Context parallelism (context.py) gives each rank s/cp of every sequence, so every term is divided by cp,
 except K and V, which attention gathers whole over the CP group and keeps for backward.
 Full recompute keeps each layer's input, and while a layer is recomputed in backward its full activations
-once more. The last stage also holds the logits its loss reads (syntorch's head gathers the vocabulary-
-parallel logits: copied to FP32, and their log-softmax).
+once more. The last stage also holds the logits its loss reads: under TP the vocabulary-parallel loss keeps
+each rank's V/t shard and its FP32 softmax for backward (parallel/loss.py); without TP, torch's loss keeps
+the logits' FP32 copy and their log-softmax.
 How many layer-micro-batches a stage holds is counted from the schedule itself: 1F1B's first stage holds
 min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1 + (p-1)/(p·v)) layers'
 worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
@@ -156,9 +157,9 @@ def activation_bytes(config: ModelConfig, plan, element: int, stage: pp_.Stage) 
     total = peak_in_flight(plan, stage.index) * layers_per_chunk * layer_activation_bytes(config, plan, element)
     if plan.recompute == "full":  # one layer's activations, while backward recomputes it
         total += whole_layer_bytes(config, plan, element)
-    if stage.last:  # per micro-batch whose loss awaits its backward: logits, their FP32 copy, log-softmax
-        logits = plan.seq // plan.cp * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp)
-        total += peak_in_flight(plan, stage.index, stage.virtual - 1) * logits * (element + 8)
+    if stage.last:  # per micro-batch whose loss awaits its backward (module docstring)
+        logits = plan.seq // plan.cp * plan.micro_batch_size * padded_vocab(config.vocab_size, plan.tp) // plan.tp
+        total += peak_in_flight(plan, stage.index, stage.virtual - 1) * logits * (element + (4 if plan.tp > 1 else 8))
     return total
 
 
