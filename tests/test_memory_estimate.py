@@ -250,3 +250,11 @@ def test_estimate_over_the_device_is_one_line():
     activations = [dict(weights=0, gradients=0, optimizer=0, activations=90 * memory.GB, total=90 * memory.GB)]
     with pytest.raises(UserError, match="activations 90.0 GB.*--recompute full"):
         memory.check_fits(activations, 80, "a100-80gb")
+
+
+def test_trace_says_which_devices_an_unchecked_estimate_fits():
+    from syntorch.cli.trace import memory_note
+
+    assert "exceeds the memory of every preset" in memory_note(306e9)  # was printed without a word
+    assert "fits h200-sxm" in memory_note(100e9) and "a100-80gb" not in memory_note(100e9)
+    assert "a100-80gb" in memory_note(50e9)

@@ -111,3 +111,13 @@ def print_summary(summary: dict) -> None:
     console.print(table)
     console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "
                   f"(check with: syntorch validate {summary['dir']})")
+    console.print(memory_note(max(s["memory_bytes"]["total"] for s in summary["stages"])), highlight=False)
+
+
+def memory_note(peak_bytes: float) -> str:
+    """Without --hw_config nothing was checked: say which presets the busiest rank's estimate would fit."""
+    from syntorch.hardware import PRESETS
+
+    fits = [name for name, hw in PRESETS.items() if peak_bytes <= hw.memory_gb * 1e9]
+    where = f"fits {', '.join(fits)}" if fits else "exceeds the memory of every preset"
+    return f"estimated peak memory per rank {peak_bytes / 1e9:.1f} GB: {where} (--hw_config checks it before tracing)"
