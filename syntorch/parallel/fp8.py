@@ -8,6 +8,7 @@ tensor entering an FP8 GEMM goes through TE's steps, each recorded in the trace 
   window of 1,024 steps' amaxes and takes their max: the same until the window fills);
 - its scale from that history, FP8_MAX / amax (scale_inv = amax / FP8_MAX is what the GEMM dequantizes with);
 - the cast x * scale -> float8 (aten.div + aten._to_copy: 1 byte per element out);
+- (weights are cast once and reused until the optimizer changes them, see AmaxHistory.cast_weight);
 - the GEMM itself, `torch._scaled_mm` (FP8 inputs, BF16 out, FP32 accumulation), which is cuBLASLt's FP8 GEMM on
   CUDA and has CPU and meta kernels in torch 2.13, so real CPU runs compute in FP8 too (torch's flop counter
   counts it as the matmul it is).
@@ -25,6 +26,7 @@ Megatron-LM (its output layer is not a TE module) and TE.
     apply_fp8(model)   # after TP/EP/PP; before recomputation wraps the blocks (it re-runs these forwards)
 """
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -37,6 +39,7 @@ from syntorch.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448 and 57,344
 BF16_ONLY = ("lm_head", "router")  # module names whose GEMMs stay in the model dtype
+TINY = torch.finfo(torch.float32).tiny
 FP8_PEAK = "float8_e4m3fn"  # the peak_tflops entry a device needs for --dtype fp8
 
 
@@ -48,16 +51,28 @@ def check_fp8(hw) -> None:
 
 
 class AmaxHistory:
-    """One module's per-tensor scaling state: the running amax of its input, weight and gradient (FP32 scalars)."""
+    """One module's per-tensor scaling state: the running amax of its input, weight and gradient (FP32 scalars),
+    and the weight's FP8 copy while the weight is unchanged."""
 
     def __init__(self, device):
-        self.amax = {role: torch.zeros((), device=device) for role in ("input", "weight", "grad")}
+        # from the least normal FP32 up, so a scale is never infinite (an all-zero tensor casts to zeros)
+        self.amax = {role: torch.full((), TINY, device=device) for role in ("input", "weight", "grad")}
+        self.weight_fp8 = None  # (weakref to the weight, its version, FP8 copy, scale_inv)
+
+    def cast_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight in e4m3, cast again only when it changed (the optimizer's in-place update bumps its
+        version): Megatron-LM passes TE `is_first_microbatch`, so the later micro-batches of a step reuse the
+        first one's cast, and inference casts each weight once."""
+        cached = self.weight_fp8
+        if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+            self.weight_fp8 = (weakref.ref(weight), weight._version, *self.cast(weight, "weight", E4M3))
+        return self.weight_fp8[2:]
 
     def cast(self, x: torch.Tensor, role: str, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(x in `fp8`, its scale_inv): amax, history, scale, cast (module docstring)."""
-        amax = torch.linalg.vector_norm(x.detach(), float("inf")).float()
+        amax = torch.linalg.vector_norm(x.detach(), float("inf"), dtype=torch.float32)
         self.amax[role] = torch.maximum(self.amax[role], amax)
-        scale_inv = self.amax[role].clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX[fp8]
+        scale_inv = self.amax[role] / FP8_MAX[fp8]
         return (x.detach() / scale_inv).to(fp8), scale_inv
 
 
@@ -72,7 +87,7 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, history):
         x8, x_inv = history.cast(x.reshape(-1, x.shape[-1]), "input", E4M3)
-        w8, w_inv = history.cast(weight, "weight", E4M3)
+        w8, w_inv = history.cast_weight(weight)
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
         ctx.save_for_backward(x8, w8, x_inv, w_inv)
         ctx.history, ctx.x_shape, ctx.w_dtype = history, x.shape, weight.dtype

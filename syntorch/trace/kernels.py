@@ -44,7 +44,7 @@ FUSIBLE = frozenset({
     "aten.gelu", "aten.gelu_backward", "aten.silu", "aten.silu_backward", "aten.relu", "aten.threshold_backward",
     "aten.tanh", "aten.tanh_backward", "aten.pow", "aten.neg", "aten.rsqrt", "aten.exp", "aten.sigmoid",
     "aten.copy_", "aten._to_copy", "aten.clone", "aten.masked_fill", "aten.masked_fill_", "aten.where",
-    "aten.fill_", "aten.zero_", "aten.addcmul", "aten.addcdiv", "aten.lerp",
+    "aten.fill_", "aten.zero_", "aten.addcmul", "aten.addcdiv", "aten.lerp", "aten.maximum",
 })
 TILE_M, TILE_N = 128, 128  # cuBLAS/CUTLASS's usual threadblock tile for large FP16/BF16 GEMMs on Ampere/Hopper
 MIN_TILE_M = 16  # the tensor cores' MMA height (m16n8k16): the narrowest tile a skinny GEMM uses
