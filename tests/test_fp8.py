@@ -1,6 +1,7 @@
 """--dtype fp8 (parallel/fp8.py): the trace carries Transformer Engine's FP8 GEMMs, the cost model times them at
 the FP8 peak, devices without FP8 are refused, and a real CPU step in FP8 stays within FP8's error of BF16."""
 import collections
+import json
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch.nn.functional as F
 from conftest import tiny_config
 
 from syntorch.cli import main
-from syntorch.hardware import PRESETS
+from syntorch.errors import UserError
+from syntorch.hardware import PRESETS, config_from_dict
 from syntorch.models import build_model
 from syntorch.parallel.fp8 import E4M3, E5M2, AmaxHistory, Fp8Linear, apply_fp8
 from syntorch.parallel.plans import TrainPlan
@@ -125,3 +127,16 @@ def test_real_cpu_model_step_fp8_close_to_bf16(one_thread):
 
 def test_fp8_formats_are_transformer_engines_hybrid():
     assert (torch.finfo(E4M3).max, torch.finfo(E5M2).max) == (448.0, 57344.0)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_load_and_validate(name):
+    preset = PRESETS[name]
+    assert config_from_dict(json.loads(json.dumps(preset.to_dict()))) == preset  # null attention_efficiency too
+    older = {k: v for k, v in preset.to_dict().items() if k != "attention_efficiency"}  # files written before it
+    assert config_from_dict(older).attention_efficiency is None
+    # the FP8 datasheet peak is twice the BF16 one where there is one (Hopper), absent on Ampere
+    fp8 = preset.peak_tflops.get("float8_e4m3fn")
+    assert fp8 == pytest.approx(2 * preset.peak_tflops["bfloat16"], rel=1e-3) if name != "a100-80gb" else fp8 is None
+    with pytest.raises(UserError, match="attention_efficiency is a fraction"):
+        config_from_dict({**preset.to_dict(), "attention_efficiency": 1.5})
