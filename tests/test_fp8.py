@@ -59,6 +59,16 @@ def test_meta_trace_has_fp8_gemms_with_casts(mode, gemms_per_linear):
     assert len(ops(graph, "aten.mm")) == gemms_per_linear  # only the BF16 head's GEMMs remain
 
 
+def test_weights_cast_once_per_step():
+    # the second micro-batch reuses the first one's FP8 weights (Megatron's is_first_microbatch): one amax each
+    config = tiny_config("gpt2")
+    plan = TrainPlan(seq=32, micro_batch_size=2, microbatches=2, mode="infer", fp8=True)
+    graph, steps = probe_stage(config, plan, 0, torch.bfloat16, microbatches=2)
+    norms = [sum(1 for n in range(*steps["F", m, 0]) if graph.node_attrs.get(n, {}).get("name")
+                 == "aten.linalg_vector_norm") for m in (0, 1)]
+    assert norms == [2 * 4 * config.n_layer, 4 * config.n_layer]
+
+
 def test_fp8_gemm_timed_at_the_fp8_peak():
     # a large square GEMM is compute-bound: FP8's time is BF16's times the ratio of the datasheet peaks
     n = 8192

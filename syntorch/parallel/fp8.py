@@ -6,8 +6,8 @@ format HYBRID, the one NeMo and Megatron-LM use): forward inputs and weights in 
 tensor entering an FP8 GEMM goes through TE's steps, each recorded in the trace as the aten op it is:
 - its amax (max |x|, one reduction: aten.linalg_vector_norm with ord=inf), kept in a running maximum (TE keeps a
   window of 1,024 steps' amaxes and takes their max: the same until the window fills);
-- its scale from that history, FP8_MAX / amax (scale_inv = amax / FP8_MAX is what the GEMM dequantizes with);
-- the cast x * scale -> float8 (aten.div + aten._to_copy: 1 byte per element out);
+- its scale from that history: scale_inv = amax / FP8_MAX (aten.div), what the GEMM dequantizes with;
+- the cast x / scale_inv -> float8 (aten.div + aten._to_copy: 1 byte per element out);
 - (weights are cast once and reused until the optimizer changes them, see AmaxHistory.cast_weight);
 - the GEMM itself, `torch._scaled_mm` (FP8 inputs, BF16 out, FP32 accumulation), which is cuBLASLt's FP8 GEMM on
   CUDA and has CPU and meta kernels in torch 2.13, so real CPU runs compute in FP8 too (torch's flop counter
