@@ -150,3 +150,27 @@ def test_presets_load_and_validate(name):
     assert fp8 == pytest.approx(2 * preset.peak_tflops["bfloat16"], rel=1e-3) if name != "a100-80gb" else fp8 is None
     with pytest.raises(UserError, match="attention_efficiency is a fraction"):
         config_from_dict({**preset.to_dict(), "attention_efficiency": 1.5})
+
+
+def test_real_cpu_training_steps_fp8_track_bf16(one_thread):
+    # three optimizer steps: the FP8 weights are re-cast after each update (a stale cast would drift from BF16)
+    from syntorch.parallel import plans
+    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.mesh import init_groups
+
+    config = tiny_config("gpt2", vocab_size=200)
+    tokens = torch.randint(0, config.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
+    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    curves = {}
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        plan = TrainPlan(seq=32, micro_batch_size=4, lr=3e-3, fp8=fp8)
+        with symbolic_world(0, 1):
+            run = plans.apply_plans(config, plan, init_groups(plan.mesh), "cpu", torch.bfloat16)
+            curves[fp8] = []
+            for _ in range(3):
+                for p in run.model.parameters():
+                    p.grad = None
+                curves[fp8].append(plans.train_step(run, batches).item())
+    assert curves[True][-1] < curves[True][0]  # it learns
+    assert curves[True] == pytest.approx(curves[False], rel=2e-2)
