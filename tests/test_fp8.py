@@ -174,3 +174,19 @@ def test_real_cpu_training_steps_fp8_track_bf16(one_thread):
                 curves[fp8].append(plans.train_step(run, batches).item())
     assert curves[True][-1] < curves[True][0]  # it learns
     assert curves[True] == pytest.approx(curves[False], rel=2e-2)
+
+
+def test_symbolic_infer_fp8_faster_than_bf16(tmp_path):
+    # `syntorch infer --dtype fp8` on meta: the compute-bound prefill (FP8 peak) and the decode (1-byte weights)
+    # both beat BF16 on h100-sxm
+    shape = tmp_path / "shape.json"
+    shape.write_text(json.dumps({"base": "gpt3-1.3b", "n_layer": 2}))
+    predicted = {}
+    for dtype in ("bf16", "fp8"):
+        out = tmp_path / dtype
+        assert main(["infer", "--model_config", str(shape), "--device", "meta", "--dtype", dtype, "--batch_size", "8",
+                     "--num_input_tokens", "512", "--num_output_tokens", "2", "--hw_config", "h100-sxm",
+                     "--profile", "fused", "--out", str(out)]) == 0
+        predicted[dtype] = json.loads((out / "run.json").read_text())["predicted"]
+    for phase in ("prefill_ms", "decode_ms_per_token"):
+        assert predicted["fp8"][phase] < predicted["bf16"][phase]

@@ -237,7 +237,7 @@ def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, p
     if spec.quant:  # here, after loading and TP, so a symbolic run (whose model the tracer builds) quantizes too
         quantize_int8_weight_only(model, head=spec.quant_head)
     if spec.dtype == "fp8":  # the same place, for the same reason: the model is bf16, its Linear GEMMs FP8
-        apply_fp8(model)
+        apply_fp8(model, cast_weights=True)
     if config.encoder:
         return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
                               lengths=[len(row) for row in prompt.rows])

@@ -128,13 +128,18 @@ def _fp8_module(name: str, module: nn.Module) -> bool:
     return linear and name.rpartition(".")[2] not in BF16_ONLY
 
 
-def apply_fp8(model: nn.Module) -> list[str]:
+def apply_fp8(model: nn.Module, cast_weights: bool = False) -> list[str]:
     """Make every Linear (and TP-parallel Linear) but the LM head and the router run its GEMMs in FP8, in place:
-    its forward runs under a mode that sends its F.linear to Fp8Linear. Returns the modules changed."""
+    its forward runs under a mode that sends its F.linear to Fp8Linear. `cast_weights` (inference): cast each
+    weight now, as an FP8 inference engine loads FP8 weights, so no traced step pays for it. Returns the modules
+    changed."""
     done = []
     for name, module in model.named_modules():
         if _fp8_module(name, module):
             module.fp8_history = AmaxHistory(module.weight.device)
             module.forward = functools.partial(_forward, module, module.forward)
+            if cast_weights:
+                with torch.no_grad():
+                    module.fp8_history.cast_weight(module.weight)
             done.append(name)
     return done
