@@ -21,7 +21,8 @@ divide activations by CP): too slow everywhere, MAPE 20% with --profile fused (w
 reduce-scatter and all-gather over 8 nodes exposed, 1.1 s of a 2.3 s step) and 31% with eager (its unfused
 elementwise kernels). The fused profile's attention is Megatron-2022's unfused core (scores through memory), which
 NeMo 24.07 does not run (TE's cuDNN flash attention): timing it as one flash kernel at attention_efficiency
-instead leaves 5 of 6 rows within 6% and GPT3-20B at -34% (not committed: it would move the A100 calibration).
+instead gives GPT3-5B +3%, GPT3-175B +5% and 0%, Llama 2 7B/13B/70B -3%, -3%, -13%, GPT3-20B -34% (MAPE 9%; not
+committed: it would move the A100 calibration, whose Megatron-2022 table did run the unfused core).
 """
 import argparse
 import contextlib
