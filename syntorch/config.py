@@ -10,7 +10,8 @@ from syntorch.userfiles import read_json
 
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu")  # what models.layers.MLP applies (silu: SwiGLU with gated_mlp)
 # --dtype names -> torch dtype attribute names (strings: this module does not import torch)
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# fp8: the model in bf16 with its Linear GEMMs in FP8 (parallel/fp8.py), as Transformer Engine trains
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
 def from_args(cls, args, **overrides):

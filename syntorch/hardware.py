@@ -6,7 +6,7 @@ second, one direction), GB (10^9 bytes), microseconds. `cost.py` turns them into
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from syntorch.errors import UserError
@@ -32,11 +32,19 @@ class HardwareConfig:
     intra_node_bus_efficiency: float  # NCCL bus bandwidth / link bandwidth inside a node (nccl-tests busbw)
     inter_node_bus_efficiency: float  # the same across nodes, per NIC
     collective_latency_us: float  # fixed cost of one NCCL collective (launch and synchronisation), beside its steps
+    # fraction of peak the flash-attention kernel reaches (FLOPs as counted); None: gemm_efficiency
+    attention_efficiency: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s for a dtype name ("bfloat16" or "torch.bfloat16"); unknown dtypes use float32's peak."""
         dtype = dtype.removeprefix("torch.")
         return 1e12 * self.peak_tflops.get(dtype, self.peak_tflops["float32"])
+
+    def math_efficiency(self, kind: str = "gemm") -> float:
+        """The fraction of peak math a kernel reaches: "gemm" (and any kernel's math), or "attention"."""
+        if kind == "attention" and self.attention_efficiency is not None:
+            return self.attention_efficiency
+        return self.gemm_efficiency
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,34 +69,54 @@ class HardwareConfig:
 # Not fitted: kernel_overhead_us 2 (the GPU-side gap between back-to-back kernels of one stream; launches
 # are asynchronous), and the bus efficiencies, vendor benchmarks: nccl-tests all_reduce bus bandwidth on
 # DGX A100 (~230 GB/s of NVLink's 300: 0.77) and across HDR InfiniBand (~23 GB/s of 25 per NIC: 0.92).
-# Hopper presets take the same fractions (no calibration table for them): to replace when measured.
 A100_FIT = dict(gemm_efficiency=0.67, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
 NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
+# Hopper (H100 SXM5 and H200 SXM share the GH100 die, clocks and NVLink 4): published component measurements,
+# none fitted, none taken from the H100 whole-step table (bench/nemo_h100.py only checks against it):
+#   gemm_efficiency 0.80       cuBLAS BF16 matmul at its best full-wave shape, 792.1 of 989 TFLOP/s (Bekman,
+#                              ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS", H100 SXM,
+#                              CUDA 12.1); FP8 reaches the same fraction of its doubled peak: cuBLASLt e4m3 8192^3,
+#                              1,599-1,630 TFLOP/s of 1,979 on 16 H100 SXM (0.81; d-robotics test_gpu_scripts,
+#                              reports_cublaslt_fp8_crosscheck_20260524.md), so one fraction serves both dtypes.
+#   attention_efficiency 0.35  FlashAttention-2, the flash kernel PyTorch's SDPA runs (the eager profile's
+#                              attention), reaches ~35% of the H100's peak (Shah et al. 2024, FlashAttention-3,
+#                              pytorch.org blog 2024-07-11); FA3 reaches 649 TFLOP/s fwd at head dim 128 (0.66) and
+#                              cuDNN's fused attention ~450-510 at head dim 256 (paper Fig. 5), not used here.
+#   memory_efficiency 0.84     coalesced HBM3 loads measured at 2.8 of 3.35 TB/s with Nsight Compute on H100 SXM5
+#                              (mikamirai.com "GPU Memory Bandwidth", 2026: a blog measurement, the best found).
+#   intra_node_bus_efficiency 0.82  nccl-tests all_reduce, NCCL's ring, 8 GPUs of an HGX H100: 741 GB/s
+#                              bidirectional busbw = 371 of 450 each way (ASTRA-sim docs, "Validation on GPU
+#                              Systems - NCCL over HGX-H100"); NVLink SHARP (NVLS) all_reduce reaches 460-480,
+#                              but reduce-scatter and all-gather, most of Megatron's traffic, do not use it.
+#   inter_node_bus_efficiency 0.92  kept from HDR (no NDR nccl-tests figure found): ~46 GB/s of NDR's 50 per NIC.
+# Kept from the A100 fit (no Hopper measurement of them): kernel_overhead_us, collective_latency_us, the latencies.
+HOPPER = dict(gemm_efficiency=0.80, attention_efficiency=0.35, memory_efficiency=0.84, kernel_overhead_us=2.0,
+              collective_latency_us=50.0, intra_node_bus_efficiency=0.82, inter_node_bus_efficiency=0.92)
+# FP8 (e4m3 and e5m2) tensor-core peak, dense: the H100/H200 datasheets print 3,958 TFLOPS with sparsity.
+HOPPER_PEAK = {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4, "float8_e4m3fn": 1978.9, "float8_e5m2": 1978.9}
 PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TFLOPS (no tensor cores; PyTorch
     # keeps TF32 off for matmuls by default), BF16/FP16 tensor core 312 TFLOPS dense (624 with
-    # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 3 600 GB/s. DGX A100: 8 GPUs, 8x HDR 200 Gb/s.
+    # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 3 600 GB/s. DGX A100: 8 GPUs, 8x HDR 200 Gb/s. No FP8.
     HardwareConfig("a100-80gb", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0},
                    memory_bw_gb_s=2039.0, memory_gb=80.0,
                    intra_node_bw_gb_s=300.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=25.0, inter_node_latency_us=4.0, devices_per_node=8,
                    sm_count=108, **A100_FIT, **NCCL_BUS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
-    # with sparsity = 989.4 dense, HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s. DGX H100: 8 GPUs,
-    # 8x ConnectX-7 NDR 400 Gb/s.
-    HardwareConfig("h100-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
-                   memory_bw_gb_s=3350.0, memory_gb=80.0,
+    # with sparsity = 989.4 dense, FP8 3,958 with sparsity = 1,979 dense, HBM3 3.35 TB/s, 80 GB,
+    # NVLink 4 900 GB/s. DGX H100: 8 GPUs, 8x ConnectX-7 NDR 400 Gb/s.
+    HardwareConfig("h100-sxm", HOPPER_PEAK, memory_bw_gb_s=3350.0, memory_gb=80.0,
                    intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=132, **A100_FIT, **NCCL_BUS),
+                   sm_count=132, **HOPPER),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM (FP32 67, BF16/FP16
-    # 1,979 sparse = 989.4 dense TFLOPS), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s. DGX H200: 8 GPUs,
-    # 8x NDR 400 Gb/s.
-    HardwareConfig("h200-sxm", {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4},
-                   memory_bw_gb_s=4800.0, memory_gb=141.0,
+    # 1,979 sparse = 989.4 dense, FP8 3,958 sparse = 1,979 dense TFLOPS), HBM3e 4.8 TB/s, 141 GB,
+    # NVLink 900 GB/s. DGX H200: 8 GPUs, 8x NDR 400 Gb/s. Its HBM3e fraction is taken as H100's HBM3 one.
+    HardwareConfig("h200-sxm", HOPPER_PEAK, memory_bw_gb_s=4800.0, memory_gb=141.0,
                    intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=132, **A100_FIT, **NCCL_BUS),
+                   sm_count=132, **HOPPER),
 ]}
 
 
@@ -125,7 +153,8 @@ def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:
         raise UserError(f"{source}: expected a JSON object of hardware fields")
     names = [f.name for f in fields(HardwareConfig)]
     unknown = sorted(set(data) - set(names))
-    missing = [n for n in names if n not in data and n != "name"]
+    missing = [f.name for f in fields(HardwareConfig)
+               if f.name not in data and f.name != "name" and f.default is MISSING]
     if unknown:
         raise UserError(f"{source}: unknown field(s) {', '.join(unknown)}; expected {', '.join(names)}")
     if missing:
@@ -137,8 +166,8 @@ def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:
         _check_number(source, f"peak_tflops.{dtype}", value, allow_zero=False)
     values = {}
     for f in fields(HardwareConfig):
-        if f.name in ("name", "peak_tflops"):
-            continue
+        if f.name in ("name", "peak_tflops") or (f.default is not MISSING and data.get(f.name) is None):
+            continue  # an optional figure left out (or null) keeps its default
         may_be_zero = f.name.endswith(("latency_us", "overhead_us"))
         _check_number(source, f.name, data[f.name], allow_zero=may_be_zero, integer=f.type is int)
         if f.name.endswith("efficiency") and data[f.name] > 1:

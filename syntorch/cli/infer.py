@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     m.add_argument("--checkpoint", help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin), "
                    "or a folder written by syntorch shard for this --tp")
     m.add_argument("--device", default="cpu", help="cpu, cuda or meta (symbolic: no memory, no real numbers)")
-    m.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    m.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="fp8: Linear GEMMs in FP8 as Transformer Engine runs them, the rest in bf16 (needs an FP8 GPU)")
     m.add_argument("--quant", choices=["int8_weight_only"], default=None,
                    help="int8 weights with one scale per output channel, dequantized in the matmul (cpu, meta)")
     m.add_argument("--quant_head", action="store_true", help="with --quant: quantize the LM head too")
@@ -77,6 +78,10 @@ def run(args) -> int:
     check_recompute(args.recompute, mode="infer")
     check_profile_needs_hw(args.profile, args.hw_config)
     outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
+    if args.dtype == "fp8" and args.hw_config:
+        from syntorch.hardware import load_hw_config
+        from syntorch.parallel.fp8 import check_fp8
+        check_fp8(load_hw_config(args.hw_config))
     record = run_inference(from_args(InferenceSpec, args), args.out, outputs, force=args.force)
     if record is not None:  # None on torchrun's other ranks
         print_result(record, args.out)

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
     m.add_argument("--mode", default="train", choices=["train", "infer"],
                    help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
-    m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="fp8: Linear GEMMs in FP8 as Transformer Engine runs them, the rest in bf16 (needs an FP8 GPU)")
     par = p.add_argument_group("parallelism (ranks in Megatron's order tp-cp-pp-dp: TP innermost, parallel/mesh.py)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
@@ -58,6 +59,7 @@ def run(args) -> int:
     from syntorch.config import from_args, torch_dtype
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
+    from syntorch.parallel.fp8 import check_fp8
     from syntorch.parallel.plans import TrainPlan
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
@@ -72,12 +74,15 @@ def run(args) -> int:
             raise UserError(f"--fsdp is --zero 3; drop --zero {args.zero} or --fsdp")
         args.zero = 3
     config = resolve_model_config(args.model, args.model_config)
-    plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq)
+    plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq,
+                     fp8=args.dtype == "fp8")
     plan.check(config, args.world_size, args.global_batch)
     if args.predict_only and not args.hw_config:
         raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     check_profile(args.profile)
     hw = load_hw_config(args.hw_config) if args.hw_config else None
+    if plan.fp8:
+        check_fp8(hw)
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only,
                               profile=args.profile)
     prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile) if hw else None

@@ -16,6 +16,7 @@ from syntorch.errors import UserError
 from syntorch.fill_mask import predict_masked
 from syntorch.generate import Sampling, check_context, generate, left_pad
 from syntorch.models import build_model
+from syntorch.parallel.fp8 import apply_fp8
 from syntorch.parallel.pipeline import Stage, split_stage
 from syntorch.parallel.tensor import apply_tp, check_sp
 from syntorch.quant import check_quant, quantize_int8_weight_only
@@ -33,7 +34,7 @@ class InferenceSpec:
     model_config: str | None = None  # JSON file overriding or defining the model
     checkpoint: str | None = None  # HuggingFace directory
     device: str = "cpu"
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # fp8: bf16 weights, Linear GEMMs in FP8 (parallel/fp8.py)
     num_input_tokens: int = 10
     num_output_tokens: int | None = None  # None: DEFAULT_OUTPUT_TOKENS for a decoder; an encoder takes none
     batch_size: int = 1
@@ -258,6 +259,8 @@ def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, p
     a pipeline stage's (generate.LocalForward otherwise)."""
     if spec.quant:  # here, after loading and TP, so a symbolic run (whose model the tracer builds) quantizes too
         quantize_int8_weight_only(model, head=spec.quant_head)
+    if spec.dtype == "fp8":  # the same place, for the same reason: the model is bf16, its Linear GEMMs FP8
+        apply_fp8(model, cast_weights=True)
     if config.encoder:
         return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
                               lengths=[len(row) for row in prompt.rows])

@@ -11,7 +11,8 @@
    EP (expert parallel) then keeps each MoE layer's share of the (TP-sharded) experts, over DP ranks.
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
-3. Recomputation (none, selective, full) wraps the blocks or attention cores the stage kept
+3. FP8 (`fp8`, fp8.py) sends the stage's Linear GEMMs through FP8 casts and `_scaled_mm`.
+   Recomputation (none, selective, full) wraps the blocks or attention cores the stage kept
    (recompute.py); it changes what backward runs, not the parameters.
 4. CP (context.py) makes each attention read K/V gathered across the CP group; each micro-batch's tokens are
    taken at this rank's positions when it runs.
@@ -32,6 +33,7 @@ from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
+from syntorch.parallel.fp8 import apply_fp8
 from syntorch.parallel.fsdp import FullyShard
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.recompute import apply_recompute, check_recompute
@@ -58,6 +60,7 @@ class TrainPlan:
     virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
     cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
     scatter_gather: bool = True  # with TP, stages exchange 1/t of the stream each and all-gather it (pipeline.py)
+    fp8: bool = False  # Linear GEMMs in FP8 as Transformer Engine runs them (fp8.py); the model dtype stays bf16
 
     @property
     def mesh(self) -> Mesh:
@@ -163,6 +166,8 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     if plan.ep > 1:
         apply_ep(model, groups.ep)
     pp_.split_stage(model, stage)
+    if plan.fp8:
+        apply_fp8(model)
     apply_recompute(model, plan.recompute)
     model.train()
     context = None

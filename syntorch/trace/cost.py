@@ -96,9 +96,12 @@ def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager"
 
 
 def op_dtype(graph: nx.DiGraph, node) -> str:
-    """The dtype an op computes in: its first floating-point output, else input, else float32."""
-    dtypes = (graph.node_attrs[t]["dtype"].removeprefix("torch.") for t in (*graph.succs[node], *graph.preds[node]))
-    return next((d for d in dtypes if d.startswith(("float", "bfloat"))), "float32")
+    """The dtype an op computes in: its first FP8 input (an FP8 GEMM writes BF16 but multiplies in FP8), else its
+    first floating-point output, else input, else float32."""
+    inputs = [graph.node_attrs[t]["dtype"].removeprefix("torch.") for t in graph.preds[node]]
+    outputs = [graph.node_attrs[t]["dtype"].removeprefix("torch.") for t in graph.succs[node]]
+    fp8 = [d for d in inputs if d.startswith("float8")]
+    return next((d for d in (*fp8, *outputs, *inputs) if d.startswith(("float", "bfloat"))), "float32")
 
 
 def _inputs(graph, node) -> list:

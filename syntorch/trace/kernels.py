@@ -38,7 +38,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.trace.attention import SDPA
 
 PROFILES = ("eager", "fused")
-GEMMS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+GEMMS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"})  # _scaled_mm: FP8
 ATTENTION = frozenset({SDPA, SDPA + "_backward"})
 # ops that allocate or relabel a tensor without a kernel
 NO_KERNEL = frozenset({"aten._unsafe_view", "aten.new_empty", "aten.empty", "aten.empty_like", "aten.detach",
@@ -48,20 +48,21 @@ FUSIBLE = frozenset({
     "aten.gelu", "aten.gelu_backward", "aten.silu", "aten.silu_backward", "aten.relu", "aten.threshold_backward",
     "aten.tanh", "aten.tanh_backward", "aten.pow", "aten.neg", "aten.rsqrt", "aten.exp", "aten.sigmoid",
     "aten.copy_", "aten._to_copy", "aten.clone", "aten.masked_fill", "aten.masked_fill_", "aten.where",
-    "aten.fill_", "aten.zero_", "aten.addcmul", "aten.addcdiv", "aten.lerp",
+    "aten.fill_", "aten.zero_", "aten.addcmul", "aten.addcdiv", "aten.lerp", "aten.maximum",
 })
 TILE_M, TILE_N = 128, 128  # cuBLAS/CUTLASS's usual threadblock tile for large FP16/BF16 GEMMs on Ampere/Hopper
 MIN_TILE_M = 16  # the tensor cores' MMA height (m16n8k16): the narrowest tile a skinny GEMM uses
 SCORE_PASSES = {SDPA: 4, SDPA + "_backward": 7}
 
 
-def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig) -> float:
+def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
     """One kernel that is not a GEMM: its fixed cost plus the slower of its math and its memory traffic."""
-    return hw.kernel_overhead_us + max(math_us(flops, dtype, hw), memory_us(nbytes, hw))
+    return hw.kernel_overhead_us + max(math_us(flops, dtype, hw, kind), memory_us(nbytes, hw))
 
 
-def math_us(flops: float, dtype: str, hw: HardwareConfig) -> float:
-    return 1e6 * flops / (hw.peak_flops(dtype) * hw.gemm_efficiency)
+def math_us(flops: float, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
+    """At the fraction of peak `kind` reaches: "attention" for flash kernels (hw.attention_efficiency)."""
+    return 1e6 * flops / (hw.peak_flops(dtype) * hw.math_efficiency(kind))
 
 
 def memory_us(nbytes: float, hw: HardwareConfig) -> float:
@@ -85,7 +86,7 @@ def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: st
     """The fused sdpa op (forward or backward): one flash kernel, or the unfused core (module docstring)."""
     queries = q_shape[-2]
     if profile == "eager" or queries == 1:
-        return compute_us(flops, nbytes, dtype, hw)
+        return compute_us(flops, nbytes, dtype, hw, "attention")
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk
     kernels = 3 if name == SDPA else 5  # GEMM, softmax, GEMM / two GEMMs, softmax backward, two GEMMs
     score_bytes = SCORE_PASSES[name] * scores * 2  # FP16 scores, as Megatron's fused softmax keeps them
