@@ -176,6 +176,8 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
             kind, attrs = _comm_attrs(data, str(groups[tuple(sorted(data["group"]))]))
             ctrl, last_comm = last_comm, [nid]
         attrs.append(("is_cpu_op", "bool_val", False))
+        if data.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
+            attrs.append(("duration_ns", "uint64_val", round(data["duration_us"] * 1e3)))
         out.append(NodeSpec(nid, _node_name(data), kind, deps, ctrl, round(data.get("duration_us") or 0),
                             io_text(inputs), io_text(ordered(succ[n])), attrs))
         deps_of[n] = (nid,)

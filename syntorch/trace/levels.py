@@ -35,14 +35,36 @@ def level_view(graph: TraceGraph, level: str) -> TraceGraph:
 
 
 def _runs(graph: TraceGraph, key) -> list[list[int]]:
+    """Contiguous runs of one key and phase, cut where a collective (another stream) reads a member's
+    output or a member reads a collective's: a group starts when all its inputs exist and its outputs exist
+    when it ends, so an uncut run would hold back an all-reduce its first op feeds (Megatron's input
+    gradient, overlapping the weight gradient) and simulate a different step than the ops do."""
     runs, last = [], None
     for node, d in graph.work():
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
-        if here is None or here != last:
+        if here is None or here != last or _reads_collective(graph, node):
             runs.append([])
         runs[-1].append(node)
-        last = here
+        last = None if here is not None and _feeds_collective(graph, node) else here
     return runs
+
+
+def _reads_collective(graph: TraceGraph, node: int) -> bool:
+    attrs, pred = graph.node_attrs, graph.preds
+    for t in pred[node]:
+        for p in pred[t]:
+            if attrs[p]["kind"] == "collective":
+                return True
+    return False
+
+
+def _feeds_collective(graph: TraceGraph, node: int) -> bool:
+    attrs, succ = graph.node_attrs, graph.succs
+    for t in succ[node]:
+        for r in succ[t]:
+            if attrs[r]["kind"] == "collective":
+                return True
+    return False
 
 
 def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGraph:
