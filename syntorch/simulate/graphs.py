@@ -9,7 +9,7 @@ A frame says which ranks share a program and how the communication of one progra
   pairs, the tied embedding) meets the other stages' representatives, which name it by the same
   translation-free form: each rank moved along dp and tp by the coordinates of the group's lowest rank.
 """
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.mesh import DIMS, Mesh
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync
 from syntorch.trace.graph import TraceGraph
 
@@ -28,8 +28,8 @@ class RankFrame:
         return tuple(ranks)
 
     def label(self, group) -> str:
-        group = sorted(group)
-        return "ranks " + ",".join(map(str, group[:4])) + (",…" if len(group) > 4 else "")
+        """Every rank named: the label names the group's stream, one per communicator."""
+        return "ranks " + ",".join(map(str, sorted(group)))
 
 
 class MeshFrame:
@@ -45,10 +45,15 @@ class MeshFrame:
         return tuple(mesh.rank((d - d0) % mesh.dp, s, (t - t0) % mesh.tp) for d, s, t in map(mesh.coords, ranks))
 
     def label(self, group) -> str:
-        coords = list(zip(*map(self.mesh.coords, group)))
-        varying = [axis for axis, values in zip(("dp", "pp", "tp"), coords) if len(set(values)) > 1]
+        """The communicator's kind (mesh.process_groups' names), which names its stream: every group of a
+        rank has its own (tp, cp, dp, dp+cp, ep, expert_dp; across stages only Megatron's embedding group)."""
+        mesh = self.mesh
+        indices = list(zip(*map(mesh.position, group)))
+        varying = [dim for dim, values in zip(DIMS, indices) if len(set(values)) > 1]
         if varying == ["pp"]:
-            return "pp " + "-".join(map(str, sorted(coords[1])))
+            return "embedding"
+        if varying == ["dp"] and len(group) < mesh.dp:  # a sub-line of dp: dp = outer * ep + ep_rank
+            return "ep" if len({d // mesh.ep for d in indices[0]}) == 1 else "expert_dp"
         return "+".join(varying) or "self"
 
 

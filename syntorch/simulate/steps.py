@@ -33,6 +33,12 @@ class StepCost:
     model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
     # much is recomputed (MFU, as Megatron-LM and PaLM count it)
     hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
+    streams_us: tuple = ()  # (stream, µs busy) of its communication streams (TP, DP, ...), simulated inside it
+
+    @property
+    def inner(self) -> tuple:
+        """What the step's task stands for, for the statistics (engine.Program.inner)."""
+        return self.compute_us, self.exposed_us, self.streams_us
 
 
 def step_cost(graph, start: int, end: int, frame) -> StepCost:
@@ -56,8 +62,9 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
         elif d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
             model += 3 * d["flops"] if d["phase"] == "forward" else 0
+    streams = tuple((name, us) for name, us in stats["streams_busy_us"].items() if name != COMPUTE and us)
     return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
-                    hardware)
+                    hardware, streams)
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:
@@ -98,7 +105,7 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
                              Sync("send", (kind, m, target)) if 0 <= target <= last else None)
         if optimizer and optimizer[s] is not None:
             o = optimizer[s]
-            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=(o.compute_us, o.exposed_us))
+            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=o.inner)
         programs.append(p)
     return programs
 
@@ -108,13 +115,13 @@ def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None)
     and its collective across stages (which the rest of the step waits for); returns its last task."""
     marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
                     *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
-    done, inner = 0.0, (c.compute_us, c.exposed_us)  # the step's own accounting, on its first piece
+    done, inner = 0.0, c.inner  # the step's own accounting, on its first piece
     prev = None
     for at, what in [*marks, (c.us, "end")]:
         if prev is None or at > done:
             prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
                          inner=inner)
-            inner, done = (0.0, 0.0), at
+            inner, done = (0.0, 0.0, ()), at
         if what == "send":
             p.add(f"send {name}", P2P, c.send_us, [prev], send)
         elif what == "cross":
