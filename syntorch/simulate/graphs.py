@@ -62,25 +62,33 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     """The program of `graph`'s ops and collectives (those in `nodes`, default all) in traced order, and the
     graph node of each task. `isolated`: a step simulated on its own (steps.py): what meets other kinds
     (p2p, groups across kinds) takes no time here, the step-level program adds it; dependencies on nodes
-    outside `nodes` are dropped."""
+    outside `nodes` are dropped.
+
+    An op without time (a view, or an op inside another's kernel under the fused profile) launches nothing:
+    it is no task and holds no place on the compute stream; what reads it waits for what it read. (As a
+    task it would sit in stream order, and an all-reduce of a gradient reshaped after the weight-gradient
+    GEMM would wait for that GEMM.)"""
     attrs, pred = graph.node_attrs, graph.preds
     rank = graph.graph.get("rank", 0)
-    program, task_of, node_of, seen = Program(name, ranks), {}, [], {}
+    program, tasks_of, node_of, seen = Program(name, ranks), {}, [], {}
     for n in (attrs if nodes is None else nodes):
         d = attrs[n]
         if d["kind"] == "tensor":
             continue
-        deps = list({task_of[p] for t in pred[n] for p in pred[t] if p in task_of})
+        deps = {task for t in pred[n] for p in pred[t] if p in tasks_of for task in tasks_of[p]}
         duration = d.get("duration_us") or 0.0
         if d["kind"] == "op":
-            task_of[n] = program.add(d["name"], COMPUTE, duration, deps)
-            node_of.append(n)
+            if duration:
+                tasks_of[n] = (program.add(d["name"], COMPUTE, duration, list(deps)),)
+                node_of.append(n)
+            else:
+                tasks_of[n] = tuple(deps)
             continue
         stream, sync = _comm(d, rank, frame, seen)
         if isolated and sync is not None:  # it meets another kind: the step-level program runs it
             duration, sync = 0.0, None
-        task_of[n] = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
-                                 stream, duration, deps, sync)
+        tasks_of[n] = (program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
+                                   stream, duration, list(deps), sync),)
         node_of.append(n)
     return program, node_of
 

@@ -113,11 +113,15 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
 def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None) -> int:
     """The step's compute as pieces cut where it issues its send (which does not hold the compute stream)
     and its collective across stages (which the rest of the step waits for); returns its last task."""
-    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
-                    *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
+    send_at = c.us if c.send_at_us is None else c.send_at_us
+    # the collective across stages (the tied embedding's gradient) waits for the step's send: Megatron
+    # all-reduces it in finalize_model_grads, after the schedule's last send; issued before the send (its
+    # gradient is ready early in the last stage's backward) it would wait for a stage that waits for the send
+    cross_at = max(c.us if c.cross_at_us is None else c.cross_at_us, send_at if send else 0.0)
+    marks = sorted([*([(send_at, 0, "send")] if send else []), *([(cross_at, 1, "cross")] if c.cross_us else [])])
     done, inner = 0.0, c.inner  # the step's own accounting, on its first piece
     prev = None
-    for at, what in [*marks, (c.us, "end")]:
+    for at, _, what in [*marks, (c.us, 2, "end")]:
         if prev is None or at > done:
             prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
                          inner=inner)
