@@ -316,7 +316,8 @@ def main():
         values, loss = fit(ft, layers, hw)
         print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()) + f" (mean MAPE {loss:.2f}%)")
         hw = dataclasses.replace(hw, **values)
-    print(f"hardware {hw.name}: " + ", ".join(f"{k}={getattr(hw, k)}" for k in FITTED))
+    if ft or layers:
+        print(f"hardware {hw.name}: " + ", ".join(f"{k}={getattr(hw, k)}" for k in FITTED))
     ft_rows, layer_rows = errors(ft, layers, hw)
     if ft:
         report("FasterTransformer GPT-20B latency, A100-80GB, fused profile (ms)", ft_rows, out, "fidelity_ft_gpt20b.png")

@@ -1,6 +1,6 @@
 """Predictions from simulated runs: a training step (summary.json's `predicted`), an inference latency
-(run.json's `predicted`), and the Perfetto timeline of the simulated run (one process per rank kind, one
-track per stream)."""
+(run.json's `predicted`), each the only prediction its record carries, with the Perfetto timeline of the
+simulated run (timeline.py)."""
 import json
 from dataclasses import dataclass
 
