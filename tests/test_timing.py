@@ -63,8 +63,12 @@ def test_trace_predict_and_the_fidelity_bench_give_one_workload_one_step(tmp_pat
         replayed = json.loads((out / "prediction.json").read_text())["predicted"]
         assert "replayed" in replayed["notes"][1]
         assert replayed["step_s"] == pytest.approx(traced, rel=0.01)
-    bench = fidelity.predict_train(config, TrainPlan(dp=2, tp=2, pp=2, microbatches=4, seq=512), H100, profile="eager")
+    plan = TrainPlan(dp=2, tp=2, pp=2, microbatches=4, seq=512)
+    bench = fidelity.predict_train(config, plan, H100, profile="eager")
     assert bench["step_s"] == pytest.approx(traced, rel=0.01)
+    # the fused profile launches fewer kernels for the same ops: the same FLOPs, less time
+    fused = fidelity.predict_train(config, plan, H100, profile="fused")
+    assert fused["hardware_flops"] == bench["hardware_flops"] and fused["step_s"] < bench["step_s"]
     # another hardware config than the files': each node costed as the file holds it (a module's roofline)
     assert main(["predict", str(tmp_path / "t"), "--out", str(tmp_path / "a100"), "--hw_config", "a100-80gb"]) == 0
     other = json.loads((tmp_path / "a100" / "prediction.json").read_text())["predicted"]

@@ -52,14 +52,17 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     model = hardware = 0
     for task, n in enumerate(nodes):
         d = attrs[n]
-        if d["kind"] == "collective":
-            if d["collective"] == "send":
-                send += d.get("duration_us") or 0.0
-                send_at = run.starts[0][task]
-            elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
-                cross += d.get("duration_us") or 0.0
-                cross_at = run.starts[0][task]
-        elif d["phase"] in ("forward", "backward"):
+        if d["kind"] != "collective":
+            continue
+        if d["collective"] == "send":
+            send += d.get("duration_us") or 0.0
+            send_at = run.starts[0][task]
+        elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
+            cross += d.get("duration_us") or 0.0
+            cross_at = run.starts[0][task]
+    for n in range(start, end):  # every op's FLOPs, those inside another's kernel too (no task of their own)
+        d = attrs[n]
+        if d["kind"] == "op" and d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
             model += 3 * d["flops"] if d["phase"] == "forward" else 0
     streams = tuple((name, us) for name, us in stats["streams_busy_us"].items() if name != COMPUTE and us)
