@@ -129,3 +129,19 @@ def test_the_calibration_error_does_not_regress(fidelity):
     ft_rows, layer_rows = fidelity.errors(ft, layers, a100)
     assert fidelity.mape(fidelity.scored(layer_rows)) < 2.2
     assert fidelity.mape(ft_rows) < 3.2
+
+
+def test_a_tied_head_pipeline_under_the_fused_profile_does_not_deadlock():
+    """The last stage's embedding gradient is ready early in its last backward; all-reduced there, before
+    that step's send, it waited for the first stage, which waited for the send. Megatron all-reduces it
+    after the schedule (finalize_model_grads). The step-level prediction stays near the node-level one
+    (which lets the all-reduce start when the gradient is ready; the step's later work waits for it)."""
+    from syntorch.simulate.graphs import MeshFrame, kind_programs
+    from syntorch.simulate.predict import predict_training
+
+    config = tiny_config("gpt2", n_layer=4, d_model=256, d_ff=1024, n_head=4, d_head=64)  # a tied head
+    plan = TrainPlan(dp=2, tp=2, pp=2, microbatches=4, seq=128)
+    workload = trace_workload(config, plan, torch.bfloat16, H100, profile="fused")
+    steps = predict_training(workload.probes, workload.source, plan, H100, "fused").summary
+    nodes = simulate(kind_programs({f"stage {s}": g for s, g in enumerate(workload.stages)}, MeshFrame(plan.mesh)))
+    assert steps["step_s"] * 1e6 == pytest.approx(nodes.end_us, rel=0.02)
