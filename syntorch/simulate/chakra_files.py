@@ -5,8 +5,9 @@ output tensor) and runs in the one simulator, a stream per communicator. A ctrl 
 node to another adds no edge: the streams already issue a communicator's work in order, and NCCL orders
 nothing across communicators (ctrl deps that reach compute nodes stay edges).
 
-Durations: the files' `duration_micros`, which syntorch trace writes from the cost model (trace/cost.py,
-op by op, summed per module) and records, with the hardware and profile, in RANK_KINDS. So `predict DIR`
+Durations: the files' own (`duration_ns` where our writer added it, else the whole µs of `duration_micros`),
+which syntorch trace writes from the cost model (trace/cost.py, op by op, summed per module) and records,
+with the hardware and profile, in RANK_KINDS. So `predict DIR`
 replays them, and predicts what `trace --hw_config` did, when given no --hw_config or that same one; given
 another (or on files we did not write), fill_durations costs each node from what the file holds (a
 module-level node: a roofline of its summed FLOPs and bytes, not its kernels' times).
