@@ -10,8 +10,8 @@ from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import Program, Run, simulate
 from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.simulate.timeline import timeline_events, write_events
 from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
+from syntorch.simulate.timeline import timeline_events, write_events
 from syntorch.trace.cost import op_dtype, shared_key
 from syntorch.trace.graph import no_gc
 
