@@ -50,7 +50,7 @@ def rank_kinds_json(model: str, mesh: Mesh, folder: Path, hw: HardwareConfig | N
     use; a file rewritten since, even to the same size, shows a new time) and what its durations are from."""
     stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
-                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
+                       "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, "cp": mesh.cp, "ep": mesh.ep},
                        "files": [[st.st_size, st.st_mtime_ns] for st in stats],
                        "durations": {"hw_config": hw.to_dict(), "profile": profile} if hw else None})
 
@@ -72,7 +72,7 @@ def _predict_traces(path, hw, profile) -> Prediction:
         hw, profile = config_from_dict(written["hw_config"]), written["profile"]
     if mesh is not None:
         paths = dict(files)
-        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.dp * mesh.tp)
+        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.world_size // mesh.pp)
                  for s in range(mesh.pp)]
         frame, note = MeshFrame(mesh), f"one program per pipeline stage, from {RANK_KINDS}"
     else:

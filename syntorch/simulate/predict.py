@@ -65,10 +65,10 @@ def _predict_training(probes, source, plan, hw, profile) -> Prediction:
     else:
         schedules = [[("F", m, 0) for m in range(M)] for _ in range(plan.pp)]
     per_step = [step_costs(costs[source[s]], schedules[s], M) for s in range(plan.pp)]
+    ranks = mesh.world_size // mesh.pp  # a stage's DP, CP and TP ranks run its program
     programs = pipeline_programs(schedules, per_step, plan.pp, virtual, [optimizer[source[s]] for s in range(plan.pp)],
-                                 ranks=mesh.dp * mesh.tp)
+                                 ranks=ranks)
     run = simulate(programs)
-    ranks = mesh.dp * mesh.tp
     hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
     # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
     flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
