@@ -19,7 +19,8 @@ from syntorch.config import get_config
 from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
 from syntorch.trace.generation import trace_tp_symbolic
-from syntorch.trace.cost import fill_rank_durations, latency_us
+from syntorch.simulate.predict import predict_inference
+from syntorch.trace.cost import fill_rank_durations
 from syntorch.chakra.validate import check_traces
 
 
@@ -108,9 +109,8 @@ def main():
           f"tensor_trace_chakra.json {(out / 'tensor_trace_chakra.json').stat().st_size / 1e6:.1f} MB")
     print(f"validate     {validate}  ({'ok' if not problems else f'{len(problems)} problems'}: "
           f"{n_ranks} ranks, {n_nodes} nodes)")
-    est = latency_us(graph)
-    print(f"predicted    {est['serial_us'] / 1e3:.1f} ms serial, {est['critical_path_us'] / 1e3:.1f} ms critical path "
-          "per rank on h100-sxm")
+    predicted = predict_inference(ranks, "h100-sxm").summary
+    print(f"predicted    {predicted['latency_ms']:.1f} ms on h100-sxm (simulated)")
     print(f"written to   {out}")
 
 

@@ -1,52 +1,61 @@
 """Fidelity of the performance model against the published measurements in ../shared/calibration.
 
-    python bench/fidelity.py [--hw_config a100-80gb] [--out bench/out] [--fit]
+    python bench/fidelity.py [--tables ft,korthikanti,nemo] [--rows N] [--out bench/out] [--fit]
 
-For every row: the published figure, syntorch's prediction from its own symbolic trace, the error; then the
-mean absolute percentage error (MAPE) per table and a predicted-vs-measured PNG per table in --out.
+Every prediction goes the way a user's does: a symbolic trace on meta, the cost model's durations
+(trace/cost.py, fused profile) and the one simulator (syntorch/simulate). Per table: every row's published
+figure, the prediction and the error; the mean absolute percentage error (MAPE), the worst row and a
+predicted-vs-measured PNG in --out.
 
-FasterTransformer GPT-20B (ft_gpt20b_a100.csv): 44 layers, 48 heads x 128, vocabulary 51,200, FP16, top-p 0.9
-sampling, fused profile, one TP rank's trace on meta (TP ranks are symmetric). FT runs NCCL on the compute
-stream, so a rank's time is the serial sum of its kernels and collectives. A run of `output` tokens is the
-prefill (which yields the first token) and output - 1 decode steps; a decode step's time is affine in its
-position (only attention's KV reads grow with it, memory-bound at every length here), so the steps sum to
-(output - 1) x the mean of the first and the last step, each traced as decode step 0 after a prompt of that
-length.
+FasterTransformer GPT-20B (ft_gpt20b_a100.csv, A100-80GB): 44 layers, 48 heads x 128, vocabulary 51,200,
+FP16, top-p 0.9 sampling; what `syntorch infer --device meta --tp T --hw_config a100-80gb --profile fused`
+predicts for a prompt and two output tokens (prefill, decode step 0). A run of `output` tokens is the
+prefill and output - 1 decode steps; a decode step's time is affine in its position (only attention's KV
+reads grow with it), so the steps sum to (output - 1) x the mean of the first and the last, the last
+predicted as decode step 0 after a prompt of its length.
 
-Megatron-LM 22B layer (korthikanti2022_table4_22b_layer.csv): hidden 6144, 64 heads, sequence 2048,
-micro-batch 4, TP 8, FP16, fused profile; a training step of a one-layer model of that shape, its layer's
-forward and backward ops. Forward: serial (every all-reduce feeds the next op). Backward: two streams per
-rank (cost.two_stream_us): Megatron launches the TP all-reduce of an input gradient asynchronously and
-computes the weight gradient meanwhile, which the trace's dependencies allow and the two streams realise.
+Megatron-LM 22B layer (korthikanti2022_table4_22b_layer.csv, A100-80GB): hidden 6144, 64 heads, sequence
+2048, micro-batch 4, TP 8, FP16; the training step `syntorch trace` probes for a one-layer model of that
+shape, and the simulator's time for the layer's forward ops and for its backward ops, each on their own
+(Megatron's TP all-reduce of an input gradient overlaps the weight gradient on its own stream).
 
-`--fit` refits the four fitted figures of the preset (gemm_efficiency, memory_efficiency, collective_latency_us,
-intra_node_latency_us) by Nelder-Mead on the mean of the two tables' MAPEs and prints them; the preset in
-syntorch/hardware.py holds the rounded result. Everything else is a datasheet or vendor-benchmark figure.
+NeMo 24.07 (nemo2407_h100_fp8.csv, DGX-H100): whole training steps, `syntorch trace --predict_only` on
+h100-sxm (sequence parallel when TP > 1, distributed optimizer as ZeRO-1, no recomputation, the table's
+TP/PP/CP/virtual stages and batches). The table is FP8; syntorch has no FP8 yet, so these rows run in BF16
+(column `run`) and are expected to be slow by up to FP8's GEMM speed-up. Rows whose shape syntorch lacks
+(Nemotron) or whose plan the memory check refuses are skipped with the reason printed.
+
+`--fit` refits the four fitted figures of the A100 preset (gemm_efficiency, memory_efficiency,
+collective_latency_us, intra_node_latency_us) by Nelder-Mead on the mean of the two A100 tables' MAPEs
+(every evaluation re-costs and re-simulates every row: slow) and prints them; the preset in
+syntorch/hardware.py holds the rounded result.
 """
 import argparse
-import collections
 import csv
 import dataclasses
-import hashlib
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from syntorch.config import ModelConfig
+from syntorch.config import ModelConfig, get_config
+from syntorch.errors import UserError
 from syntorch.generate import Sampling, generate
 from syntorch.hardware import load_hw_config
-from syntorch.models import build_model
-from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.plans import TrainPlan
-from syntorch.parallel.tensor import apply_tp
-from syntorch.trace import cost, kernels, tracer
-from syntorch.trace.generation import trace_run
+from syntorch.simulate.engine import simulate
+from syntorch.simulate.graphs import MeshFrame, graph_program
+from syntorch.simulate.predict import predict_inference, predict_training
+from syntorch.trace.cost import fill_durations, fill_rank_durations
+from syntorch.trace.generation import trace_tp_run
+from syntorch.trace.graph import RankTraces
 from syntorch.trace.training import trace_stage
+from syntorch.workload import trace_workload
 
 ROOT = Path(__file__).resolve().parents[1]
+# ../shared/calibration beside the project (a git worktree of it sits one folder deeper, in wt/)
+CALIBRATION = next((p for p in (ROOT.parent / "shared" / "calibration", ROOT.parents[1] / "shared" / "calibration")
+                    if p.is_dir()), ROOT.parent / "shared" / "calibration")
 PROFILE = "fused"
 FITTED = ("gemm_efficiency", "memory_efficiency", "collective_latency_us", "intra_node_latency_us")
 GPT20B = ModelConfig(name="gpt-20b", arch="gpt", n_layer=44, d_model=6144, n_head=48, vocab_size=51200,
@@ -62,49 +71,30 @@ KORTHIKANTI = {  # experiment -> (sequence parallel, recompute)
 }
 
 
+# --- the paths users run --------------------------------------------------------------------------
+def trace_inference(config: ModelConfig, batch: int, prompt: int, tp: int, dtype=torch.float16) -> RankTraces:
+    """`syntorch infer --device meta --tp tp`'s graphs for a prompt and two output tokens (top-p 0.9)."""
+    tokens = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
+    graph, _ = trace_tp_run(config, lambda m, scope: generate(m, tokens, 2, Sampling(top_p=0.9), phase_scope=scope),
+                            tp, 0, dtype=dtype)
+    ranks = RankTraces(tp)
+    ranks.put_shared(range(tp), lambda: graph)
+    return ranks
+
+
+def predict_infer(ranks: RankTraces, hw, profile: str = PROFILE) -> dict:
+    """run.json's `predicted` of `syntorch infer --hw_config hw --profile profile`."""
+    fill_rank_durations(ranks, hw, profile)
+    return predict_inference(ranks, hw.name, profile).summary
+
+
+def predict_train(config: ModelConfig, plan: TrainPlan, hw, dtype=torch.bfloat16, profile: str = PROFILE) -> dict:
+    """summary.json's `predicted` of `syntorch trace --predict_only --hw_config hw --profile profile`."""
+    workload = trace_workload(config, plan, dtype, hw, schedule=False, profile=profile)
+    return predict_training(workload.probes, workload.source, plan, hw, profile).summary
+
+
 # --- FasterTransformer GPT-20B ------------------------------------------------------------------------
-def phase_kernels(graph, plan, layers: int = 2) -> dict[str, collections.Counter]:
-    """phase -> Counter of the kernels (cost.Kernel) its nodes launch, from the trace of a two-layer model
-    whose second layer stands for the `layers` - 1 after the first (what replicate.py copies in a full trace;
-    the second, not the first, since a layer's first kernel takes in the last add of the layer before)."""
-    phases = collections.defaultdict(collections.Counter)
-    for node, data in graph.node_attrs.items():
-        if data["kind"] != "tensor":
-            copies = layers - 1 if data["module"].startswith("layers.1") else 1
-            phases[data["phase"]][cost.kernel_of(graph, node, plan)] += copies
-    return phases
-
-
-def ft_kernels(keys: set, cache_path: Path) -> dict:
-    """(batch, prompt, tp) -> {phase: Counter of kernels} of the prefill of `prompt` tokens and the decode step
-    after it, one TP rank of GPT-20B on meta (two layers traced, the second counted 43 times); one model per TP degree.
-    Kept in `cache_path` (JSON) for the next run, valid while the cost model's source is unchanged."""
-    version = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (cost, kernels, tracer))).hexdigest()
-    cached = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-    found = {tuple(json.loads(k)): {phase: collections.Counter({cost.Kernel(*_tuples(kernel)): n for kernel, n in v})
-                                    for phase, v in phases.items()}
-             for k, phases in cached.get("kernels", {}).items()} if cached.get("version") == version else {}
-    for tp in sorted({tp for _, _, tp in keys - set(found)}):
-        with symbolic_world(0, tp):
-            model = build_model(dataclasses.replace(GPT20B, n_layer=2), device="meta", dtype=torch.float16)
-            apply_tp(model, init_groups(Mesh(tp=tp)))
-            for batch, prompt, _ in sorted(k for k in keys - set(found) if k[2] == tp):
-                tokens = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
-                graph, _ = trace_run(model, lambda m, scope: generate(m, tokens, 2, Sampling(top_p=0.9),
-                                                                      phase_scope=scope), world_size=tp)
-                found[batch, prompt, tp] = phase_kernels(graph, cost.kernel_plan(graph, PROFILE), GPT20B.n_layer)
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    cache_path.write_text(json.dumps({"version": version, "kernels": {
-        json.dumps(k): {phase: [[dataclasses.astuple(kernel), n] for kernel, n in counter.items()]
-                        for phase, counter in phases.items()} for k, phases in found.items()}}))
-    return found
-
-
-def _tuples(value):
-    """JSON lists back into the tuples a Kernel holds (shapes)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
 @dataclasses.dataclass
 class FTCase:
     batch: int
@@ -112,23 +102,24 @@ class FTCase:
     output_len: int
     tp: int
     measured_ms: float
-    first: dict  # phase kernels after the prompt (prefill, first decode step)
-    last: dict  # phase kernels at the last decode step
+    first: RankTraces  # the prompt, then decode step 0
+    last: RankTraces  # decode step 0 after a prompt as long as the last step's context
 
     def predict_ms(self, hw) -> float:
-        def us(kernels):
-            return sum(n * cost.kernel_us(k, hw, PROFILE) for k, n in kernels.items())
-        steps = self.output_len - 1
-        mean_step = (us(self.first["decode[0]"]) + us(self.last["decode[0]"])) / 2
-        return (us(self.first["prefill"]) + steps * mean_step) / 1e3
+        first, last = predict_infer(self.first, hw), predict_infer(self.last, hw)
+        mean_step = (first["decode_ms_per_token"] + last["decode_ms_per_token"]) / 2
+        return first["prefill_ms"] + (self.output_len - 1) * mean_step
 
 
-def ft_cases(path: Path, cache_path: Path) -> list[FTCase]:
+def ft_cases(path: Path, rows: int | None = None) -> list[FTCase]:
     with open(path) as f:
         cells = [(int(row["batch"]), int(row["input_len"]), int(row["output_len"]), tp, float(row[f"tp{tp}_ms"]))
                  for row in csv.DictReader(f) for tp in (1, 2, 4, 8) if row[f"tp{tp}_ms"]]
-    found = ft_kernels({key for b, i, o, tp, _ in cells for key in ((b, i, tp), (b, i + o - 2, tp))}, cache_path)
-    return [FTCase(b, i, o, tp, ms, found[b, i, tp], found[b, i + o - 2, tp]) for b, i, o, tp, ms in cells]
+    cells = cells[:rows] if rows else cells
+    traced = {}
+    for key in sorted({key for b, i, o, tp, _ in cells for key in ((b, i, tp), (b, i + o - 2, tp))}):
+        traced[key] = trace_inference(GPT20B, *key)
+    return [FTCase(b, i, o, tp, ms, traced[b, i, tp], traced[b, i + o - 2, tp]) for b, i, o, tp, ms in cells]
 
 
 # --- Megatron-LM 22B layer --------------------------------------------------------------------------
@@ -137,27 +128,89 @@ class LayerCase:
     experiment: str
     measured: tuple[float, float]  # forward, backward ms
     graph: object
+    plan: TrainPlan
     forward: list
     backward: list
 
     def predict_ms(self, hw) -> tuple[float, float]:
-        cost.fill_durations(self.graph, hw, PROFILE)
-        fwd = sum(self.graph.node_attrs[n]["duration_us"] for n in self.forward)
-        return fwd / 1e3, cost.two_stream_us(self.graph, self.backward) / 1e3
+        fill_durations(self.graph, hw, PROFILE)
+        frame = MeshFrame(self.plan.mesh)
+        return tuple(simulate([graph_program(self.graph, part, frame, nodes=nodes, isolated=True)[0]]).end_us / 1e3
+                     for part, nodes in (("forward", self.forward), ("backward", self.backward)))
 
 
-def layer_cases(path: Path) -> list[LayerCase]:
+def layer_cases(path: Path, rows: int | None = None) -> list[LayerCase]:
     cases = []
     with open(path) as f:
-        for row in csv.DictReader(f):
+        for row in list(csv.DictReader(f))[:rows]:
             sp, recompute = KORTHIKANTI[row["experiment"]]
             plan = TrainPlan(tp=8, sp=sp, recompute=recompute, seq=2048, micro_batch_size=4)
             graph = trace_stage(GPT22B_LAYER, plan, 0, dtype=torch.float16)
             layer = [n for n, d in graph.node_attrs.items() if d["kind"] != "tensor" and d["module"].startswith("layers.0")]
             cases.append(LayerCase(row["experiment"], (float(row["forward_ms"]), float(row["backward_ms"])), graph,
-                                   [n for n in layer if graph.node_attrs[n]["phase"] == "forward"],
+                                   plan, [n for n in layer if graph.node_attrs[n]["phase"] == "forward"],
                                    [n for n in layer if graph.node_attrs[n]["phase"] == "backward"]))
     return cases
+
+
+# --- NeMo 24.07, DGX-H100 -----------------------------------------------------------------------------
+def _gpt3_nemo(name: str, n_layer: int, d_model: int, n_head: int) -> ModelConfig:
+    # NeMo's GPT-3 configs (conf/llm/gpt3_*.yaml): FFN 4 x hidden, vocabulary 51,200 (the table's README)
+    return ModelConfig(name=name, arch="gpt", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab_size=51200,
+                       n_positions=2048)
+
+
+NEMO_MODELS = {
+    "GPT3-5B": _gpt3_nemo("gpt3-5b", 24, 4096, 32),
+    "GPT3-20B": _gpt3_nemo("gpt3-20b", 44, 6144, 48),
+    "GPT3-175B": _gpt3_nemo("gpt3-175b", 96, 12288, 96),
+    "LLAMA2-7B": "llama-2-7b", "LLAMA2-13B": "llama-2-13b", "LLAMA2-70B": "llama-2-70b",
+    "LLAMA3-8B": "llama-3-8b", "LLAMA3-70B": "llama-3-70b",
+}
+
+
+@dataclasses.dataclass
+class NemoCase:
+    label: str
+    measured: float  # tokens/s per GPU
+    config: ModelConfig
+    plan: TrainPlan
+    gpus: int
+
+    def predict(self, hw) -> float:
+        step_s = predict_train(self.config, self.plan, hw)["step_s"]
+        tokens = self.plan.dp * self.plan.cp * self.plan.microbatches * self.plan.micro_batch_size * self.plan.seq
+        return tokens / step_s / self.gpus
+
+
+def nemo_cases(path: Path, rows: int | None = None) -> list[NemoCase]:
+    cases = []
+    with open(path) as f:
+        for row in list(csv.DictReader(f))[:rows]:
+            gpus, tp, pp, cp = (int(row[k]) for k in ("gpus", "tp", "pp", "cp"))
+            label = f"{row['model']} {gpus} GPUs tp{tp} pp{pp} cp{cp} vp{row['vp']}"
+            model = NEMO_MODELS.get(row["model"])
+            if model is None:
+                print(f"skipped {label}: syntorch has no {row['model']} shape (squared-ReLU MLP or config not given)")
+                continue
+            config = get_config(model) if isinstance(model, str) else model
+            dp = gpus // (tp * pp * cp)
+            mb, seq = int(row["micro_batch"]), int(row["seq"])
+            plan = TrainPlan(dp=dp, tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=1, micro_batch_size=mb, seq=seq,
+                             microbatches=int(row["global_batch"]) // (dp * mb), virtual_stages=int(row["vp"]))
+            cases.append(NemoCase(label, float(row["tokens_per_s_per_gpu"]), dataclasses.replace(config, n_positions=seq),
+                                  plan, gpus))
+    return cases
+
+
+def nemo_rows(cases: list[NemoCase], hw) -> list[tuple]:
+    rows = []
+    for c in cases:
+        try:
+            rows.append((c.label + " [run: bf16]", c.measured, c.predict(hw)))
+        except UserError as e:
+            print(f"skipped {c.label}: {e}")
+    return rows
 
 
 # --- errors, fit, report ----------------------------------------------------------------------------
@@ -196,19 +249,22 @@ def fit(ft, layers, hw):
     return dict(zip(FITTED, result.x)), result.fun
 
 
-def report(title: str, rows, out: Path, filename: str) -> None:
+def report(title: str, rows, out: Path, filename: str, unit: str = "ms") -> None:
     print(f"\n{title}")
-    print(f"{'row':58s} {'published':>10s} {'predicted':>10s} {'error':>8s}")
+    print(f"{'row':62s} {'published':>10s} {'predicted':>10s} {'error':>8s}")
     for label, measured, predicted in rows:
-        print(f"{label:58s} {measured:10.1f} {predicted:10.1f} {100 * (predicted - measured) / measured:+7.1f}%")
+        print(f"{label:62s} {measured:10.1f} {predicted:10.1f} {100 * (predicted - measured) / measured:+7.1f}%")
     kept = scored(rows)
+    if not kept:
+        print("no rows")
+        return
     worst = max(kept, key=lambda r: abs(r[2] - r[1]) / r[1])
     print(f"MAPE {mape(kept):.1f}% over {len(kept)} figures; worst {worst[0]}: "
           f"{100 * (worst[2] - worst[1]) / worst[1]:+.1f}%")
-    plot(title, kept, out / filename)
+    plot(title, kept, out / filename, unit)
 
 
-def plot(title: str, rows, path: Path) -> None:
+def plot(title: str, rows, path: Path, unit: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,19 +272,19 @@ def plot(title: str, rows, path: Path) -> None:
     measured = [m for _, m, _ in rows]
     predicted = [p for _, _, p in rows]
     fig, ax = plt.subplots(figsize=(6.5, 6.5))
-    groups = sorted({label.split()[-1] for label, _, _ in rows})  # tp1..tp8, or forward / backward
+    groups = sorted({_group(label) for label, _, _ in rows})  # tp1..tp8, forward / backward, models
     for group in groups:
-        points = [(m, p) for label, m, p in rows if label.split()[-1] == group]
+        points = [(m, p) for label, m, p in rows if _group(label) == group]
         ax.scatter(*zip(*points), s=14, label=group)
     low, high = min(measured + predicted) * 0.8, max(measured + predicted) * 1.25
     ax.plot([low, high], [low, high], "k-", lw=0.8, label="predicted = published")
     for f, style in ((1.12, "r--"), (1 / 1.12, "r--")):
         ax.plot([low, high], [low * f, high * f], style, lw=0.6)
     ax.plot([], [], "r--", lw=0.6, label="±12%")
-    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="published (ms)",
-           ylabel="predicted (ms)")
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel=f"published ({unit})",
+           ylabel=f"predicted ({unit})")
     ax.set_title(f"{title}\nMAPE {mape(rows):.1f}%", fontsize=9)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -236,28 +292,42 @@ def plot(title: str, rows, path: Path) -> None:
     print(f"plot: {path}")
 
 
+def _group(label: str) -> str:
+    """What a row's point is coloured by: its TP degree (FT), forward/backward (layer), model (NeMo)."""
+    return label.split()[0] if label.endswith("[run: bf16]") else label.split()[-1]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hw_config", default="a100-80gb")
-    p.add_argument("--calibration", default=str(ROOT.parent / "shared" / "calibration"))
+    p.add_argument("--hw_config", default="a100-80gb", help="for the two A100 tables (NeMo's runs on h100-sxm)")
+    p.add_argument("--calibration", default=str(CALIBRATION))
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--tables", default="ft,korthikanti,nemo", help="comma-separated: ft, korthikanti, nemo")
+    p.add_argument("--rows", type=int, help="only the first N rows (cells) of each table")
     p.add_argument("--fit", action="store_true", help="refit the fitted figures and report with them")
     args = p.parse_args()
-    hw, calibration, out = load_hw_config(args.hw_config), Path(args.calibration), Path(args.out)
+    hw, calibration, out, tables = load_hw_config(args.hw_config), Path(args.calibration), Path(args.out), args.tables
     begin = time.perf_counter()
-    ft = ft_cases(calibration / "ft_gpt20b_a100.csv", out / "fidelity_ft_kernels.json")
-    layers = layer_cases(calibration / "korthikanti2022_table4_22b_layer.csv")
+    ft = ft_cases(calibration / "ft_gpt20b_a100.csv", args.rows) if "ft" in tables else []
+    layers = layer_cases(calibration / "korthikanti2022_table4_22b_layer.csv", args.rows) if "korthikanti" in tables else []
     print(f"traced {len(ft)} FasterTransformer cells and {len(layers)} Megatron layers in "
           f"{time.perf_counter() - begin:.0f} s")
     if args.fit:
         values, loss = fit(ft, layers, hw)
         print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()) + f" (mean MAPE {loss:.2f}%)")
         hw = dataclasses.replace(hw, **values)
-    print(f"hardware {hw.name}: " + ", ".join(f"{k}={getattr(hw, k)}" for k in FITTED))
+    if ft or layers:
+        print(f"hardware {hw.name}: " + ", ".join(f"{k}={getattr(hw, k)}" for k in FITTED))
     ft_rows, layer_rows = errors(ft, layers, hw)
-    report("FasterTransformer GPT-20B latency, A100-80GB, fused profile (ms)", ft_rows, out, "fidelity_ft_gpt20b.png")
-    report("Megatron-LM 22B one layer, TP8, Korthikanti et al. 2022 Table 4 (ms)", layer_rows, out,
-           "fidelity_korthikanti_22b.png")
+    if ft:
+        report("FasterTransformer GPT-20B latency, A100-80GB, fused profile (ms)", ft_rows, out, "fidelity_ft_gpt20b.png")
+    if layers:
+        report("Megatron-LM 22B one layer, TP8, Korthikanti et al. 2022 Table 4 (ms)", layer_rows, out,
+               "fidelity_korthikanti_22b.png")
+    if "nemo" in tables:
+        rows = nemo_rows(nemo_cases(calibration / "nemo2407_h100_fp8.csv", args.rows), load_hw_config("h100-sxm"))
+        report("NeMo 24.07 DGX-H100 FP8 table, run in BF16 (tokens/s/GPU)", rows, out, "fidelity_nemo2407_h100.png",
+               "tokens/s/GPU")
 
 
 if __name__ == "__main__":

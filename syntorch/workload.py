@@ -39,11 +39,11 @@ class Workload:
     config: ModelConfig
     plan: TrainPlan
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
-    hw_name: str | None = None
+    hw: HardwareConfig | None = None  # what the durations are from
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
     probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
     source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
-    profile: str = "eager"  # software profile of the durations, when hw_name is set
+    profile: str = "eager"  # software profile of the durations, when hw is set
     memory: list[dict] = field(default_factory=list)  # per stage: parallel/memory.py's estimate of one rank
 
 
@@ -62,7 +62,7 @@ def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
     source = traced_stage_for(config, plan)
     probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
     probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
-    made = (config, plan, hw.name if hw else None, len(probes))
+    made = (config, plan, hw, len(probes))
     if not schedule:  # a prediction needs only the probes, costed
         for graph, _ in probes.values() if hw else ():
             fill_durations(graph, hw, profile)
@@ -115,7 +115,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
             total += written
             variants.add(variant)
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
-        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp))
+        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile))
         summary = summarize(workload, node_counts, level)
         summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
         if prediction is not None:
@@ -166,5 +166,5 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
             "memory_bytes": workload.memory[s] if workload.memory else None,
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
-            "hw_config": workload.hw_name, "profile": workload.profile, "traced_stages": workload.traced_stages,
-            "rank_layout": ORDER, "stages": stages}
+            "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
+            "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}

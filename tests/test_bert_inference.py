@@ -161,7 +161,7 @@ def test_one_rank_traces_and_exports_the_encode_pass(bert, tmp_path):
                    "--comm_debug")
     phases, collectives = phases_and_collectives(out)
     assert phases == {"encode"} and collectives == []
-    assert record["trace"]["predicted_latency_us"]["critical_path_us"] > 0
+    assert record["predicted"]["latency_ms"] > 0 and "predicted_latency_us" not in record["trace"]
     assert validate_traces(out / "chakra") == []
     for name in ("tensor_trace_graph.png", "comm_debug.json", "chakra/ckpt.0.et"):
         assert (out / name).stat().st_size > 0, name

@@ -59,8 +59,7 @@ def test_symbolic_run_reports_a_prediction_not_the_tracers_speed(tmp_path, capsy
         assert f"predicted latency {predicted['latency_ms']:.1f} ms on h100-sxm" in printed
         assert predicted["prefill_ms"] + 2 * predicted["decode_ms_per_token"] == pytest.approx(predicted["latency_ms"])
         assert 0 < predicted["prefill_ms"] < predicted["latency_ms"]
-        # one rank, one stream of compute: the simulated latency is the serial sum less overlapped communication
-        assert predicted["latency_ms"] <= record["trace"]["predicted_latency_us"]["serial_us"] / 1e3 + 1e-9
+        assert "predicted_latency_us" not in record["trace"]  # one prediction: the simulator's
         assert (out / "timeline.json").is_file()
     else:
         assert "give --hw_config for a predicted latency" in printed

@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_config
 from syntorch.cli import main
+from syntorch.errors import UserError
 from syntorch.export import graphml, networkx_json, perfetto, write_trace_outputs
 from syntorch.export.image import READABLE_NODES, choose_level
 from syntorch.models import build_model
@@ -63,24 +64,29 @@ def test_svg_is_valid_xml_and_png_is_a_png(graph, tmp_path):
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_perfetto_events(graph, tmp_path):
-    perfetto.export({0: graph, 1: graph}, tmp_path / "t.json")
-    trace = json.loads((tmp_path / "t.json").read_text())
-    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
-    assert [e["args"]["name"] for e in names] == ["rank 0", "rank 1"]
-    work = list(graph.work())
-    assert len(slices) == 2 * len(work)
-    for e in slices:
-        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
-        assert isinstance(e["ts"], (int, float)) and e["dur"] > 0 and e["pid"] in (0, 1)
-    rank0 = [e for e in slices if e["pid"] == 0]
-    assert all(a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=2e-3) for a, b in zip(rank0, rank0[1:]))
-    # without durations, slice lengths follow FLOPs
-    mms = [e for e in rank0 if e["cat"] == "op" and e["args"]["flops"] > perfetto.MIN_US * perfetto.ESTIMATE_FLOPS_PER_US]
-    big, small = max(mms, key=lambda e: e["args"]["flops"]), min(mms, key=lambda e: e["args"]["flops"])
-    assert big["dur"] / small["dur"] == pytest.approx(big["args"]["flops"] / small["args"]["flops"], rel=1e-2)
-    assert rank0[-1]["cat"] == "collective" and rank0[-1]["args"]["group"] == [0, 1]
+def test_perfetto_is_the_simulated_timeline(graph, tmp_path):
+    """The export runs the graph through the simulator with the cost model's durations: the predicted run
+    (syntorch infer's run.json), one process for the two TP ranks that run the graph, a track per stream."""
+    from syntorch.hardware import load_hw_config
+    from syntorch.simulate.predict import predict_inference
+    from syntorch.trace.cost import fill_durations
+
+    costed = graph.copy()  # the export sets the cost model's durations on the graph it is given
+    perfetto.export({0: costed, 1: costed}, tmp_path / "t.json", hw_config="h100-sxm")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] in ("process_name", "thread_name")}
+    assert names == {"ranks 0-1 (2 ranks)", "compute", "comm ranks 0,1"}
+    timed = graph.copy()
+    fill_durations(timed, load_hw_config("h100-sxm"))
+    kernels = [d for _, d in timed.work() if d["duration_us"] or d["kind"] == "collective"]  # views launch nothing
+    assert [e["dur"] for e in slices] == pytest.approx([d["duration_us"] for d in kernels])
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(
+        predict_inference({0: timed, 1: timed}, "h100-sxm").summary["latency_ms"] * 1e3)
+    reduce = slices[-1]
+    assert reduce["args"]["collective"] == "all_reduce" and reduce["args"]["group"] == [0, 1] and reduce["tid"] == 1
+    with pytest.raises(UserError, match="the graph has no durations"):
+        perfetto.export(graph, tmp_path / "u.json")
 
 
 def test_perfetto_uses_known_durations(graph):
@@ -88,8 +94,8 @@ def test_perfetto_uses_known_durations(graph):
     for _, d in timed.work():
         d["duration_us"] = 3.0
     slices = [e for e in perfetto.trace_events(timed)["traceEvents"] if e["ph"] == "X"]
-    assert {e["dur"] for e in slices} == {3.0} and not any(e["args"]["estimated"] for e in slices)
-    assert slices[-1]["ts"] == 3.0 * (len(slices) - 1)
+    assert {e["dur"] for e in slices} == {3.0}
+    assert slices[-1]["ts"] == 3.0 * (len(slices) - 1)  # every op, then the all-reduce of their result
 
 
 def test_trace_outputs_and_comm_graph(graph, tmp_path):

@@ -17,7 +17,8 @@ LAYERS = [
     ("parallel", ["syntorch.parallel", "syntorch.quant"]),
     ("trace", ["syntorch.trace"]),
     ("writers", ["syntorch.chakra", "syntorch.export"]),
-    ("simulate", ["syntorch.simulate"]),  # reads TraceGraphs and Chakra files, predicts for the runs above
+    # reads TraceGraphs and Chakra files, predicts for the runs above; the Perfetto export is its timeline
+    ("simulate", ["syntorch.simulate", "syntorch.export.perfetto"]),
     ("runs", ["syntorch.inference", "syntorch.shard", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug"]),
     ("cli", ["syntorch.cli"]),
     ("package", ["syntorch"]),  # its __init__ (lazy CommDebugMode for users)

@@ -180,6 +180,8 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
             channel = _channel(data)
             ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
         attrs.append(("is_cpu_op", "bool_val", False))
+        if data.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
+            attrs.append(("duration_ns", "uint64_val", round(data["duration_us"] * 1e3)))
         out.append(NodeSpec(nid, _node_name(data), kind, deps, ctrl, round(data.get("duration_us") or 0),
                             io_text(inputs), io_text(ordered(succ[n])), attrs))
         deps_of[n] = (nid,)

@@ -13,6 +13,10 @@ def add_parser(sub) -> None:
                    help="chakra: replace an earlier syntorch run's traces in --output (a file --output is always replaced)")
     p.add_argument("--trace_level", choices=["op", "module", "layer"], default=None,
                    help="collapse to one node per op, module or layer (images default to the finest readable)")
+    p.add_argument("--hw_config", help="perfetto: durations from this hardware preset or JSON file's performance "
+                                       "model (default: the graph's own, traced with --hw_config)")
+    p.add_argument("--profile", default="eager", choices=["eager", "fused"], help="perfetto: with --hw_config, "
+                   "how ops group into kernels")
     p.set_defaults(func=run)
 
 
@@ -25,6 +29,8 @@ def run(args) -> int:
     options = {"level": args.trace_level} if args.trace_level else {}
     if fmt == "chakra":  # the one format written as a folder (syntorch.outdir)
         options["force"] = args.force
+    if fmt == "perfetto" and args.hw_config:
+        options.update(hw_config=args.hw_config, profile=args.profile)
     exporter(fmt)(graph, args.output, **options)
     print(f"{args.input} -> {args.output} ({fmt})")
     return 0

@@ -11,7 +11,7 @@ from syntorch.export.comm_report import write_comm_outputs
 from syntorch.hardware import load_hw_config
 from syntorch.simulate.predict import TIMELINE, predict_inference
 from syntorch.trace.comm_report import check_noise_level
-from syntorch.trace.cost import check_profile, fill_rank_durations, latency_us
+from syntorch.trace.cost import check_profile, fill_rank_durations
 
 
 @dataclass
@@ -46,7 +46,6 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
         hw = load_hw_config(outputs.hw_config)
         fill_rank_durations(traces, hw, outputs.profile)
         record["hw_config"], record["profile"] = hw.name, outputs.profile
-        record["predicted_latency_us"] = latency_us(graph)
         prediction = predict_inference(traces, hw.name, outputs.profile)
         record["predicted"] = prediction.summary
         prediction.write_timeline(out_dir / TIMELINE)

@@ -1,8 +1,16 @@
 """Chakra files already written (ours, or converted captures) as simulator programs.
 
-Each file becomes a TraceGraph (an op or collective per Chakra node, its data and ctrl deps as edges through
-one output tensor), so durations come from the same performance model as in-memory runs (trace/cost.py's
-fill_durations, with --hw_config) or, without one, from the files' `duration_micros`.
+Each file becomes a TraceGraph (an op or collective per Chakra node, its data deps as edges through one
+output tensor) and runs in the one simulator, a stream per communicator. A ctrl dep from one communication
+node to another adds no edge: the streams already issue a communicator's work in order, and NCCL orders
+nothing across communicators (ctrl deps that reach compute nodes stay edges).
+
+Durations: the files' own (`duration_ns` where our writer added it, else the whole µs of `duration_micros`),
+which syntorch trace writes from the cost model (trace/cost.py, op by op, summed per module) and records,
+with the hardware and profile, in RANK_KINDS. So `predict DIR`
+replays them, and predicts what `trace --hw_config` did, when given no --hw_config or that same one; given
+another (or on files we did not write), fill_durations costs each node from what the file holds (a
+module-level node: a roofline of its summed FLOPs and bytes, not its kernels' times).
 
 Our writer (workload.py) writes every rank of a stage from one template in which only comm-group ids and
 p2p peers differ (chakra/writer.py's StageTemplate), and leaves RANK_KINDS beside the files: the mesh and
@@ -19,6 +27,7 @@ from chakra.schema.protobuf import et_def_pb2 as et
 from syntorch.chakra.reader import find_traces, read_trace
 from syntorch.chakra.validate import _load_groups as load_comm_groups
 from syntorch.errors import UserError
+from syntorch.hardware import HardwareConfig, config_from_dict
 from syntorch.parallel.mesh import Mesh
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program
@@ -35,13 +44,15 @@ PER_RANK_PART = {"all_gather"}  # comm_size is each rank's part (chakra/nodes.py
 DTYPES = {"BFloat16": "bfloat16", "Half": "float16", "float": "float32", "double": "float64"}
 
 
-def rank_kinds_json(model: str, mesh: Mesh, folder: Path) -> str:
-    """The mesh and each rank's file as written (size and modification time: the quick check rsync and make
-    use; a file rewritten since, even to the same size, shows a new time)."""
+def rank_kinds_json(model: str, mesh: Mesh, folder: Path, hw: HardwareConfig | None = None,
+                    profile: str | None = None) -> str:
+    """The mesh, each rank's file as written (size and modification time: the quick check rsync and make
+    use; a file rewritten since, even to the same size, shows a new time) and what its durations are from."""
     stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
                        "mesh": mesh.to_json(),
-                       "files": [[st.st_size, st.st_mtime_ns] for st in stats]})
+                       "files": [[st.st_size, st.st_mtime_ns] for st in stats],
+                       "durations": {"hw_config": hw.to_dict(), "profile": profile} if hw else None})
 
 
 def predict_traces(path, hw=None, profile: str | None = None) -> Prediction:
@@ -55,7 +66,10 @@ def _predict_traces(path, hw, profile) -> Prediction:
     folder = files[0][1].parent
     groups = {k: sorted(v) for k, v in load_comm_groups(folder / "comm_groups.json", explicit=False).items()}
     world = len(files)
-    mesh, why = _symmetric_mesh(folder, files)
+    mesh, why, written = _symmetric_mesh(folder, files)
+    replay = _replays(written, hw, profile)
+    if replay:
+        hw, profile = config_from_dict(written["hw_config"]), written["profile"]
     if mesh is not None:
         paths = dict(files)
         kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.size("dp", "cp", "tp"))
@@ -67,7 +81,7 @@ def _predict_traces(path, hw, profile) -> Prediction:
     programs, flops, dtypes = [], 0, {}
     for name, rank, f, ranks in kinds:
         graph = chakra_graph(f, rank, world, groups)
-        if hw is not None:
+        if hw is not None and not replay:
             fill_durations(graph, hw, **({"profile": profile} if profile else {}))
         programs.append(graph_program(graph, name, frame, ranks)[0])
         for d in graph.node_attrs.values():
@@ -79,29 +93,46 @@ def _predict_traces(path, hw, profile) -> Prediction:
     peak = hw.peak_flops(max(dtypes, key=dtypes.get)) if hw is not None and dtypes else 0.0
     summary = run_summary(run, flops, flops, peak)
     summary.update(hw_config=hw.name if hw else None, profile=profile, traces=str(path), ranks=world,
-                   notes=[note, "durations from " + (f"--hw_config {hw.name}" if hw else "the files' duration_micros")])
+                   notes=[note, _durations_note(hw, profile, replay)])
     return Prediction(run, summary)
 
 
-def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str]:
-    """The mesh of RANK_KINDS when every file is still as our writer left it (by size), else why not."""
+def _replays(written: dict | None, hw, profile) -> bool:
+    """Do the files' durations answer for `hw` and `profile` (written by the same cost model for them)?"""
+    if not written:
+        return False
+    return hw is None or (hw.to_dict() == written["hw_config"] and profile in (None, written["profile"]))
+
+
+def _durations_note(hw, profile, replay: bool) -> str:
+    if replay:
+        return f"durations as syntorch trace wrote them (--hw_config {hw.name} --profile {profile}), replayed"
+    if hw is None:
+        return "durations from the files' duration_micros"
+    return f"durations from --hw_config {hw.name}'s model of each node as the files hold it"
+
+
+def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str, dict | None]:
+    """The mesh of RANK_KINDS and what its durations are from (None: no hardware) when every file is still
+    as our writer left it (by size and time), else (None, why not, None)."""
     path = folder / RANK_KINDS
     if not path.is_file():
-        return None, f"no {RANK_KINDS} (traces not written by syntorch trace)"
+        return None, f"no {RANK_KINDS} (traces not written by syntorch trace)", None
     data = read_json(path, "rank kinds file")
     try:
         mesh = Mesh(**data["mesh"])
         written = [(int(size), int(mtime)) for size, mtime in data["files"]]
         prefix = str(data["prefix"])
+        durations = data.get("durations")
     except (KeyError, TypeError, ValueError, UserError):
         raise UserError(f"{path}: not a {RANK_KINDS} written by syntorch trace; delete it to simulate every rank") from None
     if [r for r, _ in files] != list(range(mesh.world_size)) or len(written) != mesh.world_size:
-        return None, f"{RANK_KINDS} is for {mesh.world_size} ranks, the folder has {len(files)}"
+        return None, f"{RANK_KINDS} is for {mesh.world_size} ranks, the folder has {len(files)}", None
     for rank, f in files:
         st = f.stat()
         if not f.name.startswith(prefix + ".") or (st.st_size, st.st_mtime_ns) != written[rank]:
-            return None, f"{f.name} changed since syntorch trace wrote it (a copy keeps the fast path with cp -p)"
-    return mesh, ""
+            return None, f"{f.name} changed since syntorch trace wrote it (a copy keeps the fast path with cp -p)", None
+    return mesh, "", durations
 
 
 def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:
@@ -116,10 +147,21 @@ def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:
         specs += [_node_attrs(node, rank, world, groups, orders, path),
                   {"kind": "tensor", "name": f"t{out}", "shape": [], "dtype": _dtype(node), "bytes": 0,
                    "is_param": False, "device": "meta", "version": 0}]
-        edges += [(place[d], op, {"arg": i}) for i, d in enumerate(dict.fromkeys([*node.data_deps, *node.ctrl_deps]))]
+        edges += [(place[d], op, {"arg": i}) for i, d in enumerate(dict.fromkeys([*node.data_deps, *_ctrl_deps(node, index)]))]
         edges.append((op, out, {"arg": 0}))
     graph.append(specs, edges)
     return graph
+
+
+COMM_NODES = (et.COMM_COLL_NODE, et.COMM_SEND_NODE, et.COMM_RECV_NODE)
+
+
+def _ctrl_deps(node, index) -> list[int]:
+    """The ctrl deps that order work: one communication node after another is already ordered by the
+    streams (one per communicator, issue order), and NCCL orders nothing across communicators."""
+    if node.type not in COMM_NODES:
+        return list(node.ctrl_deps)
+    return [d for d in node.ctrl_deps if index[d].type not in COMM_NODES]
 
 
 def _dependency_order(nodes, index, path):
@@ -147,7 +189,9 @@ def _dependency_order(nodes, index, path):
 def _node_attrs(node, rank, world, groups, orders, path) -> dict:
     attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
     module, _, what = node.name.rpartition(":")
-    base = {"name": what or node.name, "module": module or node.name, "phase": "", "duration_us": float(node.duration_micros)}
+    # duration_ns: what our writer adds beside the whole µs of duration_micros (chakra/nodes.py)
+    us = attrs["duration_ns"] / 1e3 if "duration_ns" in attrs else float(node.duration_micros)
+    base = {"name": what or node.name, "module": module or node.name, "phase": "", "duration_us": us}
     if node.type == et.COMP_NODE:
         return {**base, "kind": "op", "flops": int(attrs.get("num_ops", 0)), "dtype": _dtype(node), "bytes_read": int(attrs.get("tensor_size", 0)),
                 "bytes_written": 0, "is_view": False}

@@ -33,8 +33,9 @@ class Sync(NamedTuple):
 
 @dataclass
 class Program:
-    """One rank kind's tasks in program order. `inner[i]` (optional): (compute µs, exposed comm µs) of a task
-    that stands for a whole simulated step, for the busy/exposed accounting."""
+    """One rank kind's tasks in program order. `inner[i]` (optional), of a compute task that stands for a
+    whole simulated step (steps.py): (compute µs, exposed comm µs, ((stream, µs busy), ...) of the
+    communication inside it), for the statistics (stats.py)."""
     name: str
     ranks: int = 1
     names: list[str] = field(default_factory=list)
@@ -42,10 +43,10 @@ class Program:
     durations: list[float] = field(default_factory=list)
     deps: list = field(default_factory=list)  # per task, the tasks it waits for (any sequence)
     syncs: dict[int, Sync] = field(default_factory=dict)
-    inner: dict[int, tuple[float, float]] = field(default_factory=dict)
+    inner: dict[int, tuple[float, float, tuple]] = field(default_factory=dict)
 
     def add(self, name: str, stream: str, duration: float, deps=(), sync: Sync | None = None,
-            inner: tuple[float, float] | None = None) -> int:
+            inner: tuple[float, float, tuple] | None = None) -> int:
         i = len(self.names)
         self.names.append(name)
         self.streams.append(stream)

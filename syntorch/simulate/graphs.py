@@ -9,7 +9,7 @@ A frame says which ranks share a program and how the communication of one progra
   (pipeline pairs, the tied embedding) meets the other stages' representatives, which name it by the same
   translation-free form: each rank moved back by the place of the group's lowest rank (Mesh.translate).
 """
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.mesh import DIMS, Mesh
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync
 from syntorch.trace.graph import TraceGraph
 
@@ -28,8 +28,8 @@ class RankFrame:
         return tuple(ranks)
 
     def label(self, group) -> str:
-        group = sorted(group)
-        return "ranks " + ",".join(map(str, group[:4])) + (",…" if len(group) > 4 else "")
+        """Every rank named: the label names the group's stream, one per communicator."""
+        return "ranks " + ",".join(map(str, sorted(group)))
 
 
 class MeshFrame:
@@ -45,9 +45,10 @@ class MeshFrame:
         return tuple(self.mesh.translate(r, lowest, back=True) for r in ranks)
 
     def label(self, group) -> str:
-        """The group's name in the mesh ("tp", "cp", "dp_cp", "ep"), or the stages of a pipeline pair."""
+        """The communicator's kind, which names its stream: every group of a rank has its own (the mesh's
+        names: tp, cp, dp, dp_cp, ep, expert_dp; across stages only Megatron's embedding group)."""
         if self.mesh.dims_of(group) == ("pp",):
-            return "pp " + "-".join(str(self.mesh.coordinate(r).pp) for r in sorted(group))
+            return "embedding"
         return self.mesh.name(group)
 
 
@@ -56,25 +57,33 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     """The program of `graph`'s ops and collectives (those in `nodes`, default all) in traced order, and the
     graph node of each task. `isolated`: a step simulated on its own (steps.py): what meets other kinds
     (p2p, groups across kinds) takes no time here, the step-level program adds it; dependencies on nodes
-    outside `nodes` are dropped."""
+    outside `nodes` are dropped.
+
+    An op without time (a view, or an op inside another's kernel under the fused profile) launches nothing:
+    it is no task and holds no place on the compute stream; what reads it waits for what it read. (As a
+    task it would sit in stream order, and an all-reduce of a gradient reshaped after the weight-gradient
+    GEMM would wait for that GEMM.)"""
     attrs, pred = graph.node_attrs, graph.preds
     rank = graph.graph.get("rank", 0)
-    program, task_of, node_of, seen = Program(name, ranks), {}, [], {}
+    program, tasks_of, node_of, seen = Program(name, ranks), {}, [], {}
     for n in (attrs if nodes is None else nodes):
         d = attrs[n]
         if d["kind"] == "tensor":
             continue
-        deps = list({task_of[p] for t in pred[n] for p in pred[t] if p in task_of})
+        deps = {task for t in pred[n] for p in pred[t] if p in tasks_of for task in tasks_of[p]}
         duration = d.get("duration_us") or 0.0
         if d["kind"] == "op":
-            task_of[n] = program.add(d["name"], COMPUTE, duration, deps)
-            node_of.append(n)
+            if duration:
+                tasks_of[n] = (program.add(d["name"], COMPUTE, duration, list(deps)),)
+                node_of.append(n)
+            else:
+                tasks_of[n] = tuple(deps)
             continue
         stream, sync = _comm(d, rank, frame, seen)
         if isolated and sync is not None:  # it meets another kind: the step-level program runs it
             duration, sync = 0.0, None
-        task_of[n] = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
-                                 stream, duration, deps, sync)
+        tasks_of[n] = (program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
+                                   stream, duration, list(deps), sync),)
         node_of.append(n)
     return program, node_of
 

@@ -1,17 +1,17 @@
 """Predictions from simulated runs: a training step (summary.json's `predicted`), an inference latency
-(run.json's `predicted`), and the Perfetto timeline of the simulated run (one process per rank kind, one
-track per stream)."""
+(run.json's `predicted`), each the only prediction its record carries, with the Perfetto timeline of the
+simulated run (timeline.py)."""
 import json
 from dataclasses import dataclass
 
-from syntorch.export.perfetto import track_names, write_events
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.pipeline import schedule
-from syntorch.simulate.engine import COMPUTE, Run, simulate
+from syntorch.simulate.engine import Program, Run, simulate
 from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
 from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
+from syntorch.simulate.timeline import timeline_events, write_events
 from syntorch.trace.cost import op_dtype, shared_key
 from syntorch.trace.graph import no_gc
 
@@ -25,16 +25,6 @@ class Prediction:
 
     def write_timeline(self, path) -> None:
         write_events(timeline_events(self.run), path)
-
-
-def timeline_events(run: Run) -> list[dict]:
-    events = []
-    for pid, (p, starts, ends) in enumerate(zip(run.programs, run.starts, run.ends)):
-        tids = {s: t for t, s in enumerate(dict.fromkeys([COMPUTE, *p.streams]))}
-        events += track_names(pid, f"{p.name} ({p.ranks} rank{'s' * (p.ranks > 1)})", {t: s for s, t in tids.items()})
-        events += [{"ph": "X", "name": name, "pid": pid, "tid": tids[stream], "ts": a, "dur": b - a}
-                   for name, stream, a, b in zip(p.names, p.streams, starts, ends)]
-    return events
 
 
 # what each MFU of a training summary counts as the model's FLOPs (both 3 x the forward's, however much is recomputed)
@@ -92,10 +82,10 @@ def _predict_training(probes, source, plan, hw, profile) -> Prediction:
     else:
         schedules = [[("F", m, 0) for m in range(M)] for _ in range(plan.pp)]
     per_step = [step_costs(costs[source[s]], schedules[s], M) for s in range(plan.pp)]
+    ranks = mesh.world_size // mesh.pp  # a stage's DP, CP and TP ranks run its program
     programs = pipeline_programs(schedules, per_step, plan.pp, virtual, [optimizer[source[s]] for s in range(plan.pp)],
-                                 ranks=mesh.size("dp", "cp", "tp"))
+                                 ranks=ranks)
     run = simulate(programs)
-    ranks = mesh.size("dp", "cp", "tp")  # a stage's ranks
     hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
     # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
     flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
@@ -120,17 +110,9 @@ def predict_inference(traces, hw_name: str, profile: str | None = None) -> Predi
     """Latency of an inference run whose graphs have durations: `traces` maps each rank to its graph, ranks
     that run one graph sharing it (RankTraces), each distinct graph simulated once.
     run.json's `predicted`: latency_ms, prefill_ms (to the end of the prompt's pass), decode_ms_per_token."""
-    kinds = {}  # shared graph -> (graph, its ranks)
-    for rank in sorted(traces):
-        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
-    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
-    programs, phases = [], []
-    for graph, ranks in kinds.values():
-        name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
-        program, nodes = graph_program(graph, name, frame, len(ranks))
-        programs.append(program)
-        phases.append([graph.node_attrs[n]["phase"] for n in nodes])
+    programs, tasks = rank_programs(traces)
     run = simulate(programs)
+    phases = [[graph.node_attrs[n]["phase"] for n in nodes] for graph, nodes in tasks]
     latency = run.end_us
     prefill = max((e for ends, kind in zip(run.ends, phases) for e, ph in zip(ends, kind)
                    if ph in ("prefill", "encode", "forward")), default=latency)
@@ -140,6 +122,22 @@ def predict_inference(traces, hw_name: str, profile: str | None = None) -> Predi
                "exposed_comm_ms": max(k["exposed_comm_us"] for k in kind_stats(run)) / 1e3,
                "hw_config": hw_name, "profile": profile}
     return Prediction(run, summary)
+
+
+def rank_programs(traces) -> tuple[list[Program], list[tuple]]:
+    """One program per distinct graph of `traces` (rank -> graph; RankTraces' ranks that share a graph run
+    one program), and per program (its graph, the graph node of each task)."""
+    kinds = {}  # shared graph -> (graph, its ranks)
+    for rank in sorted(traces):
+        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
+    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
+    programs, tasks = [], []
+    for graph, ranks in kinds.values():
+        name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+        program, nodes = graph_program(graph, name, frame, len(ranks))
+        programs.append(program)
+        tasks.append((graph, nodes))
+    return programs, tasks
 
 
 def write_prediction(out_dir, record: dict, prediction: Prediction, name: str, force: bool = False) -> None:

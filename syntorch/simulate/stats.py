@@ -1,6 +1,11 @@
-"""What a simulated run says per rank kind: how long its compute stream was busy, how long communication
-held it up (exposed: some communication in flight while the compute stream had nothing to run), and how
-long it idled otherwise (pipeline bubbles, waiting for a late rank)."""
+"""What a simulated run says per rank kind. Every moment of the step is one of three things:
+- busy: the compute stream runs a kernel;
+- exposed communication: the compute stream runs nothing and some communication is in flight;
+- idle: neither (pipeline bubbles, waiting for a late rank or for a sender that has not sent yet).
+So step = busy + exposed + idle on every rank kind. A task that stands for a whole simulated step
+(steps.py, `Program.inner`) brings its own busy and exposed time and its communication streams' busy
+time; its length beyond those is idle. A stream's busy time is the sum of its tasks (never more than the
+step: a stream runs one task at a time)."""
 from syntorch.simulate.engine import COMPUTE, Run
 
 
@@ -8,22 +13,29 @@ def kind_stats(run: Run) -> list[dict]:
     step = run.end_us
     out = []
     for p, starts, ends in zip(run.programs, run.starts, run.ends):
-        compute, comm, streams = [], [], {}
-        busy = inner_exposed = 0.0
+        compute, comm, streams = [], [], {COMPUTE: 0.0}
+        inner_exposed = 0.0
         for i, stream in enumerate(p.streams):
             length = ends[i] - starts[i]
-            streams[stream] = streams.get(stream, 0.0) + length
+            inside = p.inner.get(i)
+            if inside is not None:
+                streams[COMPUTE] += inside[0]
+                inner_exposed += inside[1]
+                for name, us in inside[2]:
+                    streams[name] = streams.get(name, 0.0) + us
+            else:
+                streams[stream] = streams.get(stream, 0.0) + length
             if stream == COMPUTE:
                 compute.append((starts[i], ends[i]))
-                inside = p.inner.get(i)
-                busy += inside[0] if inside else length
-                inner_exposed += inside[1] if inside else 0.0
             elif length > 0:
                 comm.append((starts[i], ends[i]))
         comm_union = _union(comm)
+        # communication outside the step tasks counts where no compute task runs (inside one, the task's
+        # own accounting has it)
         exposed = inner_exposed + _length(comm_union) - _overlap(comm_union, _union(compute, ordered=True))
+        busy = streams[COMPUTE]
         out.append({"kind": p.name, "ranks": p.ranks, "busy_us": busy, "exposed_comm_us": exposed,
-                    "idle_us": max(step - busy - exposed, 0.0), "streams_busy_us": streams})
+                    "idle_us": step - busy - exposed, "streams_busy_us": streams})
     return out
 
 

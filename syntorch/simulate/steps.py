@@ -34,6 +34,12 @@ class StepCost:
     # much is recomputed (MFU, as Megatron-LM and PaLM count it), causal attention over the pairs it keeps
     hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
     model_flops_dense: int = 0  # model_flops with attention over every score (the op's dense_flops)
+    streams_us: tuple = ()  # (stream, µs busy) of its communication streams (TP, DP, ...), simulated inside it
+
+    @property
+    def inner(self) -> tuple:
+        """What the step's task stands for, for the statistics (engine.Program.inner)."""
+        return self.compute_us, self.exposed_us, self.streams_us
 
 
 def step_cost(graph, start: int, end: int, frame) -> StepCost:
@@ -47,20 +53,24 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     model = hardware = dense = 0
     for task, n in enumerate(nodes):
         d = attrs[n]
-        if d["kind"] == "collective":
-            if d["collective"] == "send":
-                send += d.get("duration_us") or 0.0
-                send_at = run.starts[0][task]
-            elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
-                cross += d.get("duration_us") or 0.0
-                cross_at = run.starts[0][task]
-        elif d["phase"] in ("forward", "backward"):
+        if d["kind"] != "collective":
+            continue
+        if d["collective"] == "send":
+            send += d.get("duration_us") or 0.0
+            send_at = run.starts[0][task]
+        elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
+            cross += d.get("duration_us") or 0.0
+            cross_at = run.starts[0][task]
+    for n in range(start, end):  # every op's FLOPs, those inside another's kernel too (no task of their own)
+        d = attrs[n]
+        if d["kind"] == "op" and d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
             if d["phase"] == "forward":
                 model += 3 * d["flops"]
                 dense += 3 * d.get("dense_flops", d["flops"])
+    streams = tuple((name, us) for name, us in stats["streams_busy_us"].items() if name != COMPUTE and us)
     return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
-                    hardware, dense)
+                    hardware, dense, streams)
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:
@@ -101,7 +111,7 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
                              Sync("send", (kind, m, target)) if 0 <= target <= last else None)
         if optimizer and optimizer[s] is not None:
             o = optimizer[s]
-            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=(o.compute_us, o.exposed_us))
+            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=o.inner)
         programs.append(p)
     return programs
 
@@ -109,15 +119,19 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
 def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None) -> int:
     """The step's compute as pieces cut where it issues its send (which does not hold the compute stream)
     and its collective across stages (which the rest of the step waits for); returns its last task."""
-    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
-                    *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
-    done, inner = 0.0, (c.compute_us, c.exposed_us)  # the step's own accounting, on its first piece
+    send_at = c.us if c.send_at_us is None else c.send_at_us
+    # the collective across stages (the tied embedding's gradient) waits for the step's send: Megatron
+    # all-reduces it in finalize_model_grads, after the schedule's last send; issued before the send (its
+    # gradient is ready early in the last stage's backward) it would wait for a stage that waits for the send
+    cross_at = max(c.us if c.cross_at_us is None else c.cross_at_us, send_at if send else 0.0)
+    marks = sorted([*([(send_at, 0, "send")] if send else []), *([(cross_at, 1, "cross")] if c.cross_us else [])])
+    done, inner = 0.0, c.inner  # the step's own accounting, on its first piece
     prev = None
-    for at, what in [*marks, (c.us, "end")]:
+    for at, _, what in [*marks, (c.us, 2, "end")]:
         if prev is None or at > done:
             prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
                          inner=inner)
-            inner, done = (0.0, 0.0), at
+            inner, done = (0.0, 0.0, ()), at
         if what == "send":
             p.add(f"send {name}", P2P, c.send_us, [prev], send)
         elif what == "cross":

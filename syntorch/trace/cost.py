@@ -6,7 +6,8 @@ per-step latency, hierarchical across nodes). An op that runs inside another op'
 gets 0; the kernel it joins carries its time.
 
     fill_durations(graph, hw, profile="fused")   # sets duration_us on every op and collective
-    latency_us(graph)                            # serial and critical-path sums of one rank
+
+Durations only: syntorch/simulate composes them (streams, ranks, pipelines), for every command.
 """
 from dataclasses import dataclass
 
@@ -20,8 +21,7 @@ from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
 __all__ = ["PROFILES", "Kernel", "check_profile", "collective_us", "compute_us", "fill_durations",
-           "fill_rank_durations", "kernel_of", "kernel_plan", "kernel_us", "latency_us", "node_us", "op_dtype",
-           "shared_key", "two_stream_us"]
+           "fill_rank_durations", "kernel_of", "kernel_plan", "kernel_us", "node_us", "op_dtype", "shared_key"]
 
 
 def check_profile(profile: str) -> str:
@@ -134,45 +134,6 @@ def _peers(graph: nx.DiGraph, data: dict) -> list[int]:
         peer = data["dst"] if data["collective"] == "send" else data["src"]
         return [rank, rank if peer is None else peer]
     return data["group"]
-
-
-def _durations(graph, hw, profile) -> dict:
-    plan = kernel_plan(graph, check_profile(profile)) if hw else None
-    return {n: (node_us(graph, n, hw, profile, plan) if hw else d.get("duration_us") or 0.0)
-            for n, d in graph.node_attrs.items() if d["kind"] != "tensor"}
-
-
-def latency_us(graph: nx.DiGraph, hw: HardwareConfig | None = None, profile: str = "eager") -> dict:
-    """Per-rank estimate: `serial_us` (every node one after another: one stream, no overlap) and
-    `critical_path_us` (longest dependency chain: perfect overlap). Uses `duration_us`, or `hw` if given."""
-    duration = _durations(graph, hw, profile)
-    finish = {}
-    for node in nx.topological_sort(graph):
-        if node not in duration:
-            continue
-        start = max((finish[p] for t in graph.predecessors(node) for p in graph.predecessors(t)), default=0.0)
-        finish[node] = start + duration[node]
-    return {"serial_us": sum(duration.values()), "critical_path_us": max(finish.values(), default=0.0)}
-
-
-def two_stream_us(graph: nx.DiGraph, nodes=None) -> float:
-    """One rank's time with compute on one stream and collectives on another, each in traced order, a node
-    starting when its stream is free and its inputs exist (Megatron's backward: a TP all-reduce runs while
-    the weight-gradient GEMM that does not need it computes). `nodes`: a subset (others are taken as done)."""
-    nodes = sorted(graph.node_attrs if nodes is None else nodes)
-    free, finish = {"op": 0.0, "collective": 0.0}, {}
-    for node in nodes:
-        data = graph.node_attrs[node]
-        if data["kind"] == "tensor":
-            continue
-        ready = max((finish.get(p, 0.0) for t in graph.preds[node] for p in graph.preds[t]), default=0.0)
-        duration = data.get("duration_us", 0.0)
-        if not duration:  # a view, or an op inside another's kernel: no time on any stream
-            finish[node] = ready
-            continue
-        finish[node] = max(ready, free[data["kind"]]) + duration
-        free[data["kind"]] = finish[node]
-    return max(finish.values(), default=0.0)
 
 
 def shared_key(graph: nx.DiGraph) -> int:

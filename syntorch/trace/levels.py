@@ -35,14 +35,45 @@ def level_view(graph: TraceGraph, level: str) -> TraceGraph:
 
 
 def _runs(graph: TraceGraph, key) -> list[list[int]]:
-    runs, last = [], None
+    """Contiguous runs of one key and phase, cut where a collective (another stream) reads a member's
+    output, directly or through ops that launch nothing (views; ops inside another's kernel), or a member
+    reads a collective's: a group starts when all its inputs exist and its outputs exist when it ends, so
+    an uncut run would hold back an all-reduce its first op feeds (Megatron's input gradient, overlapping
+    the weight gradient) and simulate a different step than the ops do. An op that launches nothing and
+    feeds a collective is a run of its own (a view: what reads it waits for what it read)."""
+    runs, last, feeds = [], None, {}
     for node, d in graph.work():
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
-        if here is None or here != last:
+        feeding = here is not None and _feeds_collective(graph, node, feeds)
+        if here is None or here != last or _reads_collective(graph, node) or (feeding and _launches_nothing(d)):
             runs.append([])
         runs[-1].append(node)
-        last = here
+        last = None if feeding else here
     return runs
+
+
+def _launches_nothing(d: dict) -> bool:
+    return d["kind"] == "op" and (d.get("is_view") or d.get("duration_us") == 0)
+
+
+def _reads_collective(graph: TraceGraph, node: int) -> bool:
+    attrs, pred = graph.node_attrs, graph.preds
+    for t in pred[node]:
+        for p in pred[t]:
+            if attrs[p]["kind"] == "collective":
+                return True
+    return False
+
+
+def _feeds_collective(graph: TraceGraph, node: int, memo: dict) -> bool:
+    """Does a collective read `node`'s output, directly or through ops that launch nothing? (`memo`: answers
+    so far: the readers come later in traced order, so each is asked about once.)"""
+    if node not in memo:
+        attrs, succ = graph.node_attrs, graph.succs
+        memo[node] = any(attrs[r]["kind"] == "collective" or (_launches_nothing(attrs[r]) and
+                                                              _feeds_collective(graph, r, memo))
+                         for t in succ[node] for r in succ[t])
+    return memo[node]
 
 
 def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGraph:
