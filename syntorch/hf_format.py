@@ -10,7 +10,10 @@ import torch
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
+from syntorch.hf_recent import (gpt_oss_fields, gpt_oss_hf_fields, qwen3_moe_fields, qwen3_moe_hf_fields,
+                                 refuse_quantized, yarn_fields, yarn_hf_fields)
 from syntorch.hf_stacked import Stacked, stack_experts
+from syntorch.hf_values import eps as _eps, require as _require, size as _size
 from syntorch.models import build_model
 
 @dataclass(frozen=True, eq=False)
@@ -149,39 +152,13 @@ def _hf_family(hf_config: dict) -> Family:
                     f"syntorch loads {known}")
 
 
-def _require(hf_config: dict, key: str, allowed, default):
-    value = hf_config.get(key, default)
-    if value not in allowed:
-        raise UserError(f"config.json: {key}={value!r} is not supported by syntorch's model "
-                        f"(supported: {', '.join(map(repr, allowed))})")
-    return value
-
-
-def _size(hf_config: dict, key: str, default=None) -> int:
-    value = hf_config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _eps(hf_config: dict, key: str, default: float | None = None) -> float:
-    value = hf_config.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> ModelConfig:
     """Our ModelConfig for a HuggingFace config.json; fields our model cannot represent are UserErrors."""
     if not isinstance(hf_config, dict):
         raise UserError("config.json must hold a JSON object")
     fam = _hf_family(hf_config)
     _require(hf_config, "add_cross_attention", (False,), False)
-    quantized = hf_config.get("quantization_config")
-    if quantized is not None:  # GPT-OSS ships MXFP4 experts (*_blocks, *_scales)
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-        raise UserError(f"config.json: quantization_config {method!r}: syntorch loads unquantized weights only; "
-                        "dequantize first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
+    refuse_quantized(hf_config)
     if fam in LLAMA_LIKE:
         return ModelConfig(name, "gpt", **_llama_fields(hf_config, fam))
     fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
@@ -212,33 +189,10 @@ def _llama_fields(h: dict, fam: Family) -> dict:
     if fam in (MIXTRAL, GPT_OSS):
         fields.update(n_experts=_size(h, "num_local_experts", 8), moe_top_k=_size(h, "num_experts_per_tok", 2))
     if fam is QWEN3_MOE:
-        fields.update(_qwen3_moe_fields(h))
+        fields.update(qwen3_moe_fields(h))
     if fam is GPT_OSS:
-        _require(h, "swiglu_limit", (7.0, 7), 7.0)
-        fields.update(sliding_window_pattern=_window_pattern(h, fields["n_layer"]))
+        fields.update(gpt_oss_fields(h, fields["n_layer"]))
     return fields
-
-
-def _qwen3_moe_fields(h: dict) -> dict:
-    _require(h, "decoder_sparse_step", (1,), 1)  # every published Qwen3-MoE has every layer sparse
-    if h.get("mlp_only_layers"):
-        raise UserError(f"config.json: mlp_only_layers={h['mlp_only_layers']!r} is not supported (every layer sparse)")
-    return dict(n_experts=_size(h, "num_experts"), moe_top_k=_size(h, "num_experts_per_tok"),
-                d_ff_expert=_size(h, "moe_intermediate_size"), moe_renormalize=h.get("norm_topk_prob", False) is True)
-
-
-def _window_pattern(h: dict, n_layer: int) -> int:
-    """GPT-OSS's layer_types as our sliding_window_pattern: every p-th layer full attention, the rest windowed."""
-    types = h.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)]
-    for p in range(n_layer + 1):
-        if types == [_layer_type(p, i) for i in range(n_layer)]:
-            return p
-    raise UserError(f"config.json: layer_types {types!r} is not every p-th layer full attention and the rest "
-                    "sliding_attention, which is what syntorch supports")
-
-
-def _layer_type(pattern: int, layer: int) -> str:
-    return "full_attention" if pattern and (layer + 1) % pattern == 0 else "sliding_attention"
 
 
 def _rope_scaling(h: dict) -> dict:
@@ -249,7 +203,7 @@ def _rope_scaling(h: dict) -> dict:
     if kind == "default":
         return {}
     if kind == "yarn":
-        return _yarn_fields(scaling)
+        return yarn_fields(scaling)
     if kind != "llama3":
         raise UserError(f"config.json: rope_scaling type {kind!r} is not supported (supported: 'llama3', 'yarn', "
                         "'default')")
@@ -257,18 +211,6 @@ def _rope_scaling(h: dict) -> dict:
                 rope_low_freq_factor=_eps(scaling, "low_freq_factor"),
                 rope_high_freq_factor=_eps(scaling, "high_freq_factor"),
                 rope_original_positions=_size(scaling, "original_max_position_embeddings"))
-
-
-def _yarn_fields(scaling: dict) -> dict:
-    for key in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
-        _require(scaling, key, (None, 0), None)
-    fields = dict(rope_scaling="yarn", rope_factor=_eps(scaling, "factor"),
-                  rope_original_positions=_size(scaling, "original_max_position_embeddings"),
-                  rope_beta_fast=_eps(scaling, "beta_fast", 32.0), rope_beta_slow=_eps(scaling, "beta_slow", 1.0),
-                  rope_truncate=_require(scaling, "truncate", (True, False), True))
-    if scaling.get("attention_factor") is not None:
-        fields["rope_attention_factor"] = _eps(scaling, "attention_factor")
-    return fields
 
 
 def _bert_fields(h: dict) -> dict:
@@ -330,22 +272,15 @@ def _llama_hf_fields(c: ModelConfig, fam: Family) -> dict:
                                "high_freq_factor": c.rope_high_freq_factor,
                                "original_max_position_embeddings": c.rope_original_positions}
     if c.rope_scaling == "yarn":
-        out["rope_scaling"] = {"rope_type": "yarn", "factor": c.rope_factor, "beta_fast": c.rope_beta_fast,
-                               "beta_slow": c.rope_beta_slow, "truncate": c.rope_truncate,
-                               "original_max_position_embeddings": c.rope_original_positions,
-                               "attention_factor": c.rope_attention_factor or None}
+        out["rope_scaling"] = yarn_hf_fields(c)
     if fam.flags["sliding_window"] is None:
         out["sliding_window"] = c.sliding_window or None
     if fam is MIXTRAL:
         out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe_top_k, router_jitter_noise=0.0)
     if fam is QWEN3_MOE:
-        out.update(num_experts=c.n_experts, num_experts_per_tok=c.moe_top_k, moe_intermediate_size=c.expert_d_ff,
-                   norm_topk_prob=c.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+        out.update(qwen3_moe_hf_fields(c))
     if fam is GPT_OSS:
-        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe_top_k, attention_bias=True,
-                   swiglu_limit=c.swiglu_limit, sliding_window=c.sliding_window or None,
-                   layer_types=[_layer_type(c.sliding_window_pattern, i) if c.sliding_window else "full_attention"
-                                for i in range(c.n_layer)])
+        out.update(gpt_oss_hf_fields(c))
     return out
 
 
