@@ -2,8 +2,8 @@
 
 Loads GPT2LMHeadModel, GPTJForCausalLM, BertForMaskedLM, LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and GptOssForCausalLM (unquantized)
-directories as they are (config.json +
-model.safetensors or pytorch_model.bin, optionally sharded with an index.json) and saves our models so
+directories as they are (config.json + model.safetensors or pytorch_model.bin, optionally sharded with an
+index.json) and saves our models so
 `transformers`' `from_pretrained` reads them back with the same logits; also reads lazily (a rank's slices)
 and `syntorch shard` folders. The format itself (families, config fields, tensor names) is hf_format.py.
 """
