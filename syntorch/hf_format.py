@@ -370,7 +370,8 @@ def checked_key_map(hf_names, config: ModelConfig) -> tuple[dict, dict, dict]:
 
 def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
     """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
-    (one file read per access) keeps at most one converted tensor beyond the result in memory."""
+    (one file read per access) keeps at most one converted tensor beyond the result in memory (GPT-OSS: a layer's
+    four stacked expert tensors, while their experts are cut from them)."""
     key_map, hf_keys, expected = checked_key_map(hf_state_dict, config)
     # a layer's stacked experts are read in turn (fc1 weight, bias, fc2 weight, bias per expert): keep those four
     stacked = functools.lru_cache(maxsize=4)(lambda name: hf_state_dict[hf_keys[name]])
