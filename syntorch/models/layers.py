@@ -40,7 +40,7 @@ class KVCache(nn.Module):
 
 def rope_frequencies(c: ModelConfig, device=None) -> torch.Tensor:
     """The rotary angle per position of each dim pair, [rotary_dims / 2]: theta^(-2i/r), with Llama 3.1's
-    scaling when configured (HF's rope_type "llama3")."""
+    scaling (HF's rope_type "llama3") or YaRN's (models/yarn.py) when configured."""
     r = c.rotary_dims
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
     if c.rope_scaling == "yarn":
