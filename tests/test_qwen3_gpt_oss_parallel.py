@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE and GPT-OSS under tensor and expert parallelism on real gloo ranks, against one process: logits,
+"""Qwen3, Qwen3-MoE and GPT-OSS under tensor (and, for Qwen3, sequence) and expert parallelism on real gloo ranks, against one process: logits,
 greedy tokens and every parameter's gradient (the sinks split by heads, the q/k norms' partial gradients summed,
 GPT-OSS's biased experts inside the MoE layer's one TP region); and their symbolic runs on meta."""
 import copy
@@ -40,10 +40,10 @@ def grads_after(model, idx):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_tp(name, groups):
+def check_tp(name, groups, sequence_parallel=False):
     full = wide(name)
     model = copy.deepcopy(full)
-    plan = apply_tp(model, groups)
+    plan = apply_tp(model, groups, sequence_parallel)
     r, n = groups.tp_rank, groups.mesh.tp
     idx = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -69,6 +69,7 @@ def tp_main():
     groups = init_groups(Mesh(tp=dist.get_world_size()))
     for name in CONFIGS:
         check_tp(name, groups)
+    check_tp("qwen3", groups, sequence_parallel=True)  # the MoE ones refuse --sp
 
 
 def test_tp2_matches_one_process():
