@@ -1,8 +1,9 @@
 """HuggingFace checkpoints <-> syntorch models.
 
 Loads GPT2LMHeadModel, GPTJForCausalLM, BertForMaskedLM, LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and MixtralForCausalLM directories as they are (config.json +
-model.safetensors or pytorch_model.bin, optionally sharded with an index.json) and saves our models so
+Qwen2ForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and GptOssForCausalLM (unquantized)
+directories as they are (config.json + model.safetensors or pytorch_model.bin, optionally sharded with an
+index.json) and saves our models so
 `transformers`' `from_pretrained` reads them back with the same logits; also reads lazily (a rank's slices)
 and `syntorch shard` folders. The format itself (families, config fields, tensor names) is hf_format.py.
 """
@@ -18,7 +19,9 @@ import torch
 from syntorch.config import ModelConfig, config_from_dict, get_config, load_model_config
 from syntorch.errors import UserError
 from syntorch.hf_format import (check_shape, checked_key_map, few_names, hf_config_to_model_config,
-                                 hf_to_syntorch_state_dict, model_config_to_hf_config, syntorch_to_hf_state_dict)
+                                 hf_to_syntorch_state_dict, model_config_to_hf_config, source_names,
+                                 syntorch_to_hf_state_dict)
+from syntorch.hf_stacked import Stacked, StackedView
 from syntorch.userfiles import read_json
 from syntorch.models import build_model
 from syntorch.outdir import atomic_output_dir
@@ -238,8 +241,10 @@ def lazy_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfi
     key_map, hf_keys, expected = checked_key_map(slices, config)
     out = {}
     for key, (source, conv1d) in key_map.items():
-        names = source if isinstance(source, tuple) else (source,)
-        out[key] = LazyTensor([slices[hf_keys[s]] for s in names], conv1d, device, dtype, "/".join(names), path)
+        names = source_names(source)
+        parts = ([StackedView(slices[hf_keys[source.name]], source)] if isinstance(source, Stacked)
+                 else [slices[hf_keys[s]] for s in names])
+        out[key] = LazyTensor(parts, conv1d, device, dtype, "/".join(names), path)
         check_shape(source, out[key].get_shape(), expected[key])
     return config, out
 

@@ -54,6 +54,19 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_positions: int = 8192
     sliding_window: int = 0  # Mistral: each query sees the last sliding_window positions (itself included); 0: all
+    # every sliding_window_pattern-th layer (1-based) attends to all positions, the others to the window (HF Gemma's
+    # field; GPT-OSS alternates: 2); 0: the window in every layer
+    sliding_window_pattern: int = 0
+    # YaRN (Peng et al. 2023; HF rope_type "yarn", with rope_factor and rope_original_positions): dims turning more than
+    # beta_fast times over the original context kept, fewer than beta_slow times slowed by rope_factor, a ramp between
+    # (its ends rounded outwards unless rope_truncate is false); cos and sin scaled by rope_attention_factor
+    # (0: 0.1 ln(rope_factor) + 1, the paper's)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's d_head dims of q and of k, before rotary
+    attn_sinks: bool = False  # GPT-OSS: a learned logit per query head that joins each softmax's denominator
     norm: str = "layernorm"  # "layernorm" (GPT, BERT) | "rmsnorm" (Llama, Mistral, Qwen2, Mixtral)
     parallel_residual: bool = False  # GPT-J: attn and MLP read one LayerNorm, added together
     tied_head: bool = True  # LM head shares the token embedding (GPT-2/3, BERT)
@@ -70,6 +83,10 @@ class ModelConfig:
     d_ff_expert: int = 0  # each routed expert's hidden size; 0: d_ff (Mixtral's experts are full-size MLPs)
     n_shared_experts: int = 0  # DeepSeekMoE: experts every token passes through, unweighted (one MLP of n x d_ff_expert)
     moe_renormalize: bool = True  # Mixtral renormalizes the top-k softmax weights to sum to 1; DeepSeek-V2 does not
+    router_bias: bool = False  # GPT-OSS's router Linear has a bias
+    # GPT-OSS's clamped SwiGLU: gate clamped above at swiglu_limit, up within +-swiglu_limit, gate * sigmoid(1.702 gate)
+    # * (up + 1); 0: plain SwiGLU
+    swiglu_limit: float = 0.0
     ln_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT segment embeddings
     pad_token_id: int = 0
@@ -93,6 +110,12 @@ class ModelConfig:
     def expert_d_ff(self) -> int:
         return self.d_ff_expert or self.d_ff
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block `layer` (0-based); 0: it attends to every earlier position."""
+        if self.sliding_window_pattern and (layer + 1) % self.sliding_window_pattern == 0:
+            return 0
+        return self.sliding_window
+
     @property
     def causal(self) -> bool:
         return self.arch == "gpt"
@@ -114,7 +137,7 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
     need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
-    need(c.rope_scaling in ("", "llama3"), f"rope_scaling must be '' or 'llama3', got {c.rope_scaling!r}")
+    need(c.rope_scaling in ("", "llama3", "yarn"), f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
     need(c.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
@@ -124,7 +147,7 @@ def check_config(c: ModelConfig) -> None:
     need(not c.n_experts or 1 <= c.moe_top_k <= c.n_experts,
          f"moe_top_k must be between 1 and n_experts ({c.n_experts}), got {c.moe_top_k}")
     need(c.arch == "gpt" or not c.n_experts, "bert has no mixture-of-experts layers")
-    for k in ("n_kv_head", "sliding_window", "rotary_dim"):
+    for k in ("n_kv_head", "sliding_window", "rotary_dim", "sliding_window_pattern"):
         need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
     need(c.n_head % c.kv_heads == 0,
          f"n_kv_head ({c.n_kv_head}) must divide n_head ({c.n_head}): each K/V head serves a whole group of query heads")
@@ -140,8 +163,22 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch == "gpt" or (c.norm, c.kv_heads, c.sliding_window, c.gated_mlp) == ("layernorm", c.n_head, 0, False),
          "bert supports only its own layout (layernorm, multi-head attention, no sliding window, GELU MLP)")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
+    _check_recent(c, need)
     need(isinstance(c.ln_eps, (int, float)) and math.isfinite(c.ln_eps) and c.ln_eps > 0,
          f"ln_eps must be a positive finite number, got {c.ln_eps!r}")
+
+
+def _check_recent(c: ModelConfig, need) -> None:
+    # the fields Qwen3 and GPT-OSS added
+    for k in ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "swiglu_limit"):
+        v = getattr(c, k)
+        need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, f"{k} must be a finite number >= 0, got {v!r}")
+    need(c.rope_beta_fast > c.rope_beta_slow,
+         f"rope_beta_fast ({c.rope_beta_fast}) must exceed rope_beta_slow ({c.rope_beta_slow})")
+    need(not c.swiglu_limit or (c.gated_mlp and c.activation == "silu"),
+         "swiglu_limit clamps a SwiGLU MLP: it needs gated_mlp true and activation 'silu'")
+    need(c.arch == "gpt" or not (c.qk_norm or c.attn_sinks or c.sliding_window_pattern),
+         "bert has no q/k norms, attention sinks or per-layer windows")
 
 
 def _gpt3(name, n_layer, d_model, n_head):
@@ -191,6 +228,42 @@ LLAMA_FAMILY = [
     _llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 65536, rope_theta=1e6, n_experts=8, moe_top_k=2),
 ]
 
+
+
+def _qwen3(name, n_layer, d_model, n_head, n_kv_head, d_ff, **fields):
+    # Qwen/Qwen3-*: the Llama layout with q/k norms, 128-dim heads, rope_theta 1e6, rms_norm_eps 1e-6, context 40960,
+    # vocabulary 151936; the MoE ones: 128 experts, top 8, norm_topk_prob true, every layer sparse
+    # (decoder_sparse_step 1, mlp_only_layers [])
+    return _llama(name, n_layer, d_model, n_head, n_kv_head, d_ff, 151936, 40960, d_head=128, rope_theta=1e6,
+                  ln_eps=1e-6, qk_norm=True, **fields)
+
+
+_QWEN3_MOE = dict(n_experts=128, moe_top_k=8, moe_renormalize=True)
+QWEN3_FAMILY = [
+    _qwen3("qwen3-0.6b", 28, 1024, 16, 8, 3072, tied_head=True),  # tie_word_embeddings true up to 4B
+    _qwen3("qwen3-1.7b", 28, 2048, 16, 8, 6144, tied_head=True),
+    _qwen3("qwen3-4b", 36, 2560, 32, 8, 9728, tied_head=True),
+    _qwen3("qwen3-8b", 36, 4096, 32, 8, 12288),
+    _qwen3("qwen3-14b", 40, 5120, 40, 8, 17408),
+    _qwen3("qwen3-32b", 64, 5120, 64, 8, 25600),
+    _qwen3("qwen3-moe-30b-a3b", 48, 2048, 32, 4, 6144, d_ff_expert=768, **_QWEN3_MOE),  # moe_intermediate_size 768
+    _qwen3("qwen3-moe-235b-a22b", 94, 4096, 64, 4, 12288, d_ff_expert=1536, **_QWEN3_MOE),
+]
+
+
+def _gpt_oss(name, n_layer, n_experts):
+    # openai/gpt-oss-{20b,120b} config.json: 64 query and 8 K/V heads of 64 dims, q/k/v/o biases and sinks, layer_types
+    # alternating sliding (window 128, even layers) and full attention, top-4 experts of intermediate_size 2880 with
+    # biases, a router with a bias, swiglu_limit 7, rope_theta 150000 with YaRN (factor 32 over 4096, beta 32/1,
+    # truncate false), rms_norm_eps 1e-5, untied head
+    return _llama(name, n_layer, 2880, 64, 8, 2880, 201088, 131072, d_head=64, rope_theta=150000.0,
+                  qkv_bias=True, proj_bias=True, mlp_bias=True, attn_sinks=True, sliding_window=128,
+                  sliding_window_pattern=2, n_experts=n_experts, moe_top_k=4, router_bias=True, swiglu_limit=7.0,
+                  rope_scaling="yarn", rope_factor=32.0, rope_original_positions=4096, rope_truncate=False)
+
+
+GPT_OSS_FAMILY = [_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)]
+
 REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -202,10 +275,11 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
                 pos="rotary", rotary_dim=64, parallel_residual=True, tied_head=False,
                 head_bias=True, qkv_bias=False, proj_bias=False),
     _bert("bert-base-uncased", 12, 768, 12), _bert("bert-large-uncased", 24, 1024, 16),
-    *LLAMA_FAMILY,
+    *LLAMA_FAMILY, *QWEN3_FAMILY, *GPT_OSS_FAMILY,
 ]}
 ALIASES = {"gpt2-small": "gpt2", "gpt-j-6b": "gptj-6b", "gpt-j-6B": "gptj-6b", "bert-base": "bert-base-uncased",
-           "bert-large": "bert-large-uncased"}
+           "bert-large": "bert-large-uncased", "qwen3-30b-a3b": "qwen3-moe-30b-a3b",
+           "qwen3-235b-a22b": "qwen3-moe-235b-a22b"}
 
 
 def get_config(name: str) -> ModelConfig:

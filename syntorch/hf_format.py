@@ -1,6 +1,7 @@
 """HuggingFace's checkpoint format <-> syntorch's: which families load (one table each, used in both directions),
 their config.json fields as ModelConfig fields and back, and their tensor names and layouts as ours and back.
 No file I/O: checkpoints.py reads and writes the folders."""
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,10 @@ import torch
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
+from syntorch.hf_recent import (gpt_oss_fields, gpt_oss_hf_fields, qwen3_moe_fields, qwen3_moe_hf_fields,
+                                 refuse_quantized, yarn_fields, yarn_hf_fields)
+from syntorch.hf_stacked import Stacked, stack_experts
+from syntorch.hf_values import eps as _eps, require as _require, size as _size
 from syntorch.models import build_model
 
 @dataclass(frozen=True, eq=False)
@@ -24,12 +29,15 @@ class Family:
     params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
     ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
     tied: str = ""  # HF key of the LM head weight, which HF ties to the embedding
+    stacked: dict = field(default_factory=dict)  # our expert module -> the HF tensor holding every expert (hf_stacked)
 
 
 _GPT_IGNORED = r"\.attn\.(masked_)?bias$"  # causal-mask buffers in older checkpoints
 _GPT_BLOCK = "transformer.h.{i}."
 # what the GPT-2, GPT-J and BERT classes fix that the Llama layout changes
 _CLASSIC = dict(norm="layernorm", gated_mlp=False, mlp_bias=True, n_kv_head=0, sliding_window=0, n_experts=0)
+_NOT_RECENT = dict(qk_norm=False, attn_sinks=False, router_bias=False, swiglu_limit=0.0, sliding_window_pattern=0)
+_CLASSIC.update(_NOT_RECENT)  # what Qwen3 and GPT-OSS added, which no older class has
 
 GPT2 = Family(
     model_type="gpt2", architecture="GPT2LMHeadModel", body="transformer.", head="lm_head.",
@@ -76,7 +84,7 @@ BERT = Family(
 _LLAMA_BLOCK = "model.layers.{i}."
 _LLAMA_FLAGS = dict(pos="rotary", rotary_style="half", rotary_dim=0, norm="rmsnorm", activation="silu", gated_mlp=True,
                     mlp_bias=False, parallel_residual=False, qkv_bias=False, proj_bias=False, head_bias=False,
-                    n_experts=0, sliding_window=0)
+                    n_experts=0, sliding_window=0, **_NOT_RECENT)
 _LLAMA_MODULES = {
     "tok_emb": "model.embed_tokens", "ln_f": "model.norm", "lm_head": "lm_head",
     "layers.{i}.ln1": _LLAMA_BLOCK + "input_layernorm", "layers.{i}.ln2": _LLAMA_BLOCK + "post_attention_layernorm",
@@ -104,7 +112,28 @@ MISTRAL = _llama_like("mistral", "MistralForCausalLM", sliding_window=None)
 QWEN2 = _llama_like("qwen2", "Qwen2ForCausalLM", qkv_bias=True)
 MIXTRAL = _llama_like("mixtral", "MixtralForCausalLM", _MIXTRAL_MODULES, sliding_window=None, n_experts=None,
                       n_shared_experts=0, moe_renormalize=True)
-LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, MIXTRAL)
+_QWEN3_MODULES = {**_LLAMA_MODULES, "layers.{i}.attn.q_norm": _LLAMA_BLOCK + "self_attn.q_norm",
+                  "layers.{i}.attn.k_norm": _LLAMA_BLOCK + "self_attn.k_norm"}
+QWEN3 = _llama_like("qwen3", "Qwen3ForCausalLM", _QWEN3_MODULES, qk_norm=True)
+_QWEN3_EXPERT = _LLAMA_BLOCK + "mlp.experts.{e}."
+QWEN3_MOE = _llama_like("qwen3_moe", "Qwen3MoeForCausalLM", {
+    **{k: v for k, v in _QWEN3_MODULES.items() if ".mlp." not in k}, "layers.{i}.mlp.router": _LLAMA_BLOCK + "mlp.gate",
+    "layers.{i}.mlp.experts.{e}.fc1": (_QWEN3_EXPERT + "gate_proj", _QWEN3_EXPERT + "up_proj"),  # [gate; up]
+    "layers.{i}.mlp.experts.{e}.fc2": _QWEN3_EXPERT + "down_proj"},
+    qk_norm=True, n_experts=None, n_shared_experts=0, moe_renormalize=None)
+GPT_OSS = Family(
+    model_type="gpt_oss", architecture="GptOssForCausalLM", body="model.", head="lm_head.", ignored=_LLAMA_IGNORED,
+    tied="lm_head.weight",
+    flags={**_LLAMA_FLAGS, "qkv_bias": True, "proj_bias": True, "mlp_bias": True, "attn_sinks": True,
+           "router_bias": True, "swiglu_limit": 7.0,  # HF's GptOssExperts fixes the limit (and alpha 1.702)
+           "sliding_window": None, "sliding_window_pattern": None, "n_experts": None, "n_shared_experts": 0,
+           "moe_renormalize": True},
+    modules={**{k: v for k, v in _LLAMA_MODULES.items() if ".mlp." not in k},
+             "layers.{i}.attn.sinks": _LLAMA_BLOCK + "self_attn.sinks", "layers.{i}.mlp.router": _LLAMA_BLOCK + "mlp.router"},
+    params={"layers.{i}.attn.sinks.weight": _LLAMA_BLOCK + "self_attn.sinks"},  # a parameter of HF's attention
+    stacked={"layers.{i}.mlp.experts.{e}.fc1": _LLAMA_BLOCK + "mlp.experts.gate_up_proj",
+             "layers.{i}.mlp.experts.{e}.fc2": _LLAMA_BLOCK + "mlp.experts.down_proj"})
+LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, MIXTRAL, QWEN3, QWEN3_MOE, GPT_OSS)
 
 FAMILIES = (GPT2, GPTJ, BERT, *LLAMA_LIKE)
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -123,34 +152,13 @@ def _hf_family(hf_config: dict) -> Family:
                     f"syntorch loads {known}")
 
 
-def _require(hf_config: dict, key: str, allowed, default):
-    value = hf_config.get(key, default)
-    if value not in allowed:
-        raise UserError(f"config.json: {key}={value!r} is not supported by syntorch's model "
-                        f"(supported: {', '.join(map(repr, allowed))})")
-    return value
-
-
-def _size(hf_config: dict, key: str, default=None) -> int:
-    value = hf_config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _eps(hf_config: dict, key: str, default: float | None = None) -> float:
-    value = hf_config.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> ModelConfig:
     """Our ModelConfig for a HuggingFace config.json; fields our model cannot represent are UserErrors."""
     if not isinstance(hf_config, dict):
         raise UserError("config.json must hold a JSON object")
     fam = _hf_family(hf_config)
     _require(hf_config, "add_cross_attention", (False,), False)
+    refuse_quantized(hf_config)
     if fam in LLAMA_LIKE:
         return ModelConfig(name, "gpt", **_llama_fields(hf_config, fam))
     fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
@@ -162,7 +170,8 @@ def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> M
 
 def _llama_fields(h: dict, fam: Family) -> dict:
     _require(h, "hidden_act", ("silu",), "silu")
-    _require(h, "attention_bias", (False,), False)  # Llama's option; Qwen2's q/k/v biases are fixed
+    # Llama's option; Qwen2's q/k/v biases are fixed; GPT-OSS has q/k/v/o biases whatever config.json says
+    _require(h, "attention_bias", (False, True) if fam is GPT_OSS else (False,), False)
     _require(h, "mlp_bias", (False,), False)
     _require(h, "use_sliding_window", (False,), False)  # Qwen2 windows only some layers
     d_model, n_head = _size(h, "hidden_size"), _size(h, "num_attention_heads")
@@ -177,8 +186,12 @@ def _llama_fields(h: dict, fam: Family) -> dict:
                   **{k: v for k, v in fam.flags.items() if v is not None}, **_rope_scaling(h))
     if fam.flags["sliding_window"] is None and h.get("sliding_window") is not None:
         fields["sliding_window"] = _size(h, "sliding_window")
-    if fam is MIXTRAL:
+    if fam in (MIXTRAL, GPT_OSS):
         fields.update(n_experts=_size(h, "num_local_experts", 8), moe_top_k=_size(h, "num_experts_per_tok", 2))
+    if fam is QWEN3_MOE:
+        fields.update(qwen3_moe_fields(h))
+    if fam is GPT_OSS:
+        fields.update(gpt_oss_fields(h, fields["n_layer"]))
     return fields
 
 
@@ -189,8 +202,11 @@ def _rope_scaling(h: dict) -> dict:
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
     if kind == "default":
         return {}
+    if kind == "yarn":
+        return yarn_fields(scaling)
     if kind != "llama3":
-        raise UserError(f"config.json: rope_scaling type {kind!r} is not supported (supported: 'llama3', 'default')")
+        raise UserError(f"config.json: rope_scaling type {kind!r} is not supported (supported: 'llama3', 'yarn', "
+                        "'default')")
     return dict(rope_scaling="llama3", rope_factor=_eps(scaling, "factor"),
                 rope_low_freq_factor=_eps(scaling, "low_freq_factor"),
                 rope_high_freq_factor=_eps(scaling, "high_freq_factor"),
@@ -255,10 +271,16 @@ def _llama_hf_fields(c: ModelConfig, fam: Family) -> dict:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
                                "high_freq_factor": c.rope_high_freq_factor,
                                "original_max_position_embeddings": c.rope_original_positions}
+    if c.rope_scaling == "yarn":
+        out["rope_scaling"] = yarn_hf_fields(c)
     if fam.flags["sliding_window"] is None:
         out["sliding_window"] = c.sliding_window or None
     if fam is MIXTRAL:
         out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe_top_k, router_jitter_noise=0.0)
+    if fam is QWEN3_MOE:
+        out.update(qwen3_moe_hf_fields(c))
+    if fam is GPT_OSS:
+        out.update(gpt_oss_hf_fields(c))
     return out
 
 
@@ -268,6 +290,8 @@ def _family(c: ModelConfig) -> Family:
         fam = BERT
     elif c.pos == "learned" or c.rotary_style == "interleaved":
         fam = GPT2 if c.pos == "learned" else GPTJ
+    elif c.attn_sinks or c.qk_norm:
+        fam = GPT_OSS if c.attn_sinks else QWEN3_MOE if c.n_experts else QWEN3
     else:
         fam = MIXTRAL if c.n_experts else QWEN2 if c.qkv_bias else MISTRAL if c.sliding_window else LLAMA
     for key, want in fam.flags.items():
@@ -294,10 +318,15 @@ def _key_map(keys, c: ModelConfig, fam: Family) -> dict:
         index = dict(zip("ie", (m.group(1) if m else None for m in (re.match(r"layers\.(\d+)\.", module),
                                                                      re.search(r"\.experts\.(\d+)\.", module)))))
         template = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", re.sub(r"^layers\.\d+\.", "layers.{i}.", module))
+        if template in fam.stacked:  # GPT-OSS's experts: one HF tensor per layer (hf_stacked.py)
+            name = fam.stacked[template].format(**index) + ("_bias" if param == "bias" else "")
+            out[key] = (Stacked(name, int(index["e"]), c.n_experts, template.endswith(".fc1")), False)
+            continue
         hf = fam.modules[template]
         names = tuple(f"{s.format(**index)}.{param}" for s in (hf if isinstance(hf, tuple) else (hf,)))
         source = names if isinstance(hf, tuple) else names[0]
-        out[key] = (fam.params.get(key, source), template in fam.conv1d and param == "weight")
+        renamed = fam.params.get(f"{template}.{param}")  # a parameter HF keeps elsewhere, in block i
+        out[key] = (renamed.format(**index) if renamed else source, template in fam.conv1d and param == "weight")
     if c.tied_head:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out
@@ -308,6 +337,11 @@ def _canonical(key: str, fam: Family) -> str:
     if not key.startswith((fam.body, fam.head)):
         key = fam.body + key
     return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
+
+
+def source_names(source) -> tuple:
+    """The HF tensor names one of our tensors is read from."""
+    return (source.name,) if isinstance(source, Stacked) else (source,) if isinstance(source, str) else source
 
 
 def few_names(names) -> str:
@@ -322,7 +356,7 @@ def checked_key_map(hf_names, config: ModelConfig) -> tuple[dict, dict, dict]:
     hf_keys = {_canonical(k, fam): k for k in hf_names}
     expected = build_model(config, device="meta").state_dict()
     key_map = _key_map(expected, config, fam)
-    wanted = {s for source, _ in key_map.values() for s in ((source,) if isinstance(source, str) else source)}
+    wanted = {s for source, _ in key_map.values() for s in source_names(source)}
     missing = wanted - set(hf_keys)
     if missing:
         raise UserError(f"checkpoint lacks tensor(s) {few_names(missing)}; it does not hold a complete {fam.architecture}")
@@ -336,13 +370,19 @@ def checked_key_map(hf_names, config: ModelConfig) -> tuple[dict, dict, dict]:
 
 def hf_to_syntorch_state_dict(hf_state_dict: Mapping, config: ModelConfig) -> dict:
     """Our state dict (full, unsharded) from a HuggingFace one. Reads each HF tensor once, so a lazy mapping
-    (one file read per access) keeps at most one converted tensor beyond the result in memory."""
+    (one file read per access) keeps at most one converted tensor beyond the result in memory (GPT-OSS: a layer's
+    four stacked expert tensors, while their experts are cut from them)."""
     key_map, hf_keys, expected = checked_key_map(hf_state_dict, config)
+    # a layer's stacked experts are read in turn (fc1 weight, bias, fc2 weight, bias per expert): keep those four
+    stacked = functools.lru_cache(maxsize=4)(lambda name: hf_state_dict[hf_keys[name]])
     out, done = {}, {}
     for key, (source, conv1d) in key_map.items():
         if source not in done:
-            t = (torch.cat([hf_state_dict[hf_keys[s]] for s in source]) if isinstance(source, tuple)
-                 else hf_state_dict[hf_keys[source]])
+            if isinstance(source, Stacked):
+                t = source.read(stacked(source.name))
+            else:
+                t = (torch.cat([hf_state_dict[hf_keys[s]] for s in source]) if isinstance(source, tuple)
+                     else hf_state_dict[hf_keys[source]])
             done[source] = t.t().contiguous() if conv1d else t
         out[key] = done[source]
         check_shape(source, tuple(out[key].shape), expected[key])
@@ -365,12 +405,15 @@ def syntorch_to_hf_state_dict(model) -> dict:
     c = model.config
     fam = _family(c)
     state = model.state_dict()
-    out = {}
+    out, experts = {}, {}
     for key, (source, conv1d) in _key_map(state, c, fam).items():
         if c.tied_head and key == "lm_head.weight":
             continue
         t = state[key].detach().cpu()
+        if isinstance(source, Stacked):
+            experts.setdefault(source.name, {})[source.expert] = source.write(t)
+            continue
         parts = (zip(source, _unfuse(t, c, len(source))) if isinstance(source, tuple)
                  else [(source, t.t() if conv1d else t)])
         out.update({name: part.contiguous() for name, part in parts})
-    return out
+    return {**out, **stack_experts(experts)}

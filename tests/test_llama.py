@@ -132,7 +132,7 @@ def test_left_padded_row_matches_its_unpadded_run():
      r"model_type 'gemma' \(architectures \['GemmaForCausalLM'\]\) is not supported"),
     ({"num_key_value_heads": 3}, r"n_kv_head \(3\) must divide n_head \(8\)"),
     ({"num_experts_per_tok": 5}, r"moe_top_k must be between 1 and n_experts \(4\), got 5"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
 ])
 def test_bad_configs_are_one_line(change, message):

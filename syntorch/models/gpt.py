@@ -1,7 +1,8 @@
 """Decoder-only family, chosen by ModelConfig flags: GPT-2, GPT-3 (learned positions, sequential residual, tied
 head), GPT-J (interleaved rotary, parallel residual, untied head with bias), and the Llama layout (RMSNorm,
 rotate-half rotary with Llama 3.1's scaling, grouped-query attention, SwiGLU, no biases, untied head) with
-Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP."""
+Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP; Qwen3's q/k norms; GPT-OSS's
+alternating windows, attention sinks, biased experts with a clamped SwiGLU and YaRN rotary."""
 import torch
 import torch.nn as nn
 
@@ -11,11 +12,11 @@ from syntorch.models.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.parallel_residual = c.parallel_residual
         self.ln1 = make_norm(c)
-        self.attn = Attention(c)
+        self.attn = Attention(c, layer)  # the layer index picks its window (GPT-OSS alternates)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
         self.ln2 = None if c.parallel_residual else make_norm(c)
         self.mlp = MoE(c) if c.n_experts else MLP(c)
@@ -35,7 +36,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = nn.Embedding(c.n_positions, c.d_model) if c.pos == "learned" else None
         # a ModuleDict keeps names like layers.3 when a pipeline stage drops other layers
-        self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in range(c.n_layer)})
         self.ln_f = make_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.head_bias)
         self.tie_weights()

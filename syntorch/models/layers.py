@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
+from syntorch.models.gpt_oss import AttentionSinks, clamped_swiglu, sink_attention
+from syntorch.models.yarn import yarn_attention_factor, yarn_frequencies
 
 
 class KVCache(nn.Module):
@@ -38,9 +40,11 @@ class KVCache(nn.Module):
 
 def rope_frequencies(c: ModelConfig, device=None) -> torch.Tensor:
     """The rotary angle per position of each dim pair, [rotary_dims / 2]: theta^(-2i/r), with Llama 3.1's
-    scaling when configured (HF's rope_type "llama3")."""
+    scaling (HF's rope_type "llama3") or YaRN's (models/yarn.py) when configured."""
     r = c.rotary_dims
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
+    if c.rope_scaling == "yarn":
+        return yarn_frequencies(inv_freq, c)
     if c.rope_scaling != "llama3":
         return inv_freq
     wavelength = 2 * math.pi / inv_freq
@@ -59,6 +63,9 @@ def rotary_tables(positions: torch.Tensor, c: ModelConfig):
         angles = angles.repeat_interleave(2, -1)
     else:  # Llama/NeoX: dims i and i + r/2 share one
         angles = torch.cat((angles, angles), -1)
+    if c.rope_scaling == "yarn":  # YaRN's attention temperature, on q and k alike (HF's attention_scaling)
+        factor = yarn_attention_factor(c)
+        return angles.cos() * factor, angles.sin() * factor
     return angles.cos(), angles.sin()
 
 
@@ -81,12 +88,16 @@ def make_norm(c: ModelConfig) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.d_head, self.n_head, self.n_kv_head = c.d_head, c.n_head, c.kv_heads
         self.causal = c.causal
         self.rotary_style = c.rotary_style
-        self.sliding_window = c.sliding_window
+        self.sliding_window = c.layer_window(layer)
+        # Qwen3's norms act on each head alone, so they hold d_head weights whatever the heads (or TP shards)
+        self.q_norm = nn.RMSNorm(c.d_head, eps=c.ln_eps) if c.qk_norm else None
+        self.k_norm = nn.RMSNorm(c.d_head, eps=c.ln_eps) if c.qk_norm else None
+        self.sinks = AttentionSinks(c.n_head) if c.attn_sinks else None
         # q, k and v in one matrix laid out [q heads, k heads, v heads] x d_head along the output dim
         self.qkv = nn.Linear(c.d_model, (c.n_head + 2 * c.kv_heads) * c.d_head, bias=c.qkv_bias)
         self.proj = nn.Linear(c.n_head * c.d_head, c.d_model, bias=c.proj_bias)
@@ -105,6 +116,8 @@ class Attention(nn.Module):
         # the head counts come from the output, so a sharded qkv works unchanged
         n_q, n_kv = self.local_heads(qkv.shape[2])
         q, k, v = qkv.split((n_q, n_kv, n_kv), dim=2)  # [B, T, H, D], K/V with n_kv heads
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope, self.rotary_style), apply_rotary(k, *rope, self.rotary_style)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -112,7 +125,10 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(start, k, v)
         mask, is_causal = self.attention_mask(start, T, k.shape[2], mask, x.device)
         gqa = {"enable_gqa": True} if n_q != n_kv else {}  # each K/V head serves n_q / n_kv query heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+        if self.sinks is not None:
+            y = sink_attention(q, k, v, self.sinks.weight, mask, is_causal, **gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def attention_mask(self, start: int, T: int, keys: int, mask, device):
@@ -148,6 +164,7 @@ class MLP(nn.Module):
         super().__init__()
         d_ff = d_ff or c.d_ff
         self.gated = c.gated_mlp
+        self.swiglu_limit = c.swiglu_limit  # GPT-OSS's clamp; 0: none
         self.fc1 = nn.Linear(c.d_model, (2 if c.gated_mlp else 1) * d_ff, bias=c.mlp_bias)
         self.fc2 = nn.Linear(d_ff, c.d_model, bias=c.mlp_bias)
         self.act = _ACTIVATIONS[c.activation]
@@ -156,7 +173,7 @@ class MLP(nn.Module):
         h = self.fc1(x)
         if self.gated:
             gate, up = h.chunk(2, -1)  # halves of the local output, so a TP-sharded fc1 works unchanged
-            h = self.act(gate) * up
+            h = clamped_swiglu(gate, up, self.swiglu_limit) if self.swiglu_limit else self.act(gate) * up
         else:
             h = self.act(h)
         return self.fc2(h)
@@ -177,6 +194,8 @@ def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0)
             nn.init.zeros_(m.bias)
         if isinstance(m, nn.RMSNorm):
             nn.init.ones_(m.weight)
+        if isinstance(m, AttentionSinks):  # as HF inits GPT-OSS's sinks
+            nn.init.normal_(m.weight, std=std)
     if not residual_layers:
         return
     for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it

@@ -18,7 +18,9 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = c.moe_top_k
         self.renormalize = c.moe_renormalize
-        self.router = nn.Linear(c.d_model, c.n_experts, bias=False)  # HF "gate"
+        # HF "gate". GPT-OSS's has a bias and takes the softmax over the top-k logits, which is this softmax over all
+        # renormalized over the top k (the same k win either way, and exp(l_i) / sum_k exp(l_j) = p_i / sum_k p_j)
+        self.router = nn.Linear(c.d_model, c.n_experts, bias=c.router_bias)
         self.experts = nn.ModuleList(MLP(c, c.expert_d_ff) for _ in range(c.n_experts))
         # DeepSeekMoE's shared experts: one MLP as wide as all of them, every token, unweighted
         self.shared = MLP(c, c.n_shared_experts * c.expert_d_ff) if c.n_shared_experts else None

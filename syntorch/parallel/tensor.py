@@ -8,6 +8,7 @@ state dicts keep their keys). As in torchtitan the plan is data, {module suffix:
   when TP exceeds their count, as Megatron and vLLM do; a SwiGLU fc1's gate and up halves each). Megatron's f
   before: identity forward, all-reduce of the gradient backward.
 - rowwise: input features split; g after: all-reduce forward; the bias is added once, after it.
+- heads: a per-query-head parameter (GPT-OSS's attention sinks) keeps this rank's heads' entries.
 - vocab_embedding: rows of the padded vocabulary split; masked lookup, then all-reduce.
 - vocab_head: local logits of the padded vocabulary, all-gathered, padding sliced off before sampling; in
   training they stay sharded for the vocabulary-parallel loss (loss.py).
@@ -23,6 +24,7 @@ each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) p
 column-parallel layer). A forward whose length does not divide by the TP degree (a one-token decode step)
 runs plain TP; the embedding decides once per forward and every module follows.
 """
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ TP_PLAN = {
     "tok_emb": "vocab_embedding",
     "attn.qkv": "colwise_qkv",
     "attn.proj": "rowwise",
+    "attn.sinks": "heads",
     "fc1": "colwise",  # every MLP's: dense, each MoE expert's, the shared experts'
     "fc2": "rowwise",
     "lm_head": "vocab_head",
@@ -156,7 +159,7 @@ def take_shard(style: str, param: str, full, rank: int, size: int, vocab_pad: in
     as query heads).
     """
     shape = _shape(full)
-    if style == "colwise":
+    if style in ("colwise", "heads"):
         return _split_blocks(full, (shape[0],), 1, rank, size)
     if style == "colwise_gated":  # out dim laid out [gate; up]: our columns of each
         return _split_blocks(full, (shape[0] // 2,) * 2, 1, rank, size)
@@ -199,8 +202,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # x: [B, T, in/tp]
         y = F.linear(x, self.weight)  # partial sums [B, T, out]
-        if self.in_region:  # the bias once: on rank 0, before the sum
-            return y if self.bias is None or self.tp.rank else y + self.bias
+        if self.in_region:  # the bias once: on rank 0, before the sum; times 0 elsewhere, so that every rank has
+            # a gradient for it (summed over TP as a partial one: GPT-OSS's expert biases)
+            return y if self.bias is None else y + self.bias * (self.tp.rank == 0)
         if self.tp.seq_split:
             y = comm.reduce_scatter_to_sp(y, 1, self.tp.group)  # [B, T/tp, out]
         else:
@@ -264,6 +268,8 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
         return VocabParallelEmbedding(shard("weight"), tp)
     if style == "vocab_head":
         return VocabParallelHead(shard("weight"), shard("bias"), config.vocab_size, tp)
+    if style == "heads":  # the module stays; its weight shrinks to this rank's heads
+        module.weight = shard("weight")
     if style == "sequence_split":  # replicated table; keep this rank's positions
         module.register_forward_hook(lambda m, inp, out: comm.split_to_sp(out, -2, tp.group) if tp.seq_split else out)
     elif style == "sequence_gather_input":
@@ -303,6 +309,9 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
         plan.partial_grads = _partial_params(model, plan.styles)
     elif regions:
         plan.partial_grads = _partial_params(model, plan.styles, regions)
+    # Qwen3's q/k norms are replicated, yet each rank normalizes only its own heads: their gradients are partial too
+    per_head = [n for n, _ in model.named_parameters() if re.search(r"\.attn\.[qk]_norm\.", n)]
+    plan.partial_grads += [n for n in per_head if n not in plan.partial_grads]
     return plan
 
 
