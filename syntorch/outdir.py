@@ -29,6 +29,7 @@ into a folder with a manifest joins its record (`syntorch export --output run/gr
 with the run, not taken for a user's).
 """
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -69,8 +70,24 @@ def atomic_output_dir(path: str | Path, force: bool = False, flag: str = "--out"
     try:
         yield tmp
         _commit(tmp, path, force, flag, inputs)
+    except OSError as e:
+        if not _write_error(e, tmp, path):
+            raise
+        raise _cannot_write(flag, path, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def _write_error(e: OSError, *places: Path) -> bool:
+    """Whether `e` is the output failing (a full disk, a quota, a read-only or forbidden target), not an
+    input the command was reading."""
+    if e.errno in FULL_OR_READ_ONLY:
+        return True
+    name = os.path.abspath(e.filename) if isinstance(e.filename, str) else ""
+    return e.errno in (errno.EACCES, errno.EPERM) and any(name.startswith(os.path.abspath(p)) for p in places)
 
 
 def check_output_dir(path: str | Path, force: bool = False, flag: str = "--out", inputs=(),
@@ -180,6 +197,8 @@ def _replacing(path: Path, flag: str):
         yield tmp
         os.replace(tmp, os.path.realpath(path))  # through a link to a regular file: the file, as cp does
     except OSError as e:
+        if not _write_error(e, tmp, path):
+            raise
         raise _cannot_write(flag, path, e) from None
     finally:
         if os.path.exists(tmp):
