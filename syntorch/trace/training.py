@@ -77,7 +77,10 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             # what lives across the step first, so every step's nodes look alike wherever it runs
-            for t in [*run.model.parameters(), *run.optimizer.param_groups[0]["params"],
+            # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
+            # parameters: either would be first seen inside the first forward, which then differs from the next)
+            for t in [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
+                      *run.optimizer.param_groups[0]["params"],
                       *(v for state in run.optimizer.state.values() for v in state.values()),
                       *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
