@@ -277,3 +277,19 @@ def test_three_probed_micro_batches_cost_a_step_as_four_do(tiny):
     four, three = (predict_training(w.probes, w.source, plan, HW).summary for w in workloads)
     assert three["step_s"] == pytest.approx(four["step_s"], rel=1e-12)
     assert three["model_flops"] == four["model_flops"] and three["hardware_flops"] == four["hardware_flops"]
+
+
+@pytest.mark.parametrize("plan, profile", [
+    (TrainPlan(dp=2, pp=2, zero=3, microbatches=2, seq=16), "eager"),  # FSDP: the tied shard's gradient is early
+    (TrainPlan(dp=2, tp=2, pp=2, sp=True, microbatches=4, seq=16), "fused")])
+def test_a_tied_embedding_ready_before_the_last_stages_send_does_not_deadlock(tiny, plan, profile):
+    """The last stage's last backward sends its input's gradient, then all-reduces the tied embedding's with
+    stage 0, which needs that gradient to get there. Its inputs may be ready before the send's (FSDP
+    reduce-scatters the head's gradient early): the step-level program once issued it first, a deadlock
+    ("embedding all_reduce ... has 1 of its members"). Against every node of the whole steps, simulated."""
+    workload = trace_workload(tiny, plan, torch.float32, HW, profile=profile)
+    steps = predict_training(workload.probes, workload.source, plan, HW, profile)
+    names = steps.run.programs[1].names
+    assert names.index("embedding all_reduce") > names.index(f"send B{plan.microbatches - 1}")
+    nodes = simulate(kind_programs({f"stage {s}": g for s, g in enumerate(workload.stages)}, MeshFrame(plan.mesh)))
+    assert steps.summary["step_s"] * 1e6 == pytest.approx(nodes.end_us, rel=0.05)

@@ -52,7 +52,10 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                 send_at = run.starts[0][task]
             elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
                 cross += d.get("duration_us") or 0.0
-                cross_at = run.starts[0][task]
+                # issued after any send traced before it (the last stage sends its input's gradient, then
+                # sums the tied embedding's): though its inputs may be ready earlier, putting it first would
+                # hold the send the other stage needs to reach the same all-reduce (a deadlock)
+                cross_at = max(run.starts[0][task], send_at or 0.0)
         elif d["phase"] in ("forward", "backward"):
             hardware += d["flops"]
             model += 3 * d["flops"] if d["phase"] == "forward" else 0
@@ -106,11 +109,12 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
 def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None) -> int:
     """The step's compute as pieces cut where it issues its send (which does not hold the compute stream)
     and its collective across stages (which the rest of the step waits for); returns its last task."""
-    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, "send")] if send else []),
-                    *([(c.us if c.cross_at_us is None else c.cross_at_us, "cross")] if c.cross_us else [])])
+    # at equal times the send first (step_cost's order: it never waits, the cross-stage collective may)
+    marks = sorted([*([(c.us if c.send_at_us is None else c.send_at_us, 0, "send")] if send else []),
+                    *([(c.us if c.cross_at_us is None else c.cross_at_us, 1, "cross")] if c.cross_us else [])])
     done, inner = 0.0, (c.compute_us, c.exposed_us)  # the step's own accounting, on its first piece
     prev = None
-    for at, what in [*marks, (c.us, "end")]:
+    for at, _, what in [*marks, (c.us, 2, "end")]:
         if prev is None or at > done:
             prev = p.add(name if prev is None else f"{name} (cont.)", COMPUTE, at - done, deps if prev is None else [prev],
                          inner=inner)
