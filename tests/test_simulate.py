@@ -293,3 +293,29 @@ def test_a_tied_embedding_ready_before_the_last_stages_send_does_not_deadlock(ti
     assert names.index("embedding all_reduce") > names.index(f"send B{plan.microbatches - 1}")
     nodes = simulate(kind_programs({f"stage {s}": g for s, g in enumerate(workload.stages)}, MeshFrame(plan.mesh)))
     assert steps.summary["step_s"] * 1e6 == pytest.approx(nodes.end_us, rel=0.05)
+
+
+def test_predict_costs_an_infer_runs_op_level_files_as_the_run_did(tiny, tmp_path):
+    """`infer --chakra` writes op-level files; `predict` on them was an IndexError in cost._gemm_shape (the
+    graph read from the files had no shapes). They now carry each node's shapes from IOInfo: the same GEMM
+    tiles and attention as the run's own prediction. Files that give no shapes cost those kernels by
+    their FLOPs and bytes alone."""
+    from chakra.src.third_party.utils.protolib import encodeMessage
+    from syntorch.chakra.reader import read_trace
+    from syntorch.config import save_model_config
+
+    save_model_config(tiny, tmp_path / "tiny.json")
+    h100 = load_hw_config("h100-sxm")
+    assert main(["infer", "--model_config", str(tmp_path / "tiny.json"), "--num_input_tokens", "8",
+                 "--num_output_tokens", "3", "--tp", "2", "--device", "meta", "--chakra", "--hw_config", "h100-sxm",
+                 "--out", str(tmp_path / "run")]) == 0
+    ran = json.loads((tmp_path / "run" / "run.json").read_text())["predicted"]["latency_ms"]
+    assert predict_traces(tmp_path / "run" / "chakra", h100).summary["step_s"] * 1e3 == pytest.approx(ran, rel=1e-3)
+    for f in (tmp_path / "run" / "chakra").glob("*.et"):
+        header, nodes = read_trace(f)
+        with open(f, "wb") as out:
+            encodeMessage(out, header)
+            for node in nodes:
+                node.inputs.shapes = node.outputs.shapes = ""
+                encodeMessage(out, node)
+    assert predict_traces(tmp_path / "run" / "chakra", h100).summary["step_s"] > 0
