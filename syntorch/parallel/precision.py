@@ -59,7 +59,9 @@ class MixedPrecision:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Gradients to the masters in FP32 (unscaled), the optimizer's step on them unless a gradient is not
         finite (fp16), the masters cast back into the model's weights. Returns whether the step was taken."""
-        grads = [p.grad.float() for p in self.params]
+        # one multi-tensor cast into FP32 buffers (not a kernel per parameter)
+        grads = [torch.empty_like(m) for m in self.masters]
+        torch._foreach_copy_(grads, [p.grad for p in self.params])
         if self.scaler:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             found = torch.stack([g.isfinite().all() for g in grads]).all()

@@ -14,8 +14,8 @@ import networkx as nx
 
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig
-from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, gemm_us, kernel_plan,
-                                    launches_kernel)
+from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, foreach_launches, gemm_us,
+                                    kernel_plan, launches_kernel)
 from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
@@ -38,7 +38,8 @@ class Kernel:
     flops: int = 0
     nbytes: int = 0
     dtype: str = "float32"
-    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks
+    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks;
+    # compute: (launches,) for a multi-tensor (foreach) op, else ()
 
 
 def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
@@ -59,7 +60,9 @@ def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
     attention = _attention_shapes(graph, node, data) if data["name"] in ATTENTION else None
     if attention:
         return Kernel("attention", data["name"], data["flops"], nbytes, dtype, attention)
-    return Kernel("compute", data["name"], data["flops"], nbytes, dtype)
+    # a foreach op (or the multi-tensor pass it hosts) launches once per multi_tensor_apply batch
+    launches = (foreach_launches(graph, node),) if data["name"].startswith("aten._foreach_") else ()
+    return Kernel("compute", data["name"], data["flops"], nbytes, dtype, launches)
 
 
 def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> float:
@@ -70,7 +73,7 @@ def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> flo
     if kernel.kind == "attention":
         return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile)
     if kernel.kind == "compute":
-        return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw)
+        return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw, *kernel.shape)
     return 0.0
 
 

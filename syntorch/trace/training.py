@@ -76,6 +76,7 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
                    for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
+            _name_optimizer_state(tracer, run)
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
@@ -88,6 +89,18 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
+    """Names for what the optimizer updates besides the model's parameters (ZeRO/FSDP shards, FP32 masters,
+    AdamW's moments and step): state that outlives the step, which the fused profile's optimizer pass writes
+    back (trace/kernels.py) and the schedule tracks as it does parameters."""
+    for i, p in enumerate(run.grad_sync.optimizer_params()):
+        tracer.names.setdefault(id(p), (f"optimizer.shard.{i}", False))
+    for i, p in enumerate(run.optimizer.param_groups[0]["params"]):
+        tracer.names.setdefault(id(p), (f"optimizer.{i}.master", False))
+        for key, v in run.optimizer.state[p].items():
+            tracer.names[id(v)] = (f"optimizer.{i}.{key}", False)
 
 
 def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
