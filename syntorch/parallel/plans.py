@@ -57,6 +57,12 @@ class TrainPlan:
     recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
     virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
     cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
+    # Megatron-Core's --overlap-grad-reduce / --overlap-param-gather (data.py). Megatron-Core defaults both to
+    # False; NeMo's performance recipes turn them on. Here: the gradient reduce overlaps backward (NeMo's
+    # choice, and what the calibration was fitted with); ZeRO's parameter all-gather follows the optimizer
+    # step (Megatron-Core's default)
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
 
     @property
     def mesh(self) -> Mesh:
@@ -179,14 +185,19 @@ def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
     params = list(model.parameters())
     if plan.zero == 3:
         return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding)
+    overlap = dict(overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather)
     if plan.ep == 1:
-        return GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial)
-    experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
-    dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
-                     partial)
-    expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
-                      plan.bucket_mb, divisor=plan.dp)
-    return GradSyncs([dense, expert])
+        sync = GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial, **overlap)
+    else:
+        experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
+        dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
+                         partial, **overlap)
+        expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
+                          plan.bucket_mb, divisor=plan.dp, **overlap)
+        sync = GradSyncs([dense, expert])
+    if plan.overlap_param_gather and plan.zero:
+        sync.watch(model)
+    return sync
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:
