@@ -91,7 +91,10 @@ class GradSync:
             if id(p) in self._bucket_of:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         self._last_grad = None  # the gradient accumulated last in this backward
-        self._stale, self._gathered = {}, {}  # overlap_param_gather: id -> bucket to gather, its gathered values
+        # overlap_param_gather: id -> bucket to gather, its gathered values. Stale from the start, as in every
+        # step but the first (a traced step is a steady-state one; the first gathers what the weights hold)
+        self._gathered = {}
+        self._stale = {id(b): b for b in self.all_buckets} if self.overlap_param_gather and self.shard is not None else {}
 
     @property
     def all_buckets(self) -> list[Bucket]:
