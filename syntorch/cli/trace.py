@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     par.add_argument("--overlap_grad_reduce", type=_flag, default=True, metavar="true|false",
                      help="launch each DP gradient bucket as soon as backward fills it (default true, as NeMo's "
                           "recipes; Megatron-Core's default is false: all after backward)")
+    par.add_argument("--clip_grad", type=float, default=1.0, at_least=0,
+                     help="clip gradients by their global norm (Megatron's default 1.0; 0: no clipping)")
     par.add_argument("--overlap_param_gather", type=_flag, default=False, metavar="true|false",
                      help="ZeRO: all-gather updated parameters during the next forward instead of after the "
                           "optimizer step (default false, as Megatron-Core)")

@@ -29,7 +29,7 @@ from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.mesh import DIMS, Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.meta_cache import MetaCache
@@ -248,9 +248,14 @@ def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
 
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
-    tensor names, global ranks (groups, peers) moved by the stage difference along pp."""
-    shift = mesh.representative(to_stage) - mesh.representative(graph.graph["stage"])
+    tensor names, global ranks (groups, peers) moved by the stage difference along pp (around the chain: a
+    group holding every stage, the gradient norm's, is itself moved)."""
+    steps = to_stage - graph.graph["stage"]
     renamed = {}
+
+    def move(rank: int) -> int:
+        index = dict(zip(DIMS, mesh.position(rank)))
+        return mesh.at(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
 
     def rename(name: str) -> str:
         if name not in renamed:
@@ -262,11 +267,11 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
             return {**d, "name": rename(d["name"])}
         if d["kind"] == "op":
             return {**d, "module": rename(d["module"])}
-        return {**d, "module": rename(d["module"]), "group": [r + shift for r in d["group"]],
-                "src": None if d["src"] is None else d["src"] + shift,
-                "dst": None if d["dst"] is None else d["dst"] + shift}
+        return {**d, "module": rename(d["module"]), "group": sorted(map(move, d["group"])),
+                "src": None if d["src"] is None else move(d["src"]),
+                "dst": None if d["dst"] is None else move(d["dst"])}
 
-    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": graph.graph["rank"] + shift})
+    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])})
     # edges in graph.copy()'s order: by source node, then by target
     out.append(map(moved, graph.node_attrs.values()),
             ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()))
