@@ -1,5 +1,6 @@
 """The optimizer step as launched: Megatron's fused multi-tensor Adam under the fused profile (its memory
 traffic once), torch's foreach AdamW under eager, and the gradient norm's all-reduce before the step."""
+import dataclasses
 import math
 
 import pytest
@@ -45,3 +46,30 @@ def test_multi_tensor_apply_launches_per_320_chunks_or_per_list_of_tensors():
     assert multi_tensor_launches([65536 * 320 + 1], 4) == 2
     assert multi_tensor_launches([10] * 37, 4) == 2  # 36 tensors per launch with four lists
     assert multi_tensor_launches([10] * 110, 1) == 1
+
+
+NORM_CASES = [  # (plan, the group of rank 0's gradient-norm all-reduce, or None: nothing to sum it with)
+    (TrainPlan(dp=2, tp=2, pp=2, microbatches=2, seq=16), [0, 1, 2, 3]),  # DDP: model parallel, TP x PP
+    (TrainPlan(dp=2, tp=2, zero=1, seq=16), [0, 1, 2, 3]),  # distributed optimizer: every rank
+    (TrainPlan(dp=2, pp=2, zero=3, microbatches=2, seq=16), [0, 1, 2, 3]),
+    (TrainPlan(dp=2, tp=2, seq=16), [0, 1]),
+    (TrainPlan(dp=2, seq=16), None),  # DDP without model parallelism: each replica's norm is the global one
+]
+
+
+@pytest.mark.parametrize("plan, group", NORM_CASES)
+def test_the_gradient_norm_is_all_reduced_over_megatrons_group_before_the_update(plan, group):
+    from conftest import tiny_config
+    from syntorch.trace.training import trace_stage
+
+    graph = trace_stage(tiny_config("gpt2", n_layer=2), plan, 0)
+    optimizer = [(n, d) for n, d in graph.node_attrs.items() if d["kind"] != "tensor" and d["phase"] == "optimizer"]
+    reduces = [(n, d) for n, d in optimizer if d["kind"] == "collective" and d["collective"] == "all_reduce"]
+    assert [(d["group"], d["bytes"]) for _, d in reduces] == ([(group, 4)] if group else [])
+    lerp = next(n for n, d in optimizer if d["name"] == "aten._foreach_lerp_")
+    assert all(n < lerp for n, _ in reduces)  # the norm summed, then Adam
+    off = trace_stage(tiny_config("gpt2", n_layer=2), dataclasses.replace(plan, clip_grad=0), 0)
+    first = min(n for n, d in off.node_attrs.items() if d["kind"] != "tensor" and d["phase"] == "optimizer")
+    assert not any(d["kind"] == "collective" and d["collective"] == "all_reduce" for _, d in off.collectives()
+                   if d["phase"] == "optimizer") and off.node_attrs[first]["name"] != "aten._foreach_norm"
+    assert optimizer[0][1]["name"] in ("aten._foreach_norm", "aten.square", "aten.pow")  # the norm comes first

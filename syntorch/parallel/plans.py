@@ -22,7 +22,7 @@
    clips the gradients by their global norm first (clip.py), as Megatron does.
 """
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,7 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
-from syntorch.parallel.clip import clip_factor, tp_replicated
+from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
 from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
@@ -148,6 +148,7 @@ class StageRun:
     precision: MixedPrecision | None = None  # fp16/bf16 training: FP32 masters the optimizer updates
     context: ContextSplit | None = None  # this rank's share of each sequence, under CP
     tp_replicated: frozenset = frozenset()  # ids of the parameters every TP rank holds whole (clip.py)
+    norm_weights: dict = field(default_factory=dict)  # flat shards' per-element weights in the norm (clip.py)
 
     def chunk(self, index: int) -> nn.Module:
         """The model as the stage's chunk `index` runs it (the model itself without interleaving)."""
@@ -183,7 +184,8 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     optimizer = torch.optim.AdamW(precision.masters if precision else grad_sync.optimizer_params(), lr=plan.lr,
                                   foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context, replicated)
+    weights = shard_weights(grad_sync, copies_of(model, plan, groups, replicated), plan.tp) if plan.clip_grad else {}
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context, replicated, weights)
 
 
 def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
