@@ -19,7 +19,8 @@ ZeRO's updated parameters are all-gathered after the optimizer step; with `overl
 (Megatron-Core's --overlap-param-gather) they are instead all-gathered at the next step's first forward:
 every bucket's all-gather is issued when the forward starts (last bucket first: it holds the first layers)
 and a bucket's parameters are copied out of it just before the first module that uses them runs, so the
-gathers overlap the layers before. (Until that forward the model's weights are the step before's.)
+gathers overlap the layers before. (Until that forward the model's weights are the step before's:
+`gather_stale` makes them whole, e.g. before a checkpoint.)
 
 Gradients that several ranks each hold a part of are summed over those ranks at the end of backward, before
 their own (last) buckets: a weight shared by the first and the last pipeline stage (a tied LM head, over
@@ -178,10 +179,13 @@ class GradSync:
         for module in model.modules():
             mine = [bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of]
             if mine:
-                module.register_forward_pre_hook(lambda _module, _args, mine=mine: self._use(mine))
+                module.register_forward_pre_hook(lambda _module, _args, mine=mine: self.gather_stale(mine))
 
     @torch.no_grad()
-    def _use(self, buckets: list[Bucket]) -> None:
+    def gather_stale(self, buckets: list[Bucket] | None = None) -> None:
+        """overlap_param_gather: `buckets` (default all) whole again if the step left them stale (before a
+        checkpoint, or from a module's forward pre-hook)."""
+        buckets = self.all_buckets if buckets is None else buckets
         if not self._stale:
             return
         if not self._gathered:  # the step's first forward: every all-gather issued now, in forward's order
