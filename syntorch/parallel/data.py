@@ -239,3 +239,7 @@ class GradSyncs:
     def watch(self, model: nn.Module) -> None:
         for sync in self.syncs:
             sync.watch(model)
+
+    def gather_stale(self) -> None:
+        for sync in self.syncs:
+            sync.gather_stale()
