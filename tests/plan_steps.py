@@ -14,13 +14,15 @@ def global_batch(config, plan):
 
 
 def reference_step(config, plan):
-    """The same step in one process: mean loss over the global batch, its gradients, one AdamW step.
+    """The same step in one process: mean loss over the global batch, its (clipped) gradients, one AdamW step.
     Returns (loss, gradients, updated parameters) by name."""
     torch.manual_seed(0)
     model = build_model(config, "cpu").train()
     x, y = global_batch(config, plan)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
+    if plan.clip_grad:  # clipped by the global norm, as the step (parallel/clip.py)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), plan.clip_grad)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     torch.optim.AdamW(model.parameters(), lr=plan.lr, foreach=True).step()
     return loss.item(), grads, {n: p.detach() for n, p in model.named_parameters()}

@@ -277,3 +277,45 @@ def test_three_probed_micro_batches_cost_a_step_as_four_do(tiny):
     four, three = (predict_training(w.probes, w.source, plan, HW).summary for w in workloads)
     assert three["step_s"] == pytest.approx(four["step_s"], rel=1e-12)
     assert three["model_flops"] == four["model_flops"] and three["hardware_flops"] == four["hardware_flops"]
+
+
+@pytest.mark.parametrize("plan, profile", [
+    (TrainPlan(dp=2, pp=2, zero=3, microbatches=2, seq=16), "eager"),  # FSDP: the tied shard's gradient is early
+    (TrainPlan(dp=2, tp=2, pp=2, sp=True, microbatches=4, seq=16), "fused")])
+def test_a_tied_embedding_ready_before_the_last_stages_send_does_not_deadlock(tiny, plan, profile):
+    """The last stage's last backward sends its input's gradient, then all-reduces the tied embedding's with
+    stage 0, which needs that gradient to get there. Its inputs may be ready before the send's (FSDP
+    reduce-scatters the head's gradient early): the step-level program once issued it first, a deadlock
+    ("embedding all_reduce ... has 1 of its members"). Against every node of the whole steps, simulated."""
+    workload = trace_workload(tiny, plan, torch.float32, HW, profile=profile)
+    steps = predict_training(workload.probes, workload.source, plan, HW, profile)
+    names = steps.run.programs[1].names
+    assert names.index("embedding all_reduce") > names.index(f"send B{plan.microbatches - 1}")
+    nodes = simulate(kind_programs({f"stage {s}": g for s, g in enumerate(workload.stages)}, MeshFrame(plan.mesh)))
+    assert steps.summary["step_s"] * 1e6 == pytest.approx(nodes.end_us, rel=0.05)
+
+
+def test_predict_costs_an_infer_runs_op_level_files_as_the_run_did(tiny, tmp_path):
+    """`infer --chakra` writes op-level files; `predict` on them was an IndexError in cost._gemm_shape (the
+    graph read from the files had no shapes). They now carry each node's shapes from IOInfo: the same GEMM
+    tiles and attention as the run's own prediction. Files that give no shapes cost those kernels by
+    their FLOPs and bytes alone."""
+    from chakra.src.third_party.utils.protolib import encodeMessage
+    from syntorch.chakra.reader import read_trace
+    from syntorch.config import save_model_config
+
+    save_model_config(tiny, tmp_path / "tiny.json")
+    h100 = load_hw_config("h100-sxm")
+    assert main(["infer", "--model_config", str(tmp_path / "tiny.json"), "--num_input_tokens", "8",
+                 "--num_output_tokens", "3", "--tp", "2", "--device", "meta", "--chakra", "--hw_config", "h100-sxm",
+                 "--out", str(tmp_path / "run")]) == 0
+    ran = json.loads((tmp_path / "run" / "run.json").read_text())["predicted"]["latency_ms"]
+    assert predict_traces(tmp_path / "run" / "chakra", h100).summary["step_s"] * 1e3 == pytest.approx(ran, rel=1e-3)
+    for f in (tmp_path / "run" / "chakra").glob("*.et"):
+        header, nodes = read_trace(f)
+        with open(f, "wb") as out:
+            encodeMessage(out, header)
+            for node in nodes:
+                node.inputs.shapes = node.outputs.shapes = ""
+                encodeMessage(out, node)
+    assert predict_traces(tmp_path / "run" / "chakra", h100).summary["step_s"] > 0

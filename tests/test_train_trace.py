@@ -37,9 +37,11 @@ def test_trace_command_writes_every_rank_and_a_summary(tmp_path, tiny, capsys):
     assert first["comm"]["send"]["count"] == 4 and last["comm"]["recv"]["count"] == 4
     assert all(s["compute_us"] > 0 and s["comm_us"] > 0 for s in summary["stages"])
     groups = json.loads((out / "comm_groups.json").read_text())
-    # 4 TP groups, 4 DP groups, 4 stage pairs, and the tied-embedding pairs (the same 4 ranks pairs at pp=2)
+    # 4 TP groups, 4 DP groups, 4 stage pairs, and the tied-embedding pairs (the same 4 ranks pairs at pp=2),
+    # the model-parallel groups (TP x PP) and the world (the gradient norm's: ZeRO shards the optimizer)
     assert sorted(map(tuple, groups.values())) == sorted({(0, 1), (2, 3), (4, 5), (6, 7), (0, 4), (1, 5), (2, 6),
-                                                         (3, 7), (0, 2), (1, 3), (4, 6), (5, 7)})
+                                                         (3, 7), (0, 2), (1, 3), (4, 6), (5, 7), (0, 1, 2, 3),
+                                                         (4, 5, 6, 7), tuple(range(8))})
     assert "8 ranks" in capsys.readouterr().out
     assert main(argv) == 2  # the folder holds a run now
     assert main([*argv, "--force"]) == 0

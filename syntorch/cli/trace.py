@@ -27,6 +27,14 @@ def add_parser(sub) -> None:
                      "3: fully sharded (FSDP)")
     par.add_argument("--fsdp", action="store_true", help="fully sharded data parallel: --zero 3")
     par.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP's default 25)")
+    par.add_argument("--overlap_grad_reduce", type=_flag, default=True, metavar="true|false",
+                     help="launch each DP gradient bucket as soon as backward fills it (default true, as NeMo's "
+                          "recipes; Megatron-Core's default is false: all after backward)")
+    par.add_argument("--clip_grad", type=float, default=1.0, at_least=0,
+                     help="clip gradients by their global norm (Megatron's default 1.0; 0: no clipping)")
+    par.add_argument("--overlap_param_gather", type=_flag, default=False, metavar="true|false",
+                     help="ZeRO: all-gather updated parameters during the next forward instead of after the "
+                          "optimizer step (default false, as Megatron-Core)")
     par.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     par.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                      help="activation recomputation in backward: selective (the attention core) or full (each layer)")
@@ -52,6 +60,13 @@ def add_parser(sub) -> None:
     out.add_argument("--force", action="store_true", help="replace the outputs of an earlier syntorch run in --out")
     out.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _flag(value: str) -> bool:
+    import argparse
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"
 
 
 def run(args) -> int:

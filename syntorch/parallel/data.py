@@ -2,8 +2,10 @@
 
 Parameters are packed into buckets of at most `bucket_mb` MiB in reverse registration order (the order
 backward produces their gradients, as DDP does). Gradients are synchronised only on the backward of a
-step's last micro-batch (DDP's no_sync for the others), and a bucket is launched the moment its last
-gradient is accumulated, so communication overlaps the rest of backward:
+step's last micro-batch (DDP's no_sync for the others). With `overlap_grad_reduce` (Megatron-Core's
+--overlap-grad-reduce) a bucket is launched the moment its last gradient is accumulated, so communication
+overlaps the rest of backward; without it every bucket is launched at the end of backward, after the last
+gradient (each bucket's flattening reads a 0-element tensor made from it: the dependency a trace keeps):
 
 - zero 0 (DDP): each bucket's gradients are flattened, divided by dp and all-reduced; `finish` copies the
   averaged values back into `.grad`. The optimizer updates every parameter.
@@ -12,6 +14,13 @@ gradient is accumulated, so communication overlaps the rest of backward:
   `gather_params` all-gathers each bucket's updated part back into the parameters.
 - zero 1: the same, but the reduce-scatters wait for the end of backward (gradients are kept whole until
   then, as ZeRO stage 1 does), so they do not overlap it.
+
+ZeRO's updated parameters are all-gathered after the optimizer step; with `overlap_param_gather`
+(Megatron-Core's --overlap-param-gather) they are instead all-gathered at the next step's first forward:
+every bucket's all-gather is issued when the forward starts (last bucket first: it holds the first layers)
+and a bucket's parameters are copied out of it just before the first module that uses them runs, so the
+gathers overlap the layers before. (Until that forward the model's weights are the step before's:
+`gather_stale` makes them whole, e.g. before a checkpoint.)
 
 Gradients that several ranks each hold a part of are summed over those ranks at the end of backward, before
 their own (last) buckets: a weight shared by the first and the last pipeline stage (a tied LM head, over
@@ -65,6 +74,8 @@ class GradSync:
     # what the summed gradients are divided by, when not the group's size: expert gradients already sum the
     # tokens of every EP rank, so their expert-DP group averages them over all dp ranks
     divisor: int = 0
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
 
     def __post_init__(self):
         self.divisor = self.divisor or self.dp
@@ -80,6 +91,11 @@ class GradSync:
         for p in self.params:
             if id(p) in self._bucket_of:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._last_grad = None  # the gradient accumulated last in this backward
+        # overlap_param_gather: id -> bucket to gather, its gathered values. Stale from the start, as in every
+        # step but the first (a traced step is a steady-state one; the first gathers what the weights hold)
+        self._gathered = {}
+        self._stale = {id(b): b for b in self.all_buckets} if self.overlap_param_gather and self.shard is not None else {}
 
     @property
     def all_buckets(self) -> list[Bucket]:
@@ -98,13 +114,15 @@ class GradSync:
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.active:
             return
+        self._last_grad = p.grad
         bucket = self._bucket_of[id(p)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and self.zero != 1:
+        if bucket.ready == len(bucket.params) and self.zero != 1 and self.overlap_grad_reduce:
             self._launch(bucket)
 
-    def _launch(self, bucket: Bucket) -> None:
-        flat = _flat([p.grad for p in bucket.params], bucket.size)
+    def _launch(self, bucket: Bucket, after: torch.Tensor | None = None) -> None:
+        grads = [p.grad for p in bucket.params]
+        flat = _flat(grads if after is None else [after.new_empty(0, dtype=grads[0].dtype), *grads], bucket.size)
         if self.zero:
             bucket.flat = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.divisor)
         else:
@@ -115,9 +133,9 @@ class GradSync:
     def finish(self) -> None:
         """End of the last backward: pending buckets, partial gradients summed, their buckets, then (DDP) the
         averaged gradients back into `.grad`."""
-        if self.zero == 1:
+        if self.zero == 1 or not self.overlap_grad_reduce:
             for bucket in self.buckets:
-                self._launch(bucket)
+                self._launch(bucket, self._last_grad)
         for params, group in self.partial:
             if group is not None:
                 grads = [p.grad for p in params]
@@ -136,13 +154,45 @@ class GradSync:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """ZeRO, after the optimizer step: every rank's updated shard back into the whole parameters."""
-        start = 0
-        for bucket in self.all_buckets if self.shard is not None else ():
-            part = self.shard.detach()[start:start + bucket.size // self.dp]
-            start += bucket.size // self.dp
-            full = comm.all_gather(part, 0, self.dp_group)
-            torch._foreach_copy_(bucket.params, _split(full, bucket.params))
+        """ZeRO, after the optimizer step: every rank's updated shard back into the whole parameters (with
+        overlap_param_gather, at the next forward: `watch`)."""
+        if self.shard is None:
+            return
+        if self.overlap_param_gather:
+            self._stale = {id(b): b for b in self.all_buckets}
+            return
+        for bucket in self.all_buckets:
+            self._copy_out(bucket, self._gather(bucket))
+
+    def _gather(self, bucket: Bucket) -> torch.Tensor:
+        before = next(i for i, b in enumerate(self.all_buckets) if b is bucket)
+        start = sum(b.size for b in self.all_buckets[:before]) // self.dp
+        return comm.all_gather(self.shard.detach()[start:start + bucket.size // self.dp], 0, self.dp_group)
+
+    @staticmethod
+    def _copy_out(bucket: Bucket, full: torch.Tensor) -> None:
+        torch._foreach_copy_(bucket.params, _split(full, bucket.params))
+
+    def watch(self, model: nn.Module) -> None:
+        """overlap_param_gather: each module with parameters of a bucket gathers that bucket before it runs."""
+        bucket_of = {id(p): b for b in self.all_buckets for p in b.params}
+        for module in model.modules():
+            mine = [bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of]
+            if mine:
+                module.register_forward_pre_hook(lambda _module, _args, mine=mine: self.gather_stale(mine))
+
+    @torch.no_grad()
+    def gather_stale(self, buckets: list[Bucket] | None = None) -> None:
+        """overlap_param_gather: `buckets` (default all) whole again if the step left them stale (before a
+        checkpoint, or from a module's forward pre-hook)."""
+        buckets = self.all_buckets if buckets is None else buckets
+        if not self._stale:
+            return
+        if not self._gathered:  # the step's first forward: every all-gather issued now, in forward's order
+            self._gathered = {key: self._gather(b) for key, b in reversed(self._stale.items())}
+        for bucket in buckets:
+            if self._stale.pop(id(bucket), None) is not None:
+                self._copy_out(bucket, self._gathered.pop(id(bucket)))
 
 
 def _flat(tensors: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -185,3 +235,11 @@ class GradSyncs:
     def gather_params(self) -> None:
         for sync in self.syncs:
             sync.gather_params()
+
+    def watch(self, model: nn.Module) -> None:
+        for sync in self.syncs:
+            sync.watch(model)
+
+    def gather_stale(self) -> None:
+        for sync in self.syncs:
+            sync.gather_stale()

@@ -22,8 +22,9 @@ The groups a run creates, all from `Mesh.process_groups` (plans, the workload's 
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), with cp > 1 CP
 (K/V all-gathers) and DP x CP ("dp_cp", Megatron's data-parallel-with-context-parallel group), with ep > 1
 EP (all-to-all of routed tokens) and expert-DP, each pair of neighbouring stages (pipeline send/recv; with
-`ring`, also the last stage to the first, the link an interleaved pipeline's chunks wrap around), and the
-first/last-stage pair that shares a tied embedding.
+`ring`, also the last stage to the first, the link an interleaved pipeline's chunks wrap around), the
+first/last-stage pair that shares a tied embedding, and the model-parallel groups (TP x PP) and the world,
+over which the gradient norm is summed.
 """
 from dataclasses import asdict, dataclass
 from functools import cache, cached_property
@@ -187,6 +188,12 @@ class Mesh:
                 groups.append(("stage_pair", [chain[-1], chain[0]]))
             if tied and self.pp > 1:
                 groups.append(("embedding", [chain[0], chain[-1]]))
+        # the gradient norm's all-reduce (parallel/clip.py): over the model-parallel group (TP x PP), or over
+        # every rank when the optimizer's state is sharded (ZeRO, FSDP) or experts differ across DP
+        if self.tp * self.pp > 1:
+            groups += [("model_parallel", self.world_ranks(dp=d, cp=c)) for d in range(self.dp) for c in range(self.cp)]
+        if self.dp * self.cp > 1:
+            groups.append(("world", list(range(self.world_size))))
         return groups
 
     def translate(self, rank: int, to_rank: int, back: bool = False) -> int:
@@ -227,6 +234,8 @@ class MeshGroups:
     embedding: object = None  # the first/last-stage pair of a tied embedding, on those stages
     ep: object = None  # expert parallel: the DP ranks that split the experts (ep > 1)
     expert_dp: object = None  # the ranks holding the same experts, which reduce their gradients (ep > 1)
+    model_parallel: object = None  # TP x PP: the ranks that hold one replica of the model (tp * pp > 1)
+    world: object = None  # every rank (dp * cp > 1)
 
     @property
     def tp_rank(self) -> int:
@@ -262,7 +271,7 @@ def init_groups(mesh: Mesh, tied: bool = False, only_mine: bool = False) -> Mesh
         group = dist.new_group(ranks)
         if rank not in ranks:
             continue
-        if kind in ("tp", "dp", "cp", "dp_cp", "embedding", "ep", "expert_dp"):
+        if kind in ("tp", "dp", "cp", "dp_cp", "embedding", "ep", "expert_dp", "model_parallel", "world"):
             setattr(mine, kind, group)
         elif ranks[1] == rank:
             mine.prev, mine.prev_rank = group, ranks[0]

@@ -19,10 +19,11 @@
 5. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
    its buckets or shards must be the final ones. Gradients are averaged over DP x CP (the grad group);
    experts are synchronised over their expert-DP group instead (the replicas of the same experts).
-6. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards.
+6. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards. Its step
+   clips the gradients by their global norm first (clip.py), as Megatron does.
 """
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,7 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
 from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
@@ -61,6 +63,13 @@ class TrainPlan:
     cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
     scatter_gather: bool = True  # with TP, stages exchange 1/t of the stream each and all-gather it (pipeline.py)
     fp8: bool = False  # Linear GEMMs in FP8 as Transformer Engine runs them (fp8.py); the model dtype stays bf16
+    # Megatron-Core's --overlap-grad-reduce / --overlap-param-gather (data.py). Megatron-Core defaults both to
+    # False; NeMo's performance recipes turn them on. Here: the gradient reduce overlaps backward (NeMo's
+    # choice, and what the calibration was fitted with); ZeRO's parameter all-gather follows the optimizer
+    # step (Megatron-Core's default)
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    clip_grad: float = 1.0  # gradient clipping by the global norm (clip.py), Megatron's default; 0: none
 
     @property
     def mesh(self) -> Mesh:
@@ -91,6 +100,8 @@ class TrainPlan:
             raise UserError("--zero shards optimizer state and gradients, which --mode infer has none of; drop --zero")
         if self.bucket_mb <= 0:
             raise UserError(f"--bucket_mb must be positive, got {self.bucket_mb}")
+        if not self.clip_grad >= 0:
+            raise UserError(f"--clip_grad must be 0 (no clipping) or positive, got {self.clip_grad}")
         for name in ("microbatches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
@@ -140,6 +151,8 @@ class StageRun:
     tp_plan: object = None  # tensor.TPPlan: styles and local shapes, when TP applied
     precision: MixedPrecision | None = None  # fp16/bf16 training: FP32 masters the optimizer updates
     context: ContextSplit | None = None  # this rank's share of each sequence, under CP
+    tp_replicated: frozenset = frozenset()  # ids of the parameters every TP rank holds whole (clip.py)
+    norm_weights: dict = field(default_factory=dict)  # flat shards' per-element weights in the norm (clip.py)
 
     def chunk(self, index: int) -> nn.Module:
         """The model as the stage's chunk `index` runs it (the model itself without interleaving)."""
@@ -163,6 +176,7 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype)
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
+    replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
     if plan.ep > 1:
         apply_ep(model, groups.ep)
     pp_.split_stage(model, stage)
@@ -181,7 +195,8 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
     optimizer = torch.optim.AdamW(precision.masters if precision else grad_sync.optimizer_params(), lr=plan.lr,
                                   foreach=True)
     _init_optimizer_state(optimizer)
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context)
+    weights = shard_weights(grad_sync, copies_of(model, plan, groups, replicated), plan.tp) if plan.clip_grad else {}
+    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context, replicated, weights)
 
 
 def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
@@ -190,14 +205,19 @@ def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
     params = list(model.parameters())
     if plan.zero == 3:
         return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding)
+    overlap = dict(overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather)
     if plan.ep == 1:
-        return GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial)
-    experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
-    dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
-                     partial)
-    expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
-                      plan.bucket_mb, divisor=plan.dp)
-    return GradSyncs([dense, expert])
+        sync = GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial, **overlap)
+    else:
+        experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
+        dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
+                         partial, **overlap)
+        expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
+                          plan.bucket_mb, divisor=plan.dp, **overlap)
+        sync = GradSyncs([dense, expert])
+    if plan.overlap_param_gather and plan.zero:
+        sync.watch(model)
+    return sync
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:
@@ -267,9 +287,22 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     if on_step:
         on_step("optimizer", None, None)
     with phase("optimizer"):
-        run.precision.step(run.optimizer) if run.precision else run.optimizer.step()
+        _optimizer_step(run)
         run.grad_sync.gather_params()
     return sum(losses) if losses else None  # outside every phase: not part of the step
+
+
+def _optimizer_step(run: StageRun) -> None:
+    """Megatron's order: the gradient norm (clip.py), then the update of what the optimizer holds (FP32
+    masters under mixed precision: precision.py casts the gradients first, then clips) with clipped gradients."""
+    scaler = run.precision.scaler if run.precision else None
+    factor = clip_factor(run, run.plan.clip_grad, 1.0 / scaler.scale if scaler else 1.0)
+    if run.precision:
+        run.precision.step(run.optimizer, factor)
+        return
+    if factor is not None:
+        torch._foreach_mul_([p.grad for p in run.grad_sync.optimizer_params() if p.grad is not None], factor)
+    run.optimizer.step()
 
 
 def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, chunk: int = 0):

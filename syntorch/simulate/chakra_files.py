@@ -145,7 +145,7 @@ def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:
         op, out = 2 * len(place), 2 * len(place) + 1
         place[node.id] = out
         specs += [_node_attrs(node, rank, world, groups, orders, path),
-                  {"kind": "tensor", "name": f"t{out}", "shape": [], "dtype": _dtype(node), "bytes": 0,
+                  {"kind": "tensor", "name": f"t{out}", "shape": (_shapes(node.outputs) or [[]])[0], "dtype": _dtype(node), "bytes": 0,
                    "is_param": False, "device": "meta", "version": 0}]
         edges += [(place[d], op, {"arg": i}) for i, d in enumerate(dict.fromkeys([*node.data_deps, *_ctrl_deps(node, index)]))]
         edges.append((op, out, {"arg": 0}))
@@ -194,7 +194,7 @@ def _node_attrs(node, rank, world, groups, orders, path) -> dict:
     base = {"name": what or node.name, "module": module or node.name, "phase": "", "duration_us": us}
     if node.type == et.COMP_NODE:
         return {**base, "kind": "op", "flops": int(attrs.get("num_ops", 0)), "dtype": _dtype(node), "bytes_read": int(attrs.get("tensor_size", 0)),
-                "bytes_written": 0, "is_view": False}
+                "bytes_written": 0, "is_view": False, "input_shapes": _shapes(node.inputs)}
     size = int(attrs.get("comm_size", 0))
     if node.type in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
         send = node.type == et.COMM_SEND_NODE
@@ -213,6 +213,18 @@ def _node_attrs(node, rank, world, groups, orders, path) -> dict:
     return {**base, "kind": "collective", "collective": kind, "reduce_op": None, "group": group,
             "bytes": size * len(group) if kind in PER_RANK_PART else size, "src": None, "dst": None, "tag": 0,
             "order": order}
+
+
+def _shapes(io) -> list[list[int]]:
+    """An IOInfo's shapes, from its JSON text (`[[8,768],[768,2304]]`): what a GEMM's tiles and an attention
+    kernel are costed from (trace/cost.py); none when the file does not say them as such."""
+    try:
+        shapes = json.loads(io.shapes or "[]")
+    except ValueError:
+        return []
+    ok = isinstance(shapes, list) and all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)
+                                          for s in shapes)
+    return shapes if ok else []
 
 
 def _dtype(node) -> str:

@@ -28,8 +28,11 @@ class StepCost:
     send_us: float = 0.0  # its p2p send (activations or their gradients), 0 if none
     send_at_us: float | None = None  # when in the step the send is issued (None: at its end), e.g. a last
     # backward sends its input's gradient before it synchronises the weights' gradients
-    cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce), 0 if none
+    cross_us: float = 0.0  # its collective across stages (the tied embedding's all-reduce, the gradient
+    # norm's before the optimizer), 0 if none
     cross_at_us: float | None = None  # when in the step it is issued (the step's later work waits for it)
+    cross_name: str = "embedding"
+    cross_members: int = 2  # the stages it meets
     model_flops: int = 0  # the model's: 3 x its forward's (backward does twice the forward's work), however
     # much is recomputed (MFU, as Megatron-LM and PaLM count it), causal attention over the pairs it keeps
     hw_flops: int = 0  # what the hardware runs: forward and backward ops as traced, recomputation included (HFU)
@@ -51,6 +54,7 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
     send = cross = 0.0
     send_at = cross_at = None
     model = hardware = dense = 0
+    cross_name, members = "embedding", 2
     for task, n in enumerate(nodes):
         d = attrs[n]
         if d["kind"] != "collective":
@@ -61,6 +65,8 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
         elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
             cross += d.get("duration_us") or 0.0
             cross_at = run.starts[0][task]
+            cross_name = "grad norm" if d["phase"] == "optimizer" else "embedding"
+            members = len({frame.kind(r) for r in d["group"]})
     for n in range(start, end):  # every op's FLOPs, those inside another's kernel too (no task of their own)
         d = attrs[n]
         if d["kind"] == "op" and d["phase"] in ("forward", "backward"):
@@ -69,8 +75,8 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                 model += 3 * d["flops"]
                 dense += 3 * d.get("dense_flops", d["flops"])
     streams = tuple((name, us) for name, us in stats["streams_busy_us"].items() if name != COMPUTE and us)
-    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at, model,
-                    hardware, dense, streams)
+    return StepCost(run.end_us, stats["busy_us"], stats["exposed_comm_us"], send, send_at, cross, cross_at,
+                    cross_name, members, model, hardware, dense, streams)
 
 
 def probe_costs(probe, blocks: dict, mesh) -> dict:
@@ -110,8 +116,7 @@ def pipeline_programs(schedules: list[list[tuple]], costs: list[list[StepCost]],
             prev = _add_step(p, f"{kind}{m}" + (f".{chunk}" if virtual > 1 else ""), c, deps,
                              Sync("send", (kind, m, target)) if 0 <= target <= last else None)
         if optimizer and optimizer[s] is not None:
-            o = optimizer[s]
-            p.add("optimizer", COMPUTE, o.us, [prev] if prev is not None else [], inner=o.inner)
+            _add_step(p, "optimizer", optimizer[s], [prev] if prev is not None else [], None)
         programs.append(p)
     return programs
 
@@ -135,5 +140,6 @@ def _add_step(p: Program, name: str, c: StepCost, deps: list, send: Sync | None)
         if what == "send":
             p.add(f"send {name}", P2P, c.send_us, [prev], send)
         elif what == "cross":
-            prev = p.add("embedding all_reduce", "comm embedding", c.cross_us, [prev], Sync("coll", ("embedding",), 2))
+            prev = p.add(f"{c.cross_name} all_reduce", f"comm {c.cross_name}", c.cross_us, [prev],
+                         Sync("coll", (c.cross_name,), c.cross_members))
     return prev

@@ -15,8 +15,8 @@ import networkx as nx
 
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig
-from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, gemm_us, kernel_plan,
-                                    launches_kernel)
+from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, foreach_launches, gemm_us,
+                                    kernel_plan, launches_kernel)
 from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
@@ -45,7 +45,8 @@ class Kernel:
     flops: int = 0
     nbytes: int = 0
     dtype: str = "float32"
-    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks
+    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks;
+    # compute: (launches,) for a multi-tensor (foreach) op, else ()
 
 
 def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
@@ -59,11 +60,16 @@ def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
     # a lookup reads the rows it returns, not the whole table it is given
     read = data["bytes_written"] if data["name"] in LOOKUPS else data["bytes_read"]
     nbytes, dtype = read + data["bytes_written"] + folded, op_dtype(graph, node)
-    if data["name"] in GEMMS:
-        return Kernel("gemm", data["name"], data["flops"], nbytes, dtype, _gemm_shape(graph, node, data))
-    if data["name"] in ATTENTION:
-        return Kernel("attention", data["name"], data["flops"], nbytes, dtype, _attention_shapes(graph, node, data))
-    return Kernel("compute", data["name"], data["flops"], nbytes, dtype)
+    # a GEMM or attention whose shapes a file does not give (a Chakra file of strangers') is a plain kernel
+    gemm = _gemm_shape(graph, node, data) if data["name"] in GEMMS else None
+    if gemm:
+        return Kernel("gemm", data["name"], data["flops"], nbytes, dtype, gemm)
+    attention = _attention_shapes(graph, node, data) if data["name"] in ATTENTION else None
+    if attention:
+        return Kernel("attention", data["name"], data["flops"], nbytes, dtype, attention)
+    # a foreach op (or the multi-tensor pass it hosts) launches once per multi_tensor_apply batch
+    launches = (foreach_launches(graph, node),) if data["name"].startswith("aten._foreach_") else ()
+    return Kernel("compute", data["name"], data["flops"], nbytes, dtype, launches)
 
 
 def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> float:
@@ -74,7 +80,7 @@ def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> flo
     if kernel.kind == "attention":
         return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile)
     if kernel.kind == "compute":
-        return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw)
+        return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw, launches=kernel.shape[0] if kernel.shape else 1)
     return 0.0
 
 
@@ -109,17 +115,21 @@ def _inputs(graph, node) -> list:
     return [t for t, _ in sorted(graph.preds[node].items(), key=lambda item: item[1].get("arg", 0))]
 
 
-def _attention_shapes(graph, node, data) -> tuple:
-    """(q shape, k shape): the forward reads (q, k, v[, mask]), the backward (grad, q, k, v)."""
-    inputs = _inputs(graph, node)
-    q, k = inputs[:2] if data["name"] == SDPA else inputs[1:3]
-    return tuple(graph.node_attrs[q]["shape"]), tuple(graph.node_attrs[k]["shape"])
+def _attention_shapes(graph, node, data) -> tuple | None:
+    """(q shape, k shape): the forward reads (q, k, v[, mask]), the backward (grad, q, k, v). A graph read
+    from Chakra files gives them as the node's `input_shapes` (its edges come from other nodes' outputs)."""
+    shapes = data.get("input_shapes") or [graph.node_attrs[t]["shape"] for t in _inputs(graph, node)]
+    q, k = ((shapes[:2] if data["name"] == SDPA else shapes[1:3]) + [[], []])[:2]
+    return (tuple(q), tuple(k)) if len(q) >= 2 and len(k) >= 2 else None
 
 
-def _gemm_shape(graph, node, data) -> tuple[int, int, int, int]:
-    """(batch, m, n, k) from the output's shape and the FLOPs (2 m n k per batch entry)."""
-    out = next(iter(graph.succs[node]))
-    shape = graph.node_attrs[out]["shape"]
+def _gemm_shape(graph, node, data) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) from the output's shape and the FLOPs (2 m n k per batch entry); None when the graph
+    does not know the shape (a Chakra file that does not give it)."""
+    out = next(iter(graph.succs[node]), None)
+    shape = graph.node_attrs[out]["shape"] if out is not None else []
+    if not shape:
+        return None
     m, n = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
     batch = 1
     for size in shape[:-2]:

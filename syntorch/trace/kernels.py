@@ -55,9 +55,10 @@ MIN_TILE_M = 16  # the tensor cores' MMA height (m16n8k16): the narrowest tile a
 SCORE_PASSES = {SDPA: 4, SDPA + "_backward": 7}
 
 
-def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
-    """One kernel that is not a GEMM: its fixed cost plus the slower of its math and its memory traffic."""
-    return hw.kernel_overhead_us + max(math_us(flops, dtype, hw, kind), memory_us(nbytes, hw))
+def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: str = "gemm", launches: int = 1) -> float:
+    """One kernel that is not a GEMM (`launches` of it for a multi-tensor op): its fixed cost per launch plus
+    the slower of its math and its memory traffic."""
+    return launches * hw.kernel_overhead_us + max(math_us(flops, dtype, hw, kind), memory_us(nbytes, hw))
 
 
 def math_us(flops: float, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
@@ -105,9 +106,88 @@ def kernel_plan(graph, profile: str) -> dict[int, int]:
     (it then costs nothing itself). Ops absent from the plan are their own kernel as traced."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
-    if profile == "eager":
-        return {}
-    return _FusedPlan(graph).plan
+    plan = {} if profile == "eager" else _FusedPlan(graph).plan
+    plan.update(optimizer_plan(graph, profile))
+    return plan
+
+
+# The optimizer step as launched (phase "optimizer"). torch's foreach ops and Megatron's (apex/TE) fused Adam
+# both go through multi_tensor_apply: each launch takes up to MAX_TENSORS[depth] tensors of `depth` lists and
+# MAX_BLOCKS chunks of CHUNK_ELEMENTS (torch's ATen/native/cuda/MultiTensorApply.cuh: kChunkSize 65536,
+# depth_to_max_tensors, depth_to_max_blocks; apex's multi_tensor_apply.cuh has the same tables, Megatron calls
+# it with chunk size 2048 * 32).
+CHUNK_ELEMENTS = 65536
+MAX_BLOCKS = 320
+MAX_TENSORS = (110, 64, 48, 36, 30)  # by depth 1..5
+
+
+def multi_tensor_launches(numels: list[int], depth: int) -> int:
+    """Kernel launches of one multi_tensor_apply over tensors of `numels` elements in `depth` lists."""
+    chunks = sum(-(-n // CHUNK_ELEMENTS) for n in numels)
+    return max(1, -(-len(numels) // MAX_TENSORS[min(max(depth, 1), 5) - 1]), -(-chunks // MAX_BLOCKS))
+
+
+def foreach_launches(graph, node) -> int:
+    """A foreach op's launches: its lists (inputs, and outputs unless written in place) over its tensors."""
+    nodes = graph.node_attrs
+    outputs = list(graph.succs[node])
+    numels = [math.prod(nodes[t]["shape"]) for t in outputs] or [0]
+    in_place = all(e.get("arg") == -1 for e in graph.succs[node].values())
+    depth = -(-(len(graph.preds[node]) + (0 if in_place else len(outputs))) // max(1, len(outputs)))
+    return multi_tensor_launches(numels, depth)
+
+
+def optimizer_plan(graph, profile: str) -> dict[int, int]:
+    """The optimizer phase's kernels under `profile`:
+    - both: torch's AdamW keeps its step counters as CPU scalars (unless capturable): their increment and
+      `.item()` reads are host work, no device kernel;
+    - eager: each foreach op its own kernels (torch's foreach AdamW, the gradient cast and clipping);
+    - fused: the elementwise foreach work between two synchronisations (the gradient norm's all-reduce, a
+      ZeRO all-gather) is one multi-tensor pass, as Megatron's fused Adam (apex / Transformer Engine
+      FusedAdam with FP32 master weights) runs it: each tensor it reads from memory once, each piece of
+      state it updates (parameters, master weights, moments) written once; the FP32 gradients, the clip
+      factor's product and Adam's temporaries stay in registers. Megatron skips the clip product unless
+      the norm exceeds the threshold; folded here, it costs nothing either way. The norm itself
+      (`_foreach_norm`: multi_tensor_l2norm) is a pass of its own."""
+    plan, nodes, group = {}, graph.node_attrs, []
+    for node, data in nodes.items():
+        if data["kind"] == "tensor" or data["phase"] != "optimizer" or not launches_kernel(data):
+            continue
+        if data["kind"] == "op" and _host_only(graph, node):
+            plan[node] = -1
+        elif profile == "fused" and data["name"].startswith("aten._foreach_") and data["name"] != "aten._foreach_norm":
+            group.append(node)
+        else:
+            _close_pass(graph, group, plan)
+            group = []
+    _close_pass(graph, group, plan)
+    return plan
+
+
+def _host_only(graph, node) -> bool:
+    nodes = graph.node_attrs
+    return all(nodes[t]["device"] == "cpu" and not nodes[t]["shape"] for t in (*graph.preds[node], *graph.succs[node]))
+
+
+def _close_pass(graph, group: list, plan: dict) -> None:
+    """One kernel for `group`, hosted by its first op: the group's memory traffic (see optimizer_plan) less
+    what the host moves itself (never below 0)."""
+    if not group:
+        return
+    nodes, inside = graph.node_attrs, set(group)
+    read, written = {}, {}
+    for op in group:
+        # a copy overwrites its destinations (the first len(outputs) arguments) without reading them
+        skip = len(graph.succs[op]) if nodes[op]["name"] in ("aten._foreach_copy_", "aten.copy_") else 0
+        for t, edge in graph.preds[op].items():
+            if edge.get("arg", 0) >= skip and not inside.intersection(graph.preds[t]):
+                read[t] = nodes[t]["bytes"]
+        for t in graph.succs[op]:
+            if nodes[t]["name"] != f"t{t}":  # named: parameters and optimizer state, not temporaries
+                written[nodes[t]["name"]] = nodes[t]["bytes"]
+    host = nodes[group[0]]
+    plan[group[0]] = max(0, sum(read.values()) + sum(written.values()) - host["bytes_read"] - host["bytes_written"])
+    plan.update(dict.fromkeys(group[1:], -1))
 
 
 class _FusedPlan:

@@ -29,7 +29,7 @@ from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.mesh import DIMS, Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.meta_cache import MetaCache
@@ -76,8 +76,12 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
                    for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
+            _name_optimizer_state(tracer, run)
             # what lives across the step first, so every step's nodes look alike wherever it runs
-            for t in [*run.model.parameters(), *run.optimizer.param_groups[0]["params"],
+            # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
+            # parameters: either would be first seen inside the first forward, which then differs from the next)
+            for t in [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
+                      *run.optimizer.param_groups[0]["params"],
                       *(v for state in run.optimizer.state.values() for v in state.values()),
                       *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
@@ -85,6 +89,18 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
+    """Names for what the optimizer updates besides the model's parameters (ZeRO/FSDP shards, FP32 masters,
+    AdamW's moments and step): state that outlives the step, which the fused profile's optimizer pass writes
+    back (trace/kernels.py) and the schedule tracks as it does parameters."""
+    for i, p in enumerate(run.grad_sync.optimizer_params()):
+        tracer.names.setdefault(id(p), (f"optimizer.shard.{i}", False))
+    for i, p in enumerate(run.optimizer.param_groups[0]["params"]):
+        tracer.names.setdefault(id(p), (f"optimizer.{i}.master", False))
+        for key, v in run.optimizer.state[p].items():
+            tracer.names[id(v)] = (f"optimizer.{i}.{key}", False)
 
 
 def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
@@ -232,9 +248,14 @@ def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
 
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
-    tensor names, global ranks (groups, peers) moved by the stage difference along pp."""
-    shift = mesh.representative(to_stage) - mesh.representative(graph.graph["stage"])
+    tensor names, global ranks (groups, peers) moved by the stage difference along pp (around the chain: a
+    group holding every stage, the gradient norm's, is itself moved)."""
+    steps = to_stage - graph.graph["stage"]
     renamed = {}
+
+    def move(rank: int) -> int:
+        index = dict(zip(DIMS, mesh.position(rank)))
+        return mesh.at(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
 
     def rename(name: str) -> str:
         if name not in renamed:
@@ -246,11 +267,11 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
             return {**d, "name": rename(d["name"])}
         if d["kind"] == "op":
             return {**d, "module": rename(d["module"])}
-        return {**d, "module": rename(d["module"]), "group": [r + shift for r in d["group"]],
-                "src": None if d["src"] is None else d["src"] + shift,
-                "dst": None if d["dst"] is None else d["dst"] + shift}
+        return {**d, "module": rename(d["module"]), "group": sorted(map(move, d["group"])),
+                "src": None if d["src"] is None else move(d["src"]),
+                "dst": None if d["dst"] is None else move(d["dst"])}
 
-    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": graph.graph["rank"] + shift})
+    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])})
     # edges in graph.copy()'s order: by source node, then by target
     out.append(map(moved, graph.node_attrs.values()),
             ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()))
