@@ -15,6 +15,8 @@ matplotlib's Figure with the Agg backend, no pyplot and no graphviz. A drawing c
 text labels (each is laid out by FreeType, ~1-3 ms), so every node kind is one artist, all edges are
 one, and big graphs label only what carries the story.
 """
+from collections import Counter
+
 import matplotlib
 import networkx as nx
 from matplotlib.collections import LineCollection
@@ -156,7 +158,7 @@ def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, 
     labels = _labels(view, comm, spans)
     reach = {n: 0.3 + len(text) * CHAR_STEPS for n, text in labels.items()}
     boxes = _boxes(spans)
-    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for (_, t), nodes in boxes.items()])
+    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for t, nodes in boxes])
     title = _title(view, len(graph), bool(repeats))
     fig, ax, dpi = _canvas(pos, reach, min_width=max(map(len, title.splitlines())) * TITLE_INCHES_PER_CHAR)
     _draw_boxes(pos, boxes, reach, ax)
@@ -198,30 +200,32 @@ def _canvas(pos: dict, reach: dict, min_width: float):
 
 
 def _spans(view, repeats: dict) -> dict:
-    """{node: (phase, layer, span, count)} for the nodes of each kept copy of repeated layers, e.g.
-    ("prefill", "layers.1", "layers.1–95", 95)."""
-    spans = {}
-    for phase, layer, nodes in layer_blocks(view):
-        stands_for = repeats.get((phase, layer))
+    """{node: (layer, span, count, box)} for the nodes of each kept copy of repeated layers, e.g.
+    ("layers.1", "layers.1–95", 95, 7); box: the copy's block index, as a pipeline stage keeps one copy per
+    micro-batch, all of them layers.0 in phase forward."""
+    spans, seen = {}, Counter()
+    for box, (phase, layer, nodes) in enumerate(layer_blocks(view)):  # the folded graph's blocks, one for one
+        stands_for = repeats.get((phase, layer, seen[phase, layer]))
+        seen[phase, layer] += 1
         if stands_for:  # backward runs layers.95 down to layers.0: name the span low to high all the same
             ends = sorted(stands_for, key=lambda name: int(name.rsplit(".", 1)[1]))
             span = f"{ends[0]}–{ends[-1].rsplit('.', 1)[1]}"
-            spans.update(dict.fromkeys(nodes, (phase, layer, span, len(stands_for))))
+            spans.update(dict.fromkeys(nodes, (layer, span, len(stands_for), box)))
     return spans
 
 
-def _boxes(spans: dict) -> dict:
-    """{(phase, title): nodes} of each box: one per kept copy of repeated layers."""
-    boxes: dict[tuple, list] = {}
-    for n, (phase, _, span, count) in spans.items():
-        boxes.setdefault((phase, f"{span} × {count}"), []).append(n)
-    return boxes
+def _boxes(spans: dict) -> list[tuple[str, list]]:
+    """(title, nodes) of each box: one per kept copy of repeated layers."""
+    boxes: dict[int, tuple] = {}
+    for n, (_, span, count, box) in spans.items():
+        boxes.setdefault(box, (f"{span} × {count}", []))[1].append(n)
+    return list(boxes.values())
 
 
 def _draw_boxes(pos, boxes: dict, reach: dict, ax):
     """A grey box around each kept copy of repeated layers and its labels, titled `layers.1–95 × 95` in the
     empty row the layout left above it."""
-    for (_, title), nodes in boxes.items():
+    for title, nodes in boxes:
         xs, ys = [pos[n][0] for n in nodes], [pos[n][1] for n in nodes]
         left, top, bottom = min(xs) - 0.5, max(ys) + 1.5, min(ys) - 0.5
         right = max(max(pos[n][0] + reach.get(n, 0) for n in nodes), left + 0.15 + len(title) * TITLE_STEPS)
@@ -264,7 +268,7 @@ def _labels(view, comm: bool, spans: dict) -> dict:
             return d["kind"] == "collective"
         return (work <= LABEL_WORK or d["flops"] > 0) if d["kind"] == "op" else total <= LABEL_NODES
 
-    return {n: _label(d, *spans.get(n, ("", "", ""))[1:3], comm=comm) for n, d in view.nodes(data=True) if wanted(d)}
+    return {n: _label(d, *spans.get(n, ("", ""))[:2], comm=comm) for n, d in view.nodes(data=True) if wanted(d)}
 
 
 def _draw_labels(view, pos, labels: dict, ax):

@@ -11,6 +11,7 @@ For drawing, `fold_repeated_layers` keeps one copy of each run of identical cons
 too: the traced graph is never changed).
 """
 import re
+from collections import Counter
 
 from syntorch.models import LAYER_PATH
 from syntorch.trace.graph import LEVELS, TraceGraph
@@ -166,9 +167,11 @@ def _blocks(graph: TraceGraph) -> tuple[list, dict]:
     return blocks, block_of
 
 
-def fold_repeated_layers(graph: TraceGraph) -> tuple[TraceGraph, dict[tuple[str, str], list[str]]]:
+def fold_repeated_layers(graph: TraceGraph) -> tuple[TraceGraph, dict[tuple[str, str, int], list[str]]]:
     """The graph with each run of identical consecutive layers (within a phase) kept once, and
-    {(phase, kept layer): the layers it stands for} for runs of two or more. Identical means the same
+    {(phase, kept layer, k): the layers it stands for} for runs of two or more, k counting the earlier
+    kept blocks of that phase and layer: a pipeline stage runs layers.0-5 once per micro-batch, all in
+    phase "forward", and each micro-batch's run is a box of its own. Identical means the same
     nodes and edges with the same attributes once the layer's own name is taken out of names (ops,
     shapes, FLOPs, bytes, collectives and their groups), so a layer that differs stays on its own.
     Edges between the folded copies are dropped; edges to and from the rest of the graph move to the
@@ -176,15 +179,18 @@ def fold_repeated_layers(graph: TraceGraph) -> tuple[TraceGraph, dict[tuple[str,
     blocks, block_of = _blocks(graph)
     signatures = [_signature(graph, layer, nodes) if LAYER_PATH.match(layer) else None for _, layer, nodes in blocks]
     image, group, repeats = {}, [], {}  # group: each block's first block in its run
+    keys, seen = {}, Counter()  # each kept block's key in `repeats`
     for i, (phase, layer, nodes) in enumerate(blocks):
         first = group[-1] if group else 0
         if i and signatures[i] is not None and signatures[i] == signatures[first] and phase == blocks[first][0] \
                 and abs(_index(layer) - _index(blocks[i - 1][1])) == 1:
             image.update(zip(nodes, blocks[first][2]))  # same signature: same length, node for node
-            repeats.setdefault((phase, blocks[first][1]), [blocks[first][1]]).append(layer)
+            repeats.setdefault(keys[first], [blocks[first][1]]).append(layer)
             group.append(first)
         else:
             group.append(i)
+            keys[i] = (phase, layer, seen[phase, layer])
+            seen[phase, layer] += 1
     return _folded(graph, image, block_of, group), repeats
 
 
