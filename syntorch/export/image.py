@@ -25,7 +25,7 @@ from matplotlib.patches import Rectangle
 
 from syntorch.outdir import atomic_output_file
 from syntorch.trace.graph import LEVELS, TraceGraph, no_gc
-from syntorch.trace.levels import fold_repeated_layers, layer_blocks, level_view
+from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, layer_blocks, level_view
 
 COLORS = {"tensor": "#4caf50", "op": "#1e88e5", "collective": "#e53935"}
 READABLE_NODES = 400  # above this an op-level drawing is a grey smear: go a level coarser
@@ -34,6 +34,7 @@ LABEL_WORK = 200  # label every op when there are at most this many ops and coll
 INCH_X, INCH_Y = 0.45, 0.26  # inches per node step across and per row down: room for 7-8 pt labels
 CHAR_STEPS = 0.058 / INCH_X  # node steps per label character (7-8 pt DejaVu Sans), to leave room for labels
 TITLE_STEPS = 0.075 / INCH_X  # the same for a box's title (9 pt bold)
+HEADER_STEPS = 0.085 / INCH_X  # the same for a column's header (10 pt bold)
 TITLE_INCHES_PER_CHAR = 0.075  # the image's title (10 pt), which sets the least width
 PAGE_ASPECT = 1.4  # width / height the bands of columns aim for
 MAX_INCHES = 300  # matplotlib's Agg canvas must stay under 2**16 pixels a side
@@ -51,18 +52,24 @@ def choose_level(graph: TraceGraph, level: str | None) -> TraceGraph:
     return view
 
 
-def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=()) -> dict:
+def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=(), headers: dict | None = None) -> dict:
     """One column per phase (prefill, decode[0], ...), rows top to bottom inside each: the steps of a
     generation are linked only through the KV cache, so one layering would smear them together. Columns
     run left to right in bands, as many bands as bring the whole closest to a page's shape. `reach`: how
     far right of a node its label runs (in node steps), so labels do not run into their neighbours;
-    `boxes`: (nodes, width of a title in node steps): each box gets an empty row above it for its title."""
+    `boxes`: (nodes, width of a title in node steps): each box gets an empty row above it for its title;
+    `headers`: {phase: width of its column's header in node steps} for headers wider than a phase's name."""
     reach = reach or {}
     columns: dict[str, list] = {}
     for node, phase in _phases(graph).items():
         columns.setdefault(phase, []).append(node)
     placed = [_open_rows(_place_rows(graph.subgraph(nodes), reach), boxes) for nodes in columns.values()]
     widths = [max(_right_edges(p, reach, boxes)) + 1.5 for p in placed]
+    for i, phase in enumerate(columns):  # a wide header: its column widens, its nodes stay in the middle
+        shift = ((headers or {}).get(phase, 0) + 1.0 - widths[i]) / 2
+        if shift > 0:
+            placed[i] = {n: (x + shift, y) for n, (x, y) in placed[i].items()}
+            widths[i] += 2 * shift
     depth = max((-min(y for _, y in p.values()) for p in placed), default=0) + 2  # header and gap rows
     per_band = min(range(1, len(placed) + 1), default=1,
                    key=lambda n: abs(_band_aspect(widths, depth, n) - PAGE_ASPECT))
@@ -140,32 +147,37 @@ def _place_rows(graph: nx.DiGraph, reach: dict) -> dict:
     return pos
 
 
-def fold(graph: TraceGraph) -> tuple[TraceGraph, dict]:
-    """fold_repeated_layers(graph), what every drawing of it starts from (compute it once for several)."""
+def fold(graph: TraceGraph) -> tuple[TraceGraph, dict, dict]:
+    """(graph folded, layers' repeats, decode steps' runs): fold_repeated_layers then fold_repeated_steps,
+    what every drawing of `graph` starts from (compute it once for several)."""
     with no_gc():  # folding copies 10^4 small dicts; the collector would rescan the whole graph for nothing
-        return fold_repeated_layers(graph)
+        folded, repeats = fold_repeated_layers(graph)
+        folded, runs = fold_repeated_steps(folded, repeats)
+    return folded, repeats, runs
 
 
 def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None,
-         folded: tuple[TraceGraph, dict] | None = None) -> TraceGraph:
+         folded: tuple[TraceGraph, dict, dict] | None = None) -> TraceGraph:
     """Draw `graph` to `path` (png or svg by suffix or `fmt`); `comm` emphasises collectives and their edges.
     `folded` is fold(graph) when the caller has it. Returns the graph at the level drawn (repeated layers
-    folded)."""
-    folded, repeats = folded or fold(graph)
+    and decode steps folded)."""
+    folded, repeats, runs = folded or fold(graph)
+    headers = {phase: run.title for phase, run in runs.items()}
     with no_gc():
         view = choose_level(folded, level)
     spans = _spans(view, repeats)
     labels = _labels(view, comm, spans)
     reach = {n: 0.3 + len(text) * CHAR_STEPS for n, text in labels.items()}
     boxes = _boxes(spans)
-    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for t, nodes in boxes])
-    title = _title(view, len(graph), bool(repeats))
+    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for t, nodes in boxes],
+                            {phase: len(text) * HEADER_STEPS for phase, text in headers.items()})
+    title = _title(view, graph, bool(repeats), bool(runs))
     fig, ax, dpi = _canvas(pos, reach, min_width=max(map(len, title.splitlines())) * TITLE_INCHES_PER_CHAR)
     _draw_boxes(pos, boxes, reach, ax)
     _draw_edges(view, pos, ax, comm)
     _draw_nodes(view, pos, ax, comm)
     _draw_labels(view, pos, labels, ax)
-    _phase_headers(view, pos, ax)
+    _phase_headers(view, pos, ax, headers)
     fig.suptitle(title, fontsize=10, y=1 - 0.1 / fig.get_figheight())
     _save(fig, path, fmt or str(path).rsplit(".", 1)[-1], dpi)
     return view
@@ -312,23 +324,34 @@ def _ranks(group: list) -> str:
     return str(group)
 
 
-def _phase_headers(view, pos, ax):
-    """The phase's name above each column."""
+def _phase_headers(view, pos, ax, headers: dict):
+    """The phase's name above each column (`headers`: the title of a column of folded decode steps)."""
     columns: dict[str, list] = {}
     for node, phase in _phases(view).items():
         columns.setdefault(phase, []).append(pos[node])
     for phase, xy in columns.items():
         x = sum(x for x, _ in xy) / len(xy)
-        ax.text(x, max(y for _, y in xy) + 0.8, phase, ha="center", va="bottom", fontsize=10, fontweight="bold")
+        ax.text(x, max(y for _, y in xy) + 0.8, headers.get(phase, phase), ha="center", va="bottom", fontsize=10, fontweight="bold")
 
 
-def _title(view, traced: int, folded: bool) -> str:
+def _title(view, graph: TraceGraph, layers: bool, steps: bool) -> str:
+    """What is drawn, and the totals of the whole trace: folding draws fewer collectives than ran."""
     g = view.graph
-    n_coll = sum(1 for _ in view.collectives())
-    boxes = "; grey boxes: identical consecutive layers drawn once" if folded else ""
+    drawn, traced = sum(1 for _ in view.collectives()), sum(1 for _ in graph.collectives())
+    boxes = "; grey boxes: identical consecutive layers drawn once" if layers else ""
+    columns = "; decode[a–b] × n: identical decode steps drawn once" if steps else ""
     return (f"{g.get('model') or 'trace'}, rank {g.get('rank', 0)} of {g.get('world_size', 1)}: {g['level']} level, "
-            f"{len(view)} nodes drawn ({n_coll} collectives) of {traced} traced\n"
-            f"green: tensors, blue: ops, red: collectives{boxes}")
+            f"{len(view)} nodes drawn ({drawn} collectives) of {len(graph)} traced "
+            f"({traced} collectives, {_flops(graph.total_flops())} in all)\n"
+            f"green: tensors, blue: ops, red: collectives{boxes}{columns}")
+
+
+def _flops(flops: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if flops < 1000:
+            break
+        flops /= 1000
+    return f"{flops:.3g} {unit}FLOP"
 
 
 def export_png(graph: TraceGraph, path, level: str | None = None) -> None:

@@ -12,6 +12,7 @@ too: the traced graph is never changed).
 """
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 from syntorch.models import LAYER_PATH
 from syntorch.trace.graph import LEVELS, TraceGraph
@@ -139,14 +140,14 @@ def layer_blocks(graph: TraceGraph) -> list[tuple[str, str, list[int]]]:
     return _blocks(graph)[0]
 
 
-def _blocks(graph: TraceGraph) -> tuple[list, dict]:
-    """layer_blocks, and each node's block index."""
+def _blocks(graph: TraceGraph, by_layer: bool = True) -> tuple[list, dict]:
+    """layer_blocks (or, not `by_layer`, blocks of one phase each, their layer ""), and each node's block index."""
     blocks, block_of, tensors, last, layers = [], {}, [], None, {}
     for node, d in graph.node_attrs.items():
         if d["kind"] == "tensor":
             tensors.append(node)
             continue
-        module = d["module"]
+        module = d["module"] if by_layer else ""
         if module not in layers:
             layers[module] = layer_of(module)
         here = (d["phase"], layers[module])
@@ -228,3 +229,124 @@ def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list) -> Trac
     out = TraceGraph(**graph.graph)
     out.append((graph.node_attrs[n] for n in kept), ((u, v, e) for (u, v), e in edges.items()))
     return out
+
+
+# --- identical decode steps, folded for drawing ---------------------------------------------------------
+
+DECODE_STEP = re.compile(r"decode\[(\d+)\]")
+_STEP_OWN = ("phase", "version")  # the step's own name; how often a KV cache was written so far
+_FOLLOW_SHAPES = ("shape", "bytes", "flops", "dense_flops", "bytes_read", "bytes_written", "duration_us")
+
+
+def step_index(phase: str) -> int | None:
+    """decode[7] -> 7; other phases (prefill, forward, ...) -> None."""
+    match = DECODE_STEP.fullmatch(phase)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class StepRun:
+    """Consecutive decode steps drawn as one: their phases, and the KV length in the first and the last
+    step when shapes grow with it (None when no shape changes from step to step)."""
+    phases: list[str]
+    kv: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        return step_span(self.phases)
+
+    @property
+    def title(self) -> str:
+        return self.label + (f", KV length {self.kv[0]}–{self.kv[1]}" if self.kv else "")
+
+
+def step_span(phases: list[str]) -> str:
+    """[decode[0], ..., decode[18]] -> decode[0–18] × 19; one phase stays its name."""
+    if len(phases) == 1:
+        return phases[0]
+    return f"decode[{step_index(phases[0])}–{step_index(phases[-1])}] × {len(phases)}"
+
+
+def grown_entries(first: list, later: list, steps: int) -> list[tuple[int, int]] | None:
+    """(shape, dimension) of each entry that differs between two steps' shape lists, when every such entry
+    grew by exactly `steps` (one a step: the KV length); None when the shapes differ otherwise."""
+    if len(first) != len(later):
+        return None
+    grown = []
+    for i, (a, b) in enumerate(zip(first, later)):
+        if len(a) != len(b):
+            return None
+        for dim, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                if y - x != steps:
+                    return None
+                grown.append((i, dim))
+    return grown
+
+
+def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, dict[str, StepRun]]:
+    """`graph` (layers already folded: fold_repeated_layers and its `repeats`) with each run of identical
+    consecutive decode steps kept once (the first), and {first step's phase: StepRun} for runs of two or
+    more. Identical: the same nodes and edges with the same attributes (ops, modules, dtypes, collectives
+    with their groups and bytes, the same layers folded) except the step's own name, tensor ids, running
+    counts (collectives' order, cache versions) and what grows with the KV length: tensor shapes may differ
+    only in entries that grow by one per step, and only ops reading or writing such a tensor may differ in
+    FLOPs, bytes and time. Prefill and any other phase is never folded."""
+    blocks, block_of = _blocks(graph, by_layer=False)
+    signatures = [_step_signature(graph, nodes, repeats, phase) if step_index(phase) is not None else None
+                  for phase, _, nodes in blocks]
+    image, group, runs = {}, [], {}
+    for i, (phase, _, nodes) in enumerate(blocks):
+        first = group[-1] if group else 0
+        run = runs.get(blocks[first][0])
+        steps = step_index(phase) - step_index(blocks[first][0]) if signatures[i] and signatures[first] else None
+        grown = _same_step(signatures[first], signatures[i], steps) if steps == len(run.phases if run else [0]) else None
+        if grown is None:
+            group.append(i)
+            continue
+        image.update(zip(nodes, blocks[first][2]))
+        run = runs.setdefault(blocks[first][0], StepRun([blocks[first][0]]))
+        run.phases.append(phase)
+        if grown and run.kv is None:
+            shape, dim = grown[0]
+            run.kv = (signatures[first][2][shape][dim],) * 2
+        run.kv = run.kv and (run.kv[0], run.kv[0] + steps)
+        group.append(first)
+    return _folded(graph, image, block_of, group), runs
+
+
+def _step_signature(graph: TraceGraph, nodes: list[int], repeats: dict, phase: str) -> tuple:
+    """(what must match exactly, each op's neighbour tensors, tensor shapes, each node's shape-following
+    fields) of one step: its attributes as _signature compares layers, less _STEP_OWN and _FOLLOW_SHAPES."""
+    local = {n: i for i, n in enumerate(nodes)}
+    pred, succ, attrs = graph.preds, graph.succs, graph.node_attrs
+    plain, shapes, follow, near = [], [], [], []
+    for n in nodes:
+        d = attrs[n]
+        plain.append({k: v for k, v in d.items() if k not in _STEP_OWN and (k not in _FOLLOW_SHAPES or
+                                                                            d["kind"] == "collective")})
+        follow.append(tuple(d.get(k) for k in _FOLLOW_SHAPES[1:]) if d["kind"] != "collective" else ())
+        if d["kind"] == "tensor":
+            shapes.append(list(d["shape"]))
+        near.append({local[t] for t in (*pred[n], *succ[n]) if t in local})
+    tensor_at = [i for i, n in enumerate(nodes) if attrs[n]["kind"] == "tensor"]
+    inputs = [(i, local.get(p), e.get("arg")) for i, n in enumerate(nodes) for p, e in pred[n].items()]
+    layers = sorted((k[1:], v) for k, v in repeats.items() if k[0] == phase)
+    # (what later steps read of a step is left out: nothing reads the last step's KV cache and token)
+    exact = (_RUNNING.sub("", repr(plain)), inputs, layers, tensor_at)
+    return exact, near, shapes, follow
+
+
+def _same_step(first: tuple, later: tuple, steps: int) -> list | None:
+    """grown_entries() between two steps `steps` apart when they are identical as fold_repeated_steps
+    says, else None."""
+    if first[0] != later[0]:
+        return None
+    grown = grown_entries(first[2], later[2], steps)
+    if grown is None:
+        return None
+    varying = {first[0][3][shape] for shape, _ in grown}  # node positions of the tensors that grew
+    for i, (a, b) in enumerate(zip(first[3], later[3])):
+        if a != b and i not in varying and not first[1][i] & varying:
+            return None
+    return grown
