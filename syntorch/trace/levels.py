@@ -330,7 +330,10 @@ def _step_signature(graph: TraceGraph, nodes: list[int], repeats: dict, phase: s
             shapes.append(list(d["shape"]))
         near.append({local[t] for t in (*pred[n], *succ[n]) if t in local})
     tensor_at = [i for i, n in enumerate(nodes) if attrs[n]["kind"] == "tensor"]
-    inputs = [(i, local.get(p), e.get("arg")) for i, n in enumerate(nodes) for p, e in pred[n].items()]
+    # which inputs come from outside the step, not from how many nodes: a step after one whose layers
+    # differ reads each layer's KV cache from its own node, a step after a folded one from one
+    inputs = sorted({(i, local.get(p), e.get("arg")) for i, n in enumerate(nodes) for p, e in pred[n].items()},
+                    key=str)
     layers = sorted((k[1:], v) for k, v in repeats.items() if k[0] == phase)
     # (what later steps read of a step is left out: nothing reads the last step's KV cache and token)
     exact = (_RUNNING.sub("", repr(plain)), inputs, layers, tensor_at)
