@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from syntorch.export.image import draw, fold
+from syntorch.export.image import _label, draw, fold
 from syntorch.trace.generation import trace_tp_rank
 from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, grown_entries
 
@@ -90,3 +90,11 @@ def test_one_decode_step_has_nothing_to_fold():
                              tp=2, rank=0)[0]
     folded, _, runs = fold(one_step)
     assert runs == {} and phases(folded) == ["prefill", "decode[0]"]
+
+
+def test_growing_tensors_are_labelled_with_their_first_and_last_shapes(generation):
+    folded, _ = steps_of(generation)
+    (sdpa, *_) = [n for n, d in folded.ops() if d["phase"] == "decode[0]" and "scaled_dot" in d["name"]]
+    inputs = [folded.nodes[t] for t in folded.predecessors(sdpa)]
+    assert sorted(d["shape"][2] for d in inputs) == [1, PROMPT + 1, PROMPT + 1]  # the query, K and V
+    assert sorted(_label(d) for d in inputs) == ["1x2x1x16", "1x2x5–23x16", "1x2x5–23x16"]

@@ -2,8 +2,12 @@
 
 Identical consecutive layers are drawn once, in a grey box labelled with the layers it stands for and
 "× N": levels.fold_repeated_layers decides from the graph itself (ops, shapes, FLOPs, collectives), so a
-layer that differs is drawn on its own. Folding is for drawing only; the traced graph and its JSON keep
-every layer. The folded graph is drawn at the finest level with at most READABLE_NODES nodes (the title
+layer that differs is drawn on its own; a pipeline stage's micro-batches each get their own box. Identical
+consecutive decode steps are drawn as one column, `decode[0–18] × 19, KV length 11–29`
+(levels.fold_repeated_steps: the same graph but for shapes that grow by one a step), growing tensors
+labelled `1x12x11–29x64`; prefill stays its own column. The title gives the collectives and FLOPs of the
+whole trace, every layer and step. Folding is for drawing only; the traced graph and its JSON keep every
+layer and step. The folded graph is drawn at the finest level with at most READABLE_NODES nodes (the title
 says which level).
 
 Layered top to bottom, one column per phase: `networkx.topological_generations` gives each node its row,
@@ -298,8 +302,9 @@ def _label(d: dict, layer: str = "", span: str = "", comm: bool = False) -> str:
     if d["kind"] == "collective":
         where = f" {_unlayered(d['module'], layer, span)} {_size(d['bytes'])}" if comm else ""
         return f"{d['collective']} {_ranks(d['group'])}{where}"
-    if d["kind"] == "tensor" and not d["is_param"]:
-        return "x".join(map(str, d["shape"]))
+    if d["kind"] == "tensor" and not d["is_param"]:  # over folded decode steps: 1x2x5–23x16
+        last = d.get("last_shape", d["shape"])
+        return "x".join(str(a) if a == b else f"{a}–{b}" for a, b in zip(d["shape"], last))
     return _unlayered(d["name"].removeprefix("aten."), layer, span)
 
 

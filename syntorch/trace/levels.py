@@ -7,8 +7,9 @@ shows the communication. Only tensors that cross a group boundary are kept, and 
 (their bytes are in the group's `bytes_read`). Group nodes are `op` nodes named by their key, with
 summed `flops`, `bytes_read`, `bytes_written`, `duration_us` (when every member has one) and `num_ops`.
 
-For drawing, `fold_repeated_layers` keeps one copy of each run of identical consecutive layers (a view
-too: the traced graph is never changed).
+For drawing, `fold_repeated_layers` keeps one copy of each run of identical consecutive layers, then
+`fold_repeated_steps` one of each run of identical consecutive decode steps (views too: the traced graph
+is never changed).
 """
 import re
 from collections import Counter
@@ -213,9 +214,9 @@ def _signature(graph: TraceGraph, layer: str, nodes: list[int]) -> tuple:
     return _RUNNING.sub("", text), inputs, read_outside
 
 
-def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list) -> TraceGraph:
+def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list, extra: dict | None = None) -> TraceGraph:
     """`graph` without the nodes in `image`, their edges moved to the nodes they map to; edges from one copy
-    of a layer to the next would loop on the kept copy, so they go."""
+    of a layer to the next would loop on the kept copy, so they go. `extra`: {node: attributes to add}."""
     kept = [n for n in graph.node_attrs if n not in image]
     new = {n: i for i, n in enumerate(kept)}
     new.update((n, new[image[n]]) for n in image)
@@ -227,7 +228,9 @@ def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list) -> Trac
             if bu == bv or group[bu] != group[bv]:
                 edges.setdefault((new[u], new[v]), e)
     out = TraceGraph(**graph.graph)
-    out.append((graph.node_attrs[n] for n in kept), ((u, v, e) for (u, v), e in edges.items()))
+    extra, attrs = extra or {}, graph.node_attrs
+    out.append((attrs[n] if n not in extra else {**attrs[n], **extra[n]} for n in kept),
+               ((u, v, e) for (u, v), e in edges.items()))
     return out
 
 
@@ -287,7 +290,8 @@ def grown_entries(first: list, later: list, steps: int) -> list[tuple[int, int]]
 def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, dict[str, StepRun]]:
     """`graph` (layers already folded: fold_repeated_layers and its `repeats`) with each run of identical
     consecutive decode steps kept once (the first), and {first step's phase: StepRun} for runs of two or
-    more. Identical: the same nodes and edges with the same attributes (ops, modules, dtypes, collectives
+    more; a kept tensor whose shape grows gets `last_shape`, its shape in the run's last step, for labels.
+    Identical: the same nodes and edges with the same attributes (ops, modules, dtypes, collectives
     with their groups and bytes, the same layers folded) except the step's own name, tensor ids, running
     counts (collectives' order, cache versions) and what grows with the KV length: tensor shapes may differ
     only in entries that grow by one per step, and only ops reading or writing such a tensor may differ in
@@ -295,7 +299,7 @@ def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, d
     blocks, block_of = _blocks(graph, by_layer=False)
     signatures = [_step_signature(graph, nodes, repeats, phase) if step_index(phase) is not None else None
                   for phase, _, nodes in blocks]
-    image, group, runs = {}, [], {}
+    image, group, runs, last_shape = {}, [], {}, {}
     for i, (phase, _, nodes) in enumerate(blocks):
         first = group[-1] if group else 0
         run = runs.get(blocks[first][0])
@@ -305,6 +309,8 @@ def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, d
             group.append(i)
             continue
         image.update(zip(nodes, blocks[first][2]))
+        tensors = signatures[first][0][3]
+        last_shape.update((blocks[first][2][tensors[t]], {"last_shape": list(signatures[i][2][t])}) for t, _ in grown)
         run = runs.setdefault(blocks[first][0], StepRun([blocks[first][0]]))
         run.phases.append(phase)
         if grown and run.kv is None:
@@ -312,7 +318,7 @@ def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, d
             run.kv = (signatures[first][2][shape][dim],) * 2
         run.kv = run.kv and (run.kv[0], run.kv[0] + steps)
         group.append(first)
-    return _folded(graph, image, block_of, group), runs
+    return _folded(graph, image, block_of, group, last_shape), runs
 
 
 def _step_signature(graph: TraceGraph, nodes: list[int], repeats: dict, phase: str) -> tuple:
