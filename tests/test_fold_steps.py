@@ -9,7 +9,11 @@ import torch
 
 from conftest import tiny_config
 from syntorch.export.image import _label, draw, fold
-from syntorch.trace.generation import trace_tp_rank
+from syntorch.export.comm_report import tracing_table
+from syntorch.generate import Sampling, generate
+from syntorch.parallel.mesh import Mesh
+from syntorch.trace.comm_report import CommReport
+from syntorch.trace.generation import trace_pp_stage, trace_tp_rank
 from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, grown_entries
 
 PROMPT, NEW_TOKENS, LAYERS = 4, 20, 2  # prefill, then decode[0] .. decode[18]
@@ -98,3 +102,18 @@ def test_growing_tensors_are_labelled_with_their_first_and_last_shapes(generatio
     inputs = [folded.nodes[t] for t in folded.predecessors(sdpa)]
     assert sorted(d["shape"][2] for d in inputs) == [1, PROMPT + 1, PROMPT + 1]  # the query, K and V
     assert sorted(_label(d) for d in inputs) == ["1x2x1x16", "1x2x5–23x16", "1x2x5–23x16"]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_stages_fold_their_steps_and_say_so_in_their_tables(stage):
+    """A PP 2 stage: p2p tags count messages on from step to step, and nothing reads the last step's KV
+    cache; neither keeps a step apart."""
+    prompt = torch.zeros(1, PROMPT, dtype=torch.long, device="meta")
+    graph, _ = trace_pp_stage(tiny_config("gpt2", n_layer=4), lambda m, scope, forward: generate(
+        m, prompt, NEW_TOKENS, Sampling(temperature=0), phase_scope=scope, forward=forward), Mesh(pp=2), stage)
+    folded, runs = steps_of(graph)
+    assert phases(folded) == ["prefill", "decode[0]"] and runs["decode[0]"].label == "decode[0–18] × 19"
+    report = CommReport(graph)
+    assert report.step_runs == {"decode[0]": runs["decode[0]"].phases}
+    p2p = "recv" if stage else "send"
+    assert f"*{p2p}: {NEW_TOKENS - 1} (" in tracing_table(report, 0, color=False).split("decode[0–18] × 19\n")[1]

@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from syntorch.trace.comm_report import (GLOBAL, SECTIONS, CommReport, ModuleInfo, OpRecord, check_noise_level,
-                                        fold_steps)
+from syntorch.trace.comm_report import (GLOBAL, RUNNING, SECTIONS, CommReport, ModuleInfo, OpRecord,
+                                        check_noise_level, fold_steps)
 from syntorch.trace.levels import step_span
 from syntorch.outdir import atomic_output_file
 
@@ -33,8 +33,11 @@ def collective_details(c: dict) -> str:
 
 
 def folded_collective(c: dict, copies: list[dict]) -> dict:
-    """A collective standing for itself in later decode steps too: its order in the first and the last."""
-    return {**c, "order": f"{c['order']}…{copies[-1]['order']}"} if copies else c
+    """A collective standing for itself in later decode steps too: its order and tag in the first and the
+    last (when they differ)."""
+    if not copies:
+        return c
+    return {**c, **{k: f"{c[k]}…{copies[-1][k]}" for k in RUNNING if c.get(k) != copies[-1].get(k)}}
 
 
 def shapes_text(first: list, last: list) -> str:

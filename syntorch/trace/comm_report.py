@@ -15,7 +15,8 @@ byte totals per module and per phase.
 
 Identical consecutive decode steps are listed once (`step_runs`, `fold_steps`) by the table and the browser
 view, as the images draw them once: steps with the same ops and collectives in the same modules and order,
-the same parameters, and collectives of the same kind, bytes, group and peers; input shapes may differ only
+the same parameters, and collectives of the same kind, bytes, group and peers (their order and p2p tag go
+on counting); input shapes may differ only
 in entries that grow by one a step (the KV length). Counts and bytes still count every step; the JSON dump
 keeps every op.
 """
@@ -35,6 +36,7 @@ TRIVIAL_OPS = frozenset({"aten.detach", "aten.t", "aten.view", "aten._to_copy", 
 CONTAINER_TYPES = frozenset(f"torch.nn.modules.container.{name}" for name in
                             ("ModuleDict", "ModuleList", "ParameterDict", "ParameterList"))
 COLLECTIVE_FIELDS = ("collective", "reduce_op", "bytes", "group", "order", "src", "dst", "tag")
+RUNNING = ("order", "tag")  # counts that go on from step to step: the order in a group, a p2p message's number
 
 
 def check_noise_level(noise_level, flag: str = "noise level") -> int:
@@ -215,7 +217,7 @@ class CommReport:
 
 def _step_signature(found: list[tuple]) -> tuple:
     """(what must match, every input shape in order) of one decode step's (node, module, record)s."""
-    what = [(fqn, r.name, r.kind, r.params, {k: v for k, v in r.collective.items() if k != "order"})
+    what = [(fqn, r.name, r.kind, r.params, {k: v for k, v in r.collective.items() if k not in RUNNING})
             for _, fqn, r in found]
     return what, [shape for _, _, r in found for shape in r.input_shapes]
 

@@ -237,7 +237,8 @@ def _folded(graph: TraceGraph, image: dict, block_of: dict, group: list, extra: 
 # --- identical decode steps, folded for drawing ---------------------------------------------------------
 
 DECODE_STEP = re.compile(r"decode\[(\d+)\]")
-_STEP_OWN = ("phase", "version")  # the step's own name; how often a KV cache was written so far
+# the step's own name; how often a KV cache was written so far; a pipeline's p2p tag, a message's number
+_STEP_OWN = ("phase", "version", "tag")
 _FOLLOW_SHAPES = ("shape", "bytes", "flops", "dense_flops", "bytes_read", "bytes_written", "duration_us")
 
 
@@ -291,71 +292,90 @@ def fold_repeated_steps(graph: TraceGraph, repeats: dict) -> tuple[TraceGraph, d
     """`graph` (layers already folded: fold_repeated_layers and its `repeats`) with each run of identical
     consecutive decode steps kept once (the first), and {first step's phase: StepRun} for runs of two or
     more; a kept tensor whose shape grows gets `last_shape`, its shape in the run's last step, for labels.
-    Identical: the same nodes and edges with the same attributes (ops, modules, dtypes, collectives
-    with their groups and bytes, the same layers folded) except the step's own name, tensor ids, running
-    counts (collectives' order, cache versions) and what grows with the KV length: tensor shapes may differ
-    only in entries that grow by one per step, and only ops reading or writing such a tensor may differ in
-    FLOPs, bytes and time. Prefill and any other phase is never folded."""
+
+    Identical: the same nodes and edges with the same attributes (ops, modules, dtypes, collectives with
+    their groups and bytes, the same layers folded) except the step's own name, tensor ids, running counts
+    (collectives' order, p2p tags, cache versions) and what grows with the KV length: tensor shapes may
+    differ only in entries that grow by one a step, and only ops reading or writing such a tensor may differ
+    in FLOPs, bytes and time. What only later steps read (the KV cache written, the next token) may be
+    missing from a step: nothing reads the last step's. Prefill and any other phase is never folded."""
     blocks, block_of = _blocks(graph, by_layer=False)
     signatures = [_step_signature(graph, nodes, repeats, phase) if step_index(phase) is not None else None
                   for phase, _, nodes in blocks]
     image, group, runs, last_shape = {}, [], {}, {}
     for i, (phase, _, nodes) in enumerate(blocks):
         first = group[-1] if group else 0
-        run = runs.get(blocks[first][0])
-        steps = step_index(phase) - step_index(blocks[first][0]) if signatures[i] and signatures[first] else None
-        grown = _same_step(signatures[first], signatures[i], steps) if steps == len(run.phases if run else [0]) else None
+        kept, here = signatures[first], signatures[i]
+        run = runs.get(blocks[first][0]) or StepRun([blocks[first][0]])
+        steps = step_index(phase) - step_index(run.phases[0]) if kept and here else None
+        grown = _same_step(kept, here, steps) if steps == len(run.phases) else None
         if grown is None:
             group.append(i)
             continue
-        image.update(zip(nodes, blocks[first][2]))
-        tensors = signatures[first][0][3]
-        last_shape.update((blocks[first][2][tensors[t]], {"last_shape": list(signatures[i][2][t])}) for t, _ in grown)
-        run = runs.setdefault(blocks[first][0], StepRun([blocks[first][0]]))
+        image.update(zip(here.core, kept.core))
+        image.update((n, kept.outward[key]) for key, n in here.outward.items())
+        last_shape.update((kept.core[kept.tensor_at[t]], {"last_shape": list(here.shapes[t])}) for t, _ in grown)
+        runs[run.phases[0]] = run
         run.phases.append(phase)
         if grown and run.kv is None:
             shape, dim = grown[0]
-            run.kv = (signatures[first][2][shape][dim],) * 2
+            run.kv = (kept.shapes[shape][dim],) * 2
         run.kv = run.kv and (run.kv[0], run.kv[0] + steps)
         group.append(first)
-    return _folded(graph, image, block_of, group, last_shape), runs
+    return (_folded(graph, image, block_of, group, last_shape) if image else graph), runs
 
 
-def _step_signature(graph: TraceGraph, nodes: list[int], repeats: dict, phase: str) -> tuple:
-    """(what must match exactly, each op's neighbour tensors, tensor shapes, each node's shape-following
-    fields) of one step: its attributes as _signature compares layers, less _STEP_OWN and _FOLLOW_SHAPES."""
-    local = {n: i for i, n in enumerate(nodes)}
+@dataclass
+class _Step:
+    """A decode step as fold_repeated_steps compares it. core: its nodes less `outward`, the tensors nothing
+    in the step reads, by (producer's position in core, argument, attributes less shapes)."""
+    core: list
+    outward: dict
+    exact: tuple  # what must match
+    tensor_at: list  # the position in core of each tensor
+    shapes: list  # each tensor's shape
+    near: list  # each node's neighbours' positions in core
+    follow: list  # each node's fields that follow from shapes
+
+
+def _step_signature(graph: TraceGraph, nodes: list[int], repeats: dict, phase: str) -> _Step:
+    """Attributes compared as _signature compares layers', less _STEP_OWN and _FOLLOW_SHAPES."""
     pred, succ, attrs = graph.preds, graph.succs, graph.node_attrs
-    plain, shapes, follow, near = [], [], [], []
+    inside = set(nodes)
+    core = [n for n in nodes if attrs[n]["kind"] != "tensor" or succ[n].keys() & inside]
+    local = {n: i for i, n in enumerate(core)}
+
+    def plain(d):
+        return {k: v for k, v in d.items() if k not in _STEP_OWN and (k not in _FOLLOW_SHAPES or
+                                                                      d["kind"] == "collective")}
+    outward = {}
     for n in nodes:
-        d = attrs[n]
-        plain.append({k: v for k, v in d.items() if k not in _STEP_OWN and (k not in _FOLLOW_SHAPES or
-                                                                            d["kind"] == "collective")})
-        follow.append(tuple(d.get(k) for k in _FOLLOW_SHAPES[1:]) if d["kind"] != "collective" else ())
-        if d["kind"] == "tensor":
-            shapes.append(list(d["shape"]))
-        near.append({local[t] for t in (*pred[n], *succ[n]) if t in local})
-    tensor_at = [i for i, n in enumerate(nodes) if attrs[n]["kind"] == "tensor"]
+        if n not in local:
+            producer, edge = next(iter(pred[n].items()))
+            outward[local[producer], edge.get("arg"), _RUNNING.sub("", repr(plain(attrs[n])))] = n
+    follow = [tuple(attrs[n].get(k) for k in _FOLLOW_SHAPES[1:]) if attrs[n]["kind"] != "collective" else ()
+              for n in core]
+    tensor_at = [i for i, n in enumerate(core) if attrs[n]["kind"] == "tensor"]
     # which inputs come from outside the step, not from how many nodes: a step after one whose layers
     # differ reads each layer's KV cache from its own node, a step after a folded one from one
-    inputs = sorted({(i, local.get(p), e.get("arg")) for i, n in enumerate(nodes) for p, e in pred[n].items()},
+    inputs = sorted({(i, local.get(p), e.get("arg")) for i, n in enumerate(core) for p, e in pred[n].items()},
                     key=str)
     layers = sorted((k[1:], v) for k, v in repeats.items() if k[0] == phase)
-    # (what later steps read of a step is left out: nothing reads the last step's KV cache and token)
-    exact = (_RUNNING.sub("", repr(plain)), inputs, layers, tensor_at)
-    return exact, near, shapes, follow
+    exact = (_RUNNING.sub("", repr([plain(attrs[n]) for n in core])), inputs, layers, tensor_at)
+    return _Step(core, outward, exact, tensor_at, [list(attrs[core[i]]["shape"]) for i in tensor_at],
+                 [{local[t] for t in (*pred[n], *succ[n]) if t in local} for n in core], follow)
 
 
-def _same_step(first: tuple, later: tuple, steps: int) -> list | None:
+def _same_step(first: _Step, later: _Step, steps: int) -> list | None:
     """grown_entries() between two steps `steps` apart when they are identical as fold_repeated_steps
     says, else None."""
-    if first[0] != later[0]:
+    if first.exact != later.exact or not later.outward.keys() <= first.outward.keys():
         return None
-    grown = grown_entries(first[2], later[2], steps)
+    grown = grown_entries(first.shapes, later.shapes, steps)
     if grown is None:
         return None
-    varying = {first[0][3][shape] for shape, _ in grown}  # node positions of the tensors that grew
-    for i, (a, b) in enumerate(zip(first[3], later[3])):
-        if a != b and i not in varying and not first[1][i] & varying:
+    varying = {first.tensor_at[shape] for shape, _ in grown}  # positions of the tensors that grew
+    for i, (a, b) in enumerate(zip(first.follow, later.follow)):
+        if a != b and i not in varying and not first.near[i] & varying:
             return None
     return grown
