@@ -141,7 +141,8 @@ def write_table(report: CommReport, noise_level: int, path) -> None:
 def json_tree(report: CommReport, noise_level: int) -> dict:
     """torch's generate_json_dump tree (fqn, module_type, parameters, children, collectives_forward/backward,
     operations_forward/backward/checkpointing) with syntorch's fields added: bytes per section, each op's phase
-    and node id, each collective's details, and at the root the run, the per-phase totals and every collective."""
+    and node id, each collective's details, and at the root the run, the per-phase totals, every collective and
+    the runs of identical decode steps that the table and the HTML list once (step_runs: {first: steps})."""
     noise_level = check_noise_level(noise_level)
     root = _module_json(report, report.modules[""], noise_level)
     root.update(noise_level=noise_level, phase_totals={
