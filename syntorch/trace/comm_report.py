@@ -16,9 +16,8 @@ byte totals per module and per phase.
 Identical consecutive decode steps are listed once (`step_runs`, `fold_steps`) by the table and the browser
 view, as the images draw them once: steps with the same ops and collectives in the same modules and order,
 the same parameters, and collectives of the same kind, bytes, group and peers (their order and p2p tag go
-on counting); input shapes may differ only
-in entries that grow by one a step (the KV length). Counts and bytes still count every step; the JSON dump
-keeps every op.
+on counting); input shapes may differ only in entries that grow by one a step (the KV length). Counts and
+bytes still count every step; the JSON dump keeps every op.
 """
 from collections import Counter
 from dataclasses import dataclass, field
