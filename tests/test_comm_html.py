@@ -171,3 +171,26 @@ def test_tree_text_and_folding_in_chromium(report_page, browser, tmp_path):
         "document.querySelector('li[data-fqn=\"layers.0.mlp.fc2\"] > .caret').checkVisibility()")
     browser.click("#expand-all")
     assert visible(browser, "layers.1.attn.qkv")
+
+
+def test_decode_steps_fold_in_the_browser(browser, tmp_path):
+    """A 20-token generation under TP 2: the 19 decode steps are one row per collective, with their count."""
+    from syntorch.export.comm_report import write_html
+    from syntorch.trace.comm_report import CommReport
+    from syntorch.trace.generation import trace_tp_rank
+
+    graph = trace_tp_rank(tiny_config("gpt2", n_layer=2), torch.zeros(1, 4, dtype=torch.long), 20, tp=2, rank=0)[0]
+    write_html(CommReport(graph), 1, tmp_path / "steps.html")
+    browser.open(tmp_path / "steps.html")
+    cells = json.loads(browser.js("JSON.stringify([...[...document.querySelectorAll('table')].at(-1).rows].slice(1)"
+                                  ".map(r => [...r.cells].map(c => c.innerText)))"))  # the collectives
+    assert len(cells) == 2 * 6 and sum(int(row[3]) for row in cells) == 20 * 6  # the steps column
+    assert [row[2] for row in cells] == ["prefill"] * 6 + ["decode[0–18] × 19"] * 6
+    browser.click('li[data-fqn="layers.0"] > .caret')
+    browser.click('li[data-fqn="layers.0.mlp"] > .caret')
+    browser.click('li[data-fqn="layers.0.mlp.fc2"] > .caret')
+    fc2 = browser.js("document.querySelector('li[data-fqn=\"layers.0.mlp.fc2\"]').innerText")
+    # its matmul, its all-reduce and its bias (added after the all-reduce), once each for the 19 steps
+    assert fc2.count("decode[0–18] × 19") == 3 and "decode[1]" not in fc2
+    browser.screenshot(tmp_path / "steps.png")
+    assert (tmp_path / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,3 +1,4 @@
+import re
 import xml.etree.ElementTree as ET
 
 import networkx as nx
@@ -10,7 +11,9 @@ from conftest import tiny_config
 from syntorch.export import networkx_json, write_trace_outputs
 from syntorch.export.image import draw
 from syntorch.models import build_model
+from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.generation import trace_tp_rank
+from syntorch.trace.training import trace_stage
 from syntorch.trace import Tracer
 from syntorch.trace.graph import LEVELS
 from syntorch.trace.levels import fold_repeated_layers, layer_of
@@ -34,7 +37,7 @@ def layers_kept(graph) -> list[str]:
 def test_identical_layers_fold_into_one_with_their_count():
     graph = traced(6)
     folded, repeats = fold_repeated_layers(graph)
-    assert repeats == {("forward", "layers.0"): [f"layers.{i}" for i in range(6)]}
+    assert repeats == {("forward", "layers.0", 0): [f"layers.{i}" for i in range(6)]}
     assert layers_kept(folded) == ["layers.0"]
     assert nx.is_directed_acyclic_graph(folded) and nx.is_weakly_connected(folded)
     one_layer = [n for n, d in graph.work() if layer_of(d["module"]) == "layers.0"]
@@ -51,8 +54,8 @@ def test_a_layer_that_differs_is_kept_on_its_own(tmp_path):
     graph = traced(5, change=no_bias)
     folded, repeats = fold_repeated_layers(graph)
     assert layers_kept(folded) == ["layers.0", "layers.2", "layers.3"]
-    assert repeats == {("forward", "layers.0"): ["layers.0", "layers.1"],
-                       ("forward", "layers.3"): ["layers.3", "layers.4"]}
+    assert repeats == {("forward", "layers.0", 0): ["layers.0", "layers.1"],
+                       ("forward", "layers.3", 0): ["layers.3", "layers.4"]}
     draw(graph, tmp_path / "g.svg", "module")
     text = svg_text(tmp_path / "g.svg")
     assert "layers.0–1 × 2" in text and "layers.3–4 × 2" in text and "layers.2.mlp.fc1" in text
@@ -128,6 +131,19 @@ def test_backward_layers_fold_too(tmp_path):
     with Tracer(model) as tracer:
         model(torch.randint(0, 128, (2, 8))).sum().backward()
     _, repeats = fold_repeated_layers(tracer.graph)
-    assert repeats[("backward", "layers.3")] == ["layers.3", "layers.2", "layers.1", "layers.0"]
+    assert repeats[("backward", "layers.3", 0)] == ["layers.3", "layers.2", "layers.1", "layers.0"]
     draw(tracer.graph, tmp_path / "g.svg")
     assert svg_text(tmp_path / "g.svg").count("layers.0–3 × 4") == 2  # forward and backward
+
+
+def test_a_pipeline_stage_labels_each_micro_batch_with_its_own_layers(tmp_path):
+    """Stage 0 of 2 of a 12-layer model runs layers.0-5 once per micro-batch, all in phase forward (and
+    backward): each micro-batch's copy is a box of 6 layers, not one count of every micro-batch's layers."""
+    plan = TrainPlan(pp=2, microbatches=4, micro_batch_size=1, seq=8)
+    graph = trace_stage(tiny_config("gpt2", n_layer=12), plan, 0)
+    _, repeats = fold_repeated_layers(graph)
+    assert {key: len(layers) for key, layers in repeats.items()} == {
+        **{("forward", "layers.0", m): 6 for m in range(4)}, **{("backward", "layers.5", m): 6 for m in range(4)}}
+    draw(graph, tmp_path / "g.svg", "layer")
+    text = svg_text(tmp_path / "g.svg")
+    assert re.findall(r"layers\.\d+–\d+ × \d+", text) == ["layers.0–5 × 6"] * 8

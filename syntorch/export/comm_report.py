@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from syntorch.trace.comm_report import GLOBAL, SECTIONS, CommReport, ModuleInfo, OpRecord, check_noise_level
+from syntorch.trace.comm_report import (GLOBAL, RUNNING, SECTIONS, CommReport, ModuleInfo, OpRecord,
+                                        check_noise_level, fold_steps)
+from syntorch.trace.levels import step_span
 from syntorch.outdir import atomic_output_file
 
 SECTION_TITLES = {"forward": "FORWARD PASS", "backward": "BACKWARD PASS", "optimizer": "OPTIMIZER STEP"}
@@ -30,6 +32,40 @@ def collective_details(c: dict) -> str:
     return ", ".join(parts + [f"order: {c['order']}"])
 
 
+def folded_collective(c: dict, copies: list[dict]) -> dict:
+    """A collective standing for itself in later decode steps too: its order and tag in the first and the
+    last (when they differ)."""
+    if not copies:
+        return c
+    return {**c, **{k: f"{c[k]}…{copies[-1][k]}" for k in RUNNING if c.get(k) != copies[-1].get(k)}}
+
+
+def shapes_text(first: list, last: list) -> str:
+    """Input shapes, with the entries that grow over folded decode steps as first–last: [1, 12, 11–29, 64]."""
+    return "[" + ", ".join("[" + ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in zip(s, t)) + "]"
+                           for s, t in zip(first, last)) + "]"
+
+
+def phase_rows(phase_totals: dict, runs: dict) -> list[tuple[str, str, int, int, int]]:
+    """(phase, collective kind, count, bytes, steps) per phase, a run of identical decode steps in one row
+    whose count and bytes are those of all its steps."""
+    later = {p for run in runs.values() for p in run[1:]}
+    rows = []
+    for phase, kinds in phase_totals.items():
+        if phase in later:
+            continue
+        run = runs.get(phase, [phase])
+        for kind in kinds:
+            count, nbytes = (sum(phase_totals[p][kind][i] for p in run) for i in (0, 1))
+            rows.append((step_span(run), kind, count, nbytes, len(run)))
+    return rows
+
+
+def per_step(total: int, steps: int, text=str) -> str:
+    """'38' or, over folded steps, '38 (2 a step)'."""
+    return text(total) if steps == 1 else f"{text(total)} ({text(total // steps)} a step)"
+
+
 def shard_text(param: dict) -> str:
     """What torch shows as a parameter's placement; syntorch knows this rank's shard shape."""
     return f"local shape {param['shape']} {param['dtype']}"
@@ -40,13 +76,13 @@ def tracing_table(report: CommReport, noise_level: int, color: bool = True) -> s
     noise_level = check_noise_level(noise_level)
     lines = []
     for module in report.walk():
-        lines += _module_lines(module, noise_level)
+        lines += _module_lines(report, module, noise_level)
     lines += _phase_total_lines(report)
     text = "\n".join(lines) + "\n"
     return text if color else ANSI_ESCAPE.sub("", text)
 
 
-def _module_lines(module: ModuleInfo, noise_level: int) -> list[str]:
+def _module_lines(report: CommReport, module: ModuleInfo, noise_level: int) -> list[str]:
     indent = "  " * (2 * module.depth)
     lines = [f"{indent}{module.name}"]
     if noise_level >= 1 and module.module_type:
@@ -55,11 +91,11 @@ def _module_lines(module: ModuleInfo, noise_level: int) -> list[str]:
         lines.append(f"{indent}*Parameter List")
         lines += [f"{indent} *{name}: {shard_text(p)}" for name, p in module.parameters.items()]
     for section in SECTIONS:
-        lines += _section_lines(module, section, noise_level)
+        lines += _section_lines(report, module, section, noise_level)
     return lines
 
 
-def _section_lines(module: ModuleInfo, section: str, noise_level: int) -> list[str]:
+def _section_lines(report: CommReport, module: ModuleInfo, section: str, noise_level: int) -> list[str]:
     records = [r for r in module.records if r.section == section and r.visible_at(noise_level)]
     if not module.totals[section] and not records:
         return []
@@ -67,24 +103,29 @@ def _section_lines(module: ModuleInfo, section: str, noise_level: int) -> list[s
     lines = [f"{'  ' * (2 * module.depth + 1)}{SECTION_TITLES[section]}"]
     lines += [f"{YELLOW}{collective_indent}*{kind}: {count} ({format_bytes(nbytes)}){RESET}"
               for kind, (count, nbytes) in module.totals[section].items()]
-    for record in records:
-        lines.append(f"{YELLOW}{collective_indent}**{record.name}{RESET}")
-        lines += [f"{RED}{collective_indent}  {detail}{RESET}" for detail in _record_details(record)]
+    for record, copies in report.fold_steps(records):
+        steps = f" ({step_span([record.phase] + [c.phase for c in copies])})" if copies else ""
+        lines.append(f"{YELLOW}{collective_indent}**{record.name}{steps}{RESET}")
+        lines += [f"{RED}{collective_indent}  {detail}{RESET}" for detail in _record_details(record, copies)]
     return lines
 
 
-def _record_details(record: OpRecord) -> list[str]:
+def _record_details(record: OpRecord, copies: list[OpRecord]) -> list[str]:
     if record.kind == "collective":
-        return [collective_details(record.collective)]
-    details = [f"shape: {record.input_shapes}"] if record.input_shapes else []
+        return [collective_details(folded_collective(record.collective, [c.collective for c in copies]))]
+    last = copies[-1] if copies else record
+    details = [f"shape: {shapes_text(record.input_shapes, last.input_shapes)}"] if record.input_shapes else []
     return details + ([f"params: {record.params}"] if record.params else [])
 
 
 def _phase_total_lines(report: CommReport) -> list[str]:
-    lines = ["TOTALS PER PHASE"]
-    for phase, kinds in report.phase_totals.items():
-        lines.append(f"  {phase}")
-        lines += [f"    *{kind}: {count} ({format_bytes(nbytes)})" for kind, (count, nbytes) in kinds.items()]
+    lines, last = ["TOTALS PER PHASE"], None
+    for phase, kind, count, nbytes, steps in phase_rows(report.phase_totals, report.step_runs):
+        if phase != last:
+            lines.append(f"  {phase}")
+            last = phase
+        each = f", {count // steps} ({format_bytes(nbytes // steps)}) a step" if steps > 1 else ""
+        lines.append(f"    *{kind}: {count} ({format_bytes(nbytes)}){each}")
     count = len(report.collectives)
     nbytes = sum(c["bytes"] or 0 for c in report.collectives)
     lines.append(f"  all phases: {count} collective{'s' * (count != 1)}, {format_bytes(nbytes)}")
@@ -100,12 +141,14 @@ def write_table(report: CommReport, noise_level: int, path) -> None:
 def json_tree(report: CommReport, noise_level: int) -> dict:
     """torch's generate_json_dump tree (fqn, module_type, parameters, children, collectives_forward/backward,
     operations_forward/backward/checkpointing) with syntorch's fields added: bytes per section, each op's phase
-    and node id, each collective's details, and at the root the run, the per-phase totals and every collective."""
+    and node id, each collective's details, and at the root the run, the per-phase totals, every collective and
+    the runs of identical decode steps that the table and the HTML list once (step_runs: {first: steps})."""
     noise_level = check_noise_level(noise_level)
     root = _module_json(report, report.modules[""], noise_level)
     root.update(noise_level=noise_level, phase_totals={
         phase: {kind: {"count": c, "bytes": b} for kind, (c, b) in kinds.items()}
-        for phase, kinds in report.phase_totals.items()}, collectives=report.collectives)
+        for phase, kinds in report.phase_totals.items()}, collectives=report.collectives,
+        step_runs=report.step_runs)
     root.update({key: report.graph_attrs.get(key) for key in ("model", "rank", "world_size", "tp", "pp", "dp")})
     return root
 
@@ -188,30 +231,39 @@ document.getElementById("collapse-all").addEventListener("click", function () {{
 </body>
 </html>
 """
-COLLECTIVE_COLUMNS = ("node", "module", "phase", "collective", "reduce_op", "bytes", "group", "order", "src", "dst",
-                      "tag")
+COLLECTIVE_COLUMNS = ("node", "module", "phase", "steps", "collective", "reduce_op", "bytes", "group", "order", "src",
+                      "dst", "tag")
 
 
 def render_html(tree: dict) -> str:
     """The page for a json_tree(): run summary, per-phase totals, the module tree (Global open, the rest
-    folded) and every collective."""
+    folded) and every collective; identical decode steps in one row (tree["step_runs"]) with their count."""
     title = f"CommDebugMode: {tree.get('model') or 'run'}, rank {tree.get('rank')}"
     run = (f"rank {tree.get('rank')} of {tree.get('world_size')} (tp {tree.get('tp')}, pp {tree.get('pp')}, "
            f"dp {tree.get('dp')}), noise level {tree['noise_level']}, {len(tree['collectives'])} collectives")
-    phase_rows = [[phase, kind, t["count"], format_bytes(t["bytes"])]
-                  for phase, kinds in tree["phase_totals"].items() for kind, t in kinds.items()]
-    collective_rows = [[c["node"], c["module"] or GLOBAL, *(c[k] for k in COLLECTIVE_COLUMNS[2:])]
-                       for c in tree["collectives"]]
-    return PAGE.format(title=_e(title), run=_e(run), tree=_tree_item(tree, is_root=True),
-                       phase_table=_table(["phase", "collective", "count", "bytes"], phase_rows),
+    runs = tree.get("step_runs") or {}
+    totals = {phase: {kind: (t["count"], t["bytes"]) for kind, t in kinds.items()}
+              for phase, kinds in tree["phase_totals"].items()}
+    phase_table = [[phase, kind, per_step(count, steps), per_step(nbytes, steps, format_bytes)]
+                   for phase, kind, count, nbytes, steps in phase_rows(totals, runs)]
+    collective_rows = []
+    for c, copies in fold_steps(tree["collectives"], runs, phase=lambda c: c["phase"]):
+        c = {**folded_collective(c, copies), "phase": _steps(c, copies), "steps": 1 + len(copies)}
+        collective_rows.append([c["node"], c["module"] or GLOBAL, *(c[k] for k in COLLECTIVE_COLUMNS[2:])])
+    return PAGE.format(title=_e(title), run=_e(run), tree=_tree_item(tree, runs, is_root=True),
+                       phase_table=_table(["phase", "collective", "count", "bytes"], phase_table),
                        collective_table=_table(COLLECTIVE_COLUMNS, collective_rows))
 
 
-def _tree_item(node: dict, is_root: bool = False) -> str:
+def _steps(item: dict, copies: list[dict]) -> str:
+    return step_span([item["phase"]] + [c["phase"] for c in copies])
+
+
+def _tree_item(node: dict, runs: dict, is_root: bool = False) -> str:
     badge = "; ".join(f"{s}: " + ", ".join(f"{kind} \u00d7{count}" for kind, count in node[f"collectives_{s}"])
                       for s in SECTIONS if node[f"collectives_{s}"])
-    body = [_module_info(node)] + [_pass_html(node, s) for s in SECTIONS]
-    children = "".join(_tree_item(child) for child in node["children"])
+    body = [_module_info(node)] + [_pass_html(node, s, runs) for s in SECTIONS]
+    children = "".join(_tree_item(child, runs) for child in node["children"])
     body.append(f"<ul>{children}</ul>" if children else "")
     opened = " caret-down" if is_root else ""
     return (f'<li data-fqn="{_e(node["fqn"])}"><span class="caret{opened}">{_e(node["fqn"])}</span>'
@@ -226,7 +278,7 @@ def _module_info(node: dict) -> str:
     return info
 
 
-def _pass_html(node: dict, section: str) -> str:
+def _pass_html(node: dict, section: str, runs: dict) -> str:
     counts, ops = node[f"collectives_{section}"], node[f"operations_{section}"]
     if not counts and not ops:
         return ""
@@ -234,13 +286,18 @@ def _pass_html(node: dict, section: str) -> str:
     parts = [f'<div class="pass"><span class="pass-title">{SECTION_TITLES[section]}</span>',
              _table(["collective", "count", "bytes"], [[k, c, format_bytes(nbytes[k])] for k, c in counts])]
     if ops:
-        rows = [[op["name"], op["phase"], _op_inputs(op), ", ".join(op["params"])] for op in ops]
+        rows = [[op["name"], _steps(op, copies), _op_inputs(op, copies), ", ".join(op["params"])]
+                for op, copies in fold_steps(ops, runs, phase=lambda op: op["phase"])]
         parts.append(_table(["op", "phase", "inputs / details", "params"], rows))
     return "".join(parts) + "</div>"
 
 
-def _op_inputs(op: dict) -> str:
-    return collective_details(op) if "collective" in op else ", ".join(op["input_shape"])
+def _op_inputs(op: dict, copies: list[dict]) -> str:
+    if "collective" in op:
+        return collective_details(folded_collective(op, copies))
+    if not copies:
+        return ", ".join(op["input_shape"])
+    return shapes_text(*([json.loads(s) for s in o["input_shape"]] for o in (op, copies[-1])))[1:-1]
 
 
 def _table(header, rows) -> str:

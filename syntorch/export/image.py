@@ -2,8 +2,12 @@
 
 Identical consecutive layers are drawn once, in a grey box labelled with the layers it stands for and
 "× N": levels.fold_repeated_layers decides from the graph itself (ops, shapes, FLOPs, collectives), so a
-layer that differs is drawn on its own. Folding is for drawing only; the traced graph and its JSON keep
-every layer. The folded graph is drawn at the finest level with at most READABLE_NODES nodes (the title
+layer that differs is drawn on its own; a pipeline stage's micro-batches each get their own box. Identical
+consecutive decode steps are drawn as one column, `decode[0–18] × 19, KV length 11–29`
+(levels.fold_repeated_steps: the same graph but for shapes that grow by one a step), growing tensors
+labelled `1x12x11–29x64`; prefill stays its own column. The title gives the collectives and FLOPs of the
+whole trace, every layer and step. Folding is for drawing only; the traced graph and its JSON keep every
+layer and step. The folded graph is drawn at the finest level with at most READABLE_NODES nodes (the title
 says which level).
 
 Layered top to bottom, one column per phase: `networkx.topological_generations` gives each node its row,
@@ -15,6 +19,8 @@ matplotlib's Figure with the Agg backend, no pyplot and no graphviz. A drawing c
 text labels (each is laid out by FreeType, ~1-3 ms), so every node kind is one artist, all edges are
 one, and big graphs label only what carries the story.
 """
+from collections import Counter
+
 import matplotlib
 import networkx as nx
 from matplotlib.collections import LineCollection
@@ -23,7 +29,7 @@ from matplotlib.patches import Rectangle
 
 from syntorch.outdir import atomic_output_file
 from syntorch.trace.graph import LEVELS, TraceGraph, no_gc
-from syntorch.trace.levels import fold_repeated_layers, layer_blocks, level_view
+from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, layer_blocks, level_view
 
 COLORS = {"tensor": "#4caf50", "op": "#1e88e5", "collective": "#e53935"}
 READABLE_NODES = 400  # above this an op-level drawing is a grey smear: go a level coarser
@@ -32,6 +38,7 @@ LABEL_WORK = 200  # label every op when there are at most this many ops and coll
 INCH_X, INCH_Y = 0.45, 0.26  # inches per node step across and per row down: room for 7-8 pt labels
 CHAR_STEPS = 0.058 / INCH_X  # node steps per label character (7-8 pt DejaVu Sans), to leave room for labels
 TITLE_STEPS = 0.075 / INCH_X  # the same for a box's title (9 pt bold)
+HEADER_STEPS = 0.085 / INCH_X  # the same for a column's header (10 pt bold)
 TITLE_INCHES_PER_CHAR = 0.075  # the image's title (10 pt), which sets the least width
 PAGE_ASPECT = 1.4  # width / height the bands of columns aim for
 MAX_INCHES = 300  # matplotlib's Agg canvas must stay under 2**16 pixels a side
@@ -49,18 +56,24 @@ def choose_level(graph: TraceGraph, level: str | None) -> TraceGraph:
     return view
 
 
-def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=()) -> dict:
+def layered_positions(graph: nx.DiGraph, reach: dict | None = None, boxes=(), headers: dict | None = None) -> dict:
     """One column per phase (prefill, decode[0], ...), rows top to bottom inside each: the steps of a
     generation are linked only through the KV cache, so one layering would smear them together. Columns
     run left to right in bands, as many bands as bring the whole closest to a page's shape. `reach`: how
     far right of a node its label runs (in node steps), so labels do not run into their neighbours;
-    `boxes`: (nodes, width of a title in node steps): each box gets an empty row above it for its title."""
+    `boxes`: (nodes, width of a title in node steps): each box gets an empty row above it for its title;
+    `headers`: {phase: width of its column's header in node steps} for headers wider than a phase's name."""
     reach = reach or {}
     columns: dict[str, list] = {}
     for node, phase in _phases(graph).items():
         columns.setdefault(phase, []).append(node)
     placed = [_open_rows(_place_rows(graph.subgraph(nodes), reach), boxes) for nodes in columns.values()]
     widths = [max(_right_edges(p, reach, boxes)) + 1.5 for p in placed]
+    for i, phase in enumerate(columns):  # a wide header: its column widens, its nodes stay in the middle
+        shift = ((headers or {}).get(phase, 0) + 1.0 - widths[i]) / 2
+        if shift > 0:
+            placed[i] = {n: (x + shift, y) for n, (x, y) in placed[i].items()}
+            widths[i] += 2 * shift
     depth = max((-min(y for _, y in p.values()) for p in placed), default=0) + 2  # header and gap rows
     per_band = min(range(1, len(placed) + 1), default=1,
                    key=lambda n: abs(_band_aspect(widths, depth, n) - PAGE_ASPECT))
@@ -138,32 +151,37 @@ def _place_rows(graph: nx.DiGraph, reach: dict) -> dict:
     return pos
 
 
-def fold(graph: TraceGraph) -> tuple[TraceGraph, dict]:
-    """fold_repeated_layers(graph), what every drawing of it starts from (compute it once for several)."""
+def fold(graph: TraceGraph) -> tuple[TraceGraph, dict, dict]:
+    """(graph folded, layers' repeats, decode steps' runs): fold_repeated_layers then fold_repeated_steps,
+    what every drawing of `graph` starts from (compute it once for several)."""
     with no_gc():  # folding copies 10^4 small dicts; the collector would rescan the whole graph for nothing
-        return fold_repeated_layers(graph)
+        folded, repeats = fold_repeated_layers(graph)
+        folded, runs = fold_repeated_steps(folded, repeats)
+    return folded, repeats, runs
 
 
 def draw(graph: TraceGraph, path, level: str | None = None, comm: bool = False, fmt: str | None = None,
-         folded: tuple[TraceGraph, dict] | None = None) -> TraceGraph:
+         folded: tuple[TraceGraph, dict, dict] | None = None) -> TraceGraph:
     """Draw `graph` to `path` (png or svg by suffix or `fmt`); `comm` emphasises collectives and their edges.
     `folded` is fold(graph) when the caller has it. Returns the graph at the level drawn (repeated layers
-    folded)."""
-    folded, repeats = folded or fold(graph)
+    and decode steps folded)."""
+    folded, repeats, runs = folded or fold(graph)
+    headers = {phase: run.title for phase, run in runs.items()}
     with no_gc():
         view = choose_level(folded, level)
     spans = _spans(view, repeats)
     labels = _labels(view, comm, spans)
     reach = {n: 0.3 + len(text) * CHAR_STEPS for n, text in labels.items()}
     boxes = _boxes(spans)
-    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for (_, t), nodes in boxes.items()])
-    title = _title(view, len(graph), bool(repeats))
+    pos = layered_positions(nx.DiGraph(view), reach, [(nodes, len(t) * TITLE_STEPS) for t, nodes in boxes],
+                            {phase: len(text) * HEADER_STEPS for phase, text in headers.items()})
+    title = _title(view, graph, bool(repeats), bool(runs))
     fig, ax, dpi = _canvas(pos, reach, min_width=max(map(len, title.splitlines())) * TITLE_INCHES_PER_CHAR)
     _draw_boxes(pos, boxes, reach, ax)
     _draw_edges(view, pos, ax, comm)
     _draw_nodes(view, pos, ax, comm)
     _draw_labels(view, pos, labels, ax)
-    _phase_headers(view, pos, ax)
+    _phase_headers(view, pos, ax, headers)
     fig.suptitle(title, fontsize=10, y=1 - 0.1 / fig.get_figheight())
     _save(fig, path, fmt or str(path).rsplit(".", 1)[-1], dpi)
     return view
@@ -198,30 +216,32 @@ def _canvas(pos: dict, reach: dict, min_width: float):
 
 
 def _spans(view, repeats: dict) -> dict:
-    """{node: (phase, layer, span, count)} for the nodes of each kept copy of repeated layers, e.g.
-    ("prefill", "layers.1", "layers.1–95", 95)."""
-    spans = {}
-    for phase, layer, nodes in layer_blocks(view):
-        stands_for = repeats.get((phase, layer))
+    """{node: (layer, span, count, box)} for the nodes of each kept copy of repeated layers, e.g.
+    ("layers.1", "layers.1–95", 95, 7); box: the copy's block index, as a pipeline stage keeps one copy per
+    micro-batch, all of them layers.0 in phase forward."""
+    spans, seen = {}, Counter()
+    for box, (phase, layer, nodes) in enumerate(layer_blocks(view)):  # the folded graph's blocks, one for one
+        stands_for = repeats.get((phase, layer, seen[phase, layer]))
+        seen[phase, layer] += 1
         if stands_for:  # backward runs layers.95 down to layers.0: name the span low to high all the same
             ends = sorted(stands_for, key=lambda name: int(name.rsplit(".", 1)[1]))
             span = f"{ends[0]}–{ends[-1].rsplit('.', 1)[1]}"
-            spans.update(dict.fromkeys(nodes, (phase, layer, span, len(stands_for))))
+            spans.update(dict.fromkeys(nodes, (layer, span, len(stands_for), box)))
     return spans
 
 
-def _boxes(spans: dict) -> dict:
-    """{(phase, title): nodes} of each box: one per kept copy of repeated layers."""
-    boxes: dict[tuple, list] = {}
-    for n, (phase, _, span, count) in spans.items():
-        boxes.setdefault((phase, f"{span} × {count}"), []).append(n)
-    return boxes
+def _boxes(spans: dict) -> list[tuple[str, list]]:
+    """(title, nodes) of each box: one per kept copy of repeated layers."""
+    boxes: dict[int, tuple] = {}
+    for n, (_, span, count, box) in spans.items():
+        boxes.setdefault(box, (f"{span} × {count}", []))[1].append(n)
+    return list(boxes.values())
 
 
 def _draw_boxes(pos, boxes: dict, reach: dict, ax):
     """A grey box around each kept copy of repeated layers and its labels, titled `layers.1–95 × 95` in the
     empty row the layout left above it."""
-    for (_, title), nodes in boxes.items():
+    for title, nodes in boxes:
         xs, ys = [pos[n][0] for n in nodes], [pos[n][1] for n in nodes]
         left, top, bottom = min(xs) - 0.5, max(ys) + 1.5, min(ys) - 0.5
         right = max(max(pos[n][0] + reach.get(n, 0) for n in nodes), left + 0.15 + len(title) * TITLE_STEPS)
@@ -264,7 +284,7 @@ def _labels(view, comm: bool, spans: dict) -> dict:
             return d["kind"] == "collective"
         return (work <= LABEL_WORK or d["flops"] > 0) if d["kind"] == "op" else total <= LABEL_NODES
 
-    return {n: _label(d, *spans.get(n, ("", "", ""))[1:3], comm=comm) for n, d in view.nodes(data=True) if wanted(d)}
+    return {n: _label(d, *spans.get(n, ("", ""))[:2], comm=comm) for n, d in view.nodes(data=True) if wanted(d)}
 
 
 def _draw_labels(view, pos, labels: dict, ax):
@@ -282,8 +302,9 @@ def _label(d: dict, layer: str = "", span: str = "", comm: bool = False) -> str:
     if d["kind"] == "collective":
         where = f" {_unlayered(d['module'], layer, span)} {_size(d['bytes'])}" if comm else ""
         return f"{d['collective']} {_ranks(d['group'])}{where}"
-    if d["kind"] == "tensor" and not d["is_param"]:
-        return "x".join(map(str, d["shape"]))
+    if d["kind"] == "tensor" and not d["is_param"]:  # over folded decode steps: 1x2x5–23x16
+        last = d.get("last_shape", d["shape"])
+        return "x".join(str(a) if a == b else f"{a}–{b}" for a, b in zip(d["shape"], last))
     return _unlayered(d["name"].removeprefix("aten."), layer, span)
 
 
@@ -308,23 +329,34 @@ def _ranks(group: list) -> str:
     return str(group)
 
 
-def _phase_headers(view, pos, ax):
-    """The phase's name above each column."""
+def _phase_headers(view, pos, ax, headers: dict):
+    """The phase's name above each column (`headers`: the title of a column of folded decode steps)."""
     columns: dict[str, list] = {}
     for node, phase in _phases(view).items():
         columns.setdefault(phase, []).append(pos[node])
     for phase, xy in columns.items():
         x = sum(x for x, _ in xy) / len(xy)
-        ax.text(x, max(y for _, y in xy) + 0.8, phase, ha="center", va="bottom", fontsize=10, fontweight="bold")
+        ax.text(x, max(y for _, y in xy) + 0.8, headers.get(phase, phase), ha="center", va="bottom", fontsize=10, fontweight="bold")
 
 
-def _title(view, traced: int, folded: bool) -> str:
+def _title(view, graph: TraceGraph, layers: bool, steps: bool) -> str:
+    """What is drawn, and the totals of the whole trace: folding draws fewer collectives than ran."""
     g = view.graph
-    n_coll = sum(1 for _ in view.collectives())
-    boxes = "; grey boxes: identical consecutive layers drawn once" if folded else ""
+    drawn, traced = sum(1 for _ in view.collectives()), sum(1 for _ in graph.collectives())
+    boxes = "; grey boxes: identical consecutive layers drawn once" if layers else ""
+    columns = "; decode[a–b] × n: identical decode steps drawn once" if steps else ""
     return (f"{g.get('model') or 'trace'}, rank {g.get('rank', 0)} of {g.get('world_size', 1)}: {g['level']} level, "
-            f"{len(view)} nodes drawn ({n_coll} collectives) of {traced} traced\n"
-            f"green: tensors, blue: ops, red: collectives{boxes}")
+            f"{len(view)} nodes drawn ({drawn} collectives) of {len(graph)} traced "
+            f"({traced} collectives, {_flops(graph.total_flops())} in all)\n"
+            f"green: tensors, blue: ops, red: collectives{boxes}{columns}")
+
+
+def _flops(flops: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if flops < 1000:
+            break
+        flops /= 1000
+    return f"{flops:.3g} {unit}FLOP"
 
 
 def export_png(graph: TraceGraph, path, level: str | None = None) -> None:

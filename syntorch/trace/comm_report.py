@@ -12,12 +12,19 @@ holds phase "optimizer"). Noise levels, as the tutorial defines them:
   3  everything
 Beyond torch: each collective's bytes, group (global ranks), reduce op, order in its group and p2p peers, and
 byte totals per module and per phase.
+
+Identical consecutive decode steps are listed once (`step_runs`, `fold_steps`) by the table and the browser
+view, as the images draw them once: steps with the same ops and collectives in the same modules and order,
+the same parameters, and collectives of the same kind, bytes, group and peers (their order and p2p tag go
+on counting); input shapes may differ only in entries that grow by one a step (the KV length). Counts and
+bytes still count every step; the JSON dump keeps every op.
 """
 from collections import Counter
 from dataclasses import dataclass, field
 
 from syntorch.errors import UserError
 from syntorch.trace.graph import COLLECTIVES
+from syntorch.trace.levels import grown_entries, step_index
 
 NOISE_LEVELS = (0, 1, 2, 3)
 SECTIONS = ("forward", "backward", "optimizer")
@@ -28,6 +35,7 @@ TRIVIAL_OPS = frozenset({"aten.detach", "aten.t", "aten.view", "aten._to_copy", 
 CONTAINER_TYPES = frozenset(f"torch.nn.modules.container.{name}" for name in
                             ("ModuleDict", "ModuleList", "ParameterDict", "ParameterList"))
 COLLECTIVE_FIELDS = ("collective", "reduce_op", "bytes", "group", "order", "src", "dst", "tag")
+RUNNING = ("order", "tag")  # counts that go on from step to step: the order in a group, a p2p message's number
 
 
 def check_noise_level(noise_level, flag: str = "noise level") -> int:
@@ -102,6 +110,7 @@ class CommReport:
             if fqn in self.modules:
                 self.modules[fqn].module_type = module_type
         self._drop_containers()
+        self.step_runs = self._step_runs()  # {first step: the steps listed as one}, runs of two or more
 
     # --- reading the graph ----------------------------------------------------------------------
     def _read(self, graph):
@@ -159,6 +168,24 @@ class CommReport:
             for child in module.children:
                 self.modules[child].depth = module.depth + 1
 
+    def _step_runs(self) -> dict[str, list[str]]:
+        steps: dict[str, list] = {}
+        for module in self.modules.values():
+            for r in module.records:
+                if step_index(r.phase) is not None:
+                    steps.setdefault(r.phase, []).append((r.node, module.fqn, r))
+        signatures = {phase: _step_signature(sorted(found, key=lambda f: f[0])) for phase, found in steps.items()}
+        runs: list[list[str]] = []
+        for phase in sorted(steps, key=step_index):
+            run = runs[-1] if runs else [phase]
+            apart = step_index(phase) - step_index(run[0])
+            first, here = signatures[run[0]], signatures[phase]
+            if apart == len(run) and first[0] == here[0] and grown_entries(first[1], here[1], apart) is not None:
+                run.append(phase)
+            else:
+                runs.append([phase])
+        return {run[0]: run for run in runs if len(run) > 1}
+
     def walk(self, fqn: str = ""):
         """Modules depth-first, parents before children, children in traced order."""
         module = self.modules[fqn]
@@ -171,6 +198,10 @@ class CommReport:
         parts = fqn.split(".") if fqn else []
         return [""] + [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
+    def fold_steps(self, items: list, phase=lambda item: item.phase) -> list[tuple]:
+        """fold_steps(items, self.step_runs, phase)."""
+        return fold_steps(items, self.step_runs, phase)
+
     # --- torch's getters ------------------------------------------------------------------------
     def comm_counts(self) -> dict[str, int]:
         """Collective kind -> count over the whole run (torch keys by op; syntorch by collective kind)."""
@@ -181,3 +212,31 @@ class CommReport:
         comm_module_counts)."""
         return {m.name: {s: {k: cb[0] for k, cb in m.totals[s].items()} for s in SECTIONS}
                 for m in self.modules.values() if any(m.totals.values())}
+
+
+def _step_signature(found: list[tuple]) -> tuple:
+    """(what must match, every input shape in order) of one decode step's (node, module, record)s."""
+    what = [(fqn, r.name, r.kind, r.params, {k: v for k, v in r.collective.items() if k not in RUNNING})
+            for _, fqn, r in found]
+    return what, [shape for _, _, r in found for shape in r.input_shapes]
+
+
+def fold_steps(items: list, runs: dict[str, list[str]], phase=lambda item: item.phase) -> list[tuple]:
+    """(item, [the same item in the run's later steps]) for `items` (records, or their JSON, in traced order)
+    with the items of a run's later steps left out: the k-th item of a step is the k-th of every step in its
+    run (`runs`: CommReport.step_runs), as long as `items` were chosen alike in every step (one module's,
+    one noise level's)."""
+    later = {p for run in runs.values() for p in run[1:]}
+    by_phase: dict[str, list] = {}
+    for item in items:
+        by_phase.setdefault(phase(item), []).append(item)
+    seen: Counter = Counter()
+    out = []
+    for item in items:
+        here = phase(item)
+        if here in later:
+            continue
+        copies = [by_phase[p][seen[here]] for p in runs.get(here, [here])[1:]]
+        seen[here] += 1
+        out.append((item, copies))
+    return out
