@@ -166,7 +166,7 @@ def test_predict_reads_per_stage_files_as_it_reads_every_rank(tiny, tmp_path, pl
     rank5, rank4 = tmp_path / "t" / "tiny-gpt2.5.et", tmp_path / "t" / "tiny-gpt2.4.et"
     original = rank5.read_bytes()
     rank5.write_bytes(rank4.read_bytes())
-    with pytest.raises(UserError, match="the simulated ranks deadlock: .*has 1 of its members"):
+    with pytest.raises(UserError, match="the simulated ranks deadlock: .*has [0-9]+ of its members"):
         predict_traces(tmp_path / "t")
     rank5.write_bytes(original)  # the right bytes, but a new time: still every rank
     every = predict_traces(tmp_path / "t")

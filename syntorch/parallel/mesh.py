@@ -170,8 +170,12 @@ class Mesh:
         return tuple(differ)
 
     def name(self, ranks) -> str:
-        """What kind of group `ranks` form, as process_groups names them ("tp", "dp_cp", "ep"), "self" for one."""
-        return "_".join(self.dims_of(ranks)) or "self"
+        """What kind of group `ranks` form, as process_groups names them ("tp", "dp_cp", "ep", "model_parallel",
+        "world"), "self" for one."""
+        dims = self.dims_of(ranks)
+        if len(dims) > 1 and len(set(ranks)) == self.world_size:
+            return "world"
+        return "model_parallel" if dims == ("tp", "pp") else "_".join(dims) or "self"
 
     # --- the groups of a run and translation -------------------------------------------------------------
 
@@ -191,7 +195,7 @@ class Mesh:
         # the gradient norm's all-reduce (parallel/clip.py): over the model-parallel group (TP x PP), or over
         # every rank when the optimizer's state is sharded (ZeRO, FSDP) or experts differ across DP
         if self.tp * self.pp > 1:
-            groups += [("model_parallel", self.world_ranks(dp=d, cp=c)) for d in range(self.dp) for c in range(self.cp)]
+            groups += [("model_parallel", g) for g in self.groups("tp", "pp")]
         if self.dp * self.cp > 1:
             groups.append(("world", list(range(self.world_size))))
         return groups
