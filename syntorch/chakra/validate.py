@@ -4,6 +4,7 @@ across ranks. Each problem is one line: `file: node N: what to fix`.
 Reads any `.et` (ours, or mlc-chakra's converter output from real captures); a file that does not
 decode is a UserError (exit 2), a trace that decodes but breaks a rule is a problem (exit 1).
 """
+import hashlib
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ def validate_traces(path, comm_groups=None, roofline: bool = False) -> list[str]
 
 
 def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[str], int, int]:
-    """(problems, ranks, nodes) for the traces at `path`; see validate_traces."""
+    """(problems, ranks, nodes) for the traces at `path`; see validate_traces. Streams rank by rank: a rank's
+    nodes are dropped once its own checks ran and its collectives were compared with its groups' first
+    member, so memory holds one rank's nodes and one sequence per group, at any rank count."""
     files = find_traces(path)
     problems = []
     ranks = [r for r, _ in files]
@@ -59,25 +62,24 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     for key, members in groups.items():
         if missing := [m for m in members if m not in ranks]:
             problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
-    traces, checked = [], {}  # node bytes -> (nodes, problems): identical ranks are decoded and checked once
-    node_checks = {}  # one node's bytes -> its problems: ranks of a stage share most nodes byte for byte
+    checked, node_checks = {}, {}  # a file's body hash -> its own problems; a node's bytes -> its problems
+    order, p2p, total = CollectiveOrder(groups), PointToPoint(), 0
     for rank, f in files:
         header, body = split_messages(read_bytes(f), f)
-        key = b"".join(body)
+        nodes = parse_nodes(body, f)
+        key = hashlib.sha1(b"".join(body)).digest()  # identical ranks are checked once
         if key not in checked:
-            nodes = parse_nodes(body, f)
-            checked[key] = (nodes, check_nodes(nodes, groups, len(files), roofline, body, node_checks))
-        nodes, local = checked[key]
+            checked[key] = check_nodes(nodes, groups, len(files), roofline, body, node_checks)
         trace = RankTrace(f, rank, nodes)
         if header is None:
             problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
                             "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
-        problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in local]
+        problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in checked[key]]
         problems += check_rank_fields(trace, groups)
-        traces.append(trace)
-    problems += check_collective_order(traces, groups, len(files))
-    problems += check_send_recv(traces)
-    return problems, len(traces), sum(len(t.nodes) for t in traces)
+        problems += order.add(trace)
+        p2p.add(trace)
+        total += len(nodes)
+    return problems + p2p.finish(), len(files), total
 
 
 def _load_groups(path: Path, explicit: bool) -> dict[str, list[int]]:
@@ -221,30 +223,62 @@ def _int_attr(attrs, name):
     return _value(attr) if attr is not None and attr.WhichOneof("value") in INT_FIELDS else None
 
 
-def check_collective_order(traces: list[RankTrace], groups: dict, world: int) -> list[str]:
-    """Every member of a group issues its collectives in the same order, type and size (file order)."""
-    issued = defaultdict(dict)  # group -> rank -> [(node, comm_type, comm_size)]
-    for trace in traces:
+class CollectiveOrder:
+    """Every member of a group issues its collectives in the same order, type and size (file order): each
+    rank's sequence per group is compared, as it is read, with the group's first member's."""
+
+    def __init__(self, groups: dict):
+        self.member_of = defaultdict(list)  # rank -> the groups it is in ("0": every rank's)
+        for pg, members in groups.items():
+            for rank in members:
+                self.member_of[rank].append(pg)
+        self.reference = {}  # group -> (its first member, [(node id, comm_type, comm_size)])
+
+    def add(self, trace: RankTrace) -> list[str]:
+        issued = defaultdict(list)
         for node in trace.nodes:
-            if node.type != et.COMM_COLL_NODE:
+            if node.type == et.COMM_COLL_NODE:
+                attrs = _attrs(node)
+                pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
+                issued["0" if pg == "" else pg].append(
+                    (node.id, _int_attr(attrs, "comm_type"), _int_attr(attrs, "comm_size")))
+        problems = []  # a collective of a group the rank is not in: check_rank_fields says so
+        for pg in ["0", *self.member_of[trace.rank]]:
+            mine = issued.get(pg, [])
+            if pg not in self.reference:
+                self.reference[pg] = (trace.rank, mine)
+            else:
+                problems += _compare(trace, mine, *self.reference[pg], pg)
+        return problems
+
+
+class PointToPoint:
+    """Every send has a recv on its peer with the same source, tag and size, and the other way round."""
+
+    def __init__(self):
+        self.sends, self.recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [where]
+
+    def add(self, trace: RankTrace) -> None:
+        for node in trace.nodes:
+            if node.type not in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
                 continue
             attrs = _attrs(node)
-            pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
-            key = "0" if pg == "" else pg
-            issued[key].setdefault(trace.rank, []).append(
-                (node, _int_attr(attrs, "comm_type"), _int_attr(attrs, "comm_size")))
-    problems, by_rank = [], {t.rank: t for t in traces}
-    for pg, per_rank in issued.items():
-        members = list(range(world)) if pg == "0" else groups.get(pg, [])
-        members = [m for m in members if m in by_rank]
-        if not members:
-            continue
-        ref_rank = members[0]
-        ref = per_rank.get(ref_rank, [])
-        for rank in members[1:]:
-            mine = per_rank.get(rank, [])
-            problems += _compare(by_rank[rank], mine, ref_rank, ref, pg)
-    return problems
+            tag, size = _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size")
+            if node.type == et.COMM_SEND_NODE:
+                self.sends[(trace.rank, _int_attr(attrs, "comm_dst"), tag, size)].append(trace.where(node))
+            else:
+                self.recvs[(_int_attr(attrs, "comm_src"), trace.rank, tag, size)].append(trace.where(node))
+
+    def finish(self) -> list[str]:
+        problems = []
+        for key in self.sends.keys() | self.recvs.keys():
+            src, dst, tag, size = (_shown(v, attr) for v, attr in zip(key, ("comm_src", "comm_dst", "comm_tag", "comm_size")))
+            sends, recvs = self.sends[key], self.recvs[key]
+            problems += [f"{where}: send to rank {dst} (tag {tag}, {size} B) has no matching recv on rank {dst}"
+                         for where in sends[len(recvs):]]
+            problems += [f"{where}: recv from rank {src} (tag {tag}, {size} B) has no matching send on rank {src}"
+                         for where in recvs[len(sends):]]
+        return problems
 
 
 def _shown(value, attr: str) -> str:
@@ -261,34 +295,9 @@ def _describe(entry) -> str:
 def _compare(trace, mine, ref_rank, ref, pg) -> list[str]:
     for i, (a, b) in enumerate(zip(mine, ref)):
         if a[1:] != b[1:]:
-            return [f"{trace.where(a[0])}: collective #{i} of group {pg} is {_describe(a)} but rank {ref_rank} "
-                    f"issues {_describe(b)}; every member must issue the group's collectives in the same order"]
+            return [f"{trace.path.name}: node {a[0]}: collective #{i} of group {pg} is {_describe(a)} but rank "
+                    f"{ref_rank} issues {_describe(b)}; every member must issue the group's collectives in the same order"]
     if len(mine) != len(ref):
         return [f"{trace.where()}: issues {len(mine)} collectives in group {pg}, rank {ref_rank} issues "
                 f"{len(ref)}; the run would hang waiting for the missing ones"]
     return []
-
-
-def check_send_recv(traces: list[RankTrace]) -> list[str]:
-    """Every send has a recv on its peer with the same source, tag and size, and the other way round."""
-    sends, recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [(trace, node)]
-    for trace in traces:
-        for node in trace.nodes:
-            if node.type not in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
-                continue
-            attrs = _attrs(node)
-            if node.type == et.COMM_SEND_NODE:
-                key = (trace.rank, _int_attr(attrs, "comm_dst"), _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size"))
-                sends[key].append((trace, node))
-            elif node.type == et.COMM_RECV_NODE:
-                key = (_int_attr(attrs, "comm_src"), trace.rank, _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size"))
-                recvs[key].append((trace, node))
-    problems = []
-    for key in sends.keys() | recvs.keys():
-        src, dst, tag, size = (_shown(v, attr) for v, attr in zip(key, ("comm_src", "comm_dst", "comm_tag", "comm_size")))
-        extra_sends, extra_recvs = sends[key][len(recvs[key]):], recvs[key][len(sends[key]):]
-        problems += [f"{t.where(n)}: send to rank {dst} (tag {tag}, {size} B) has no matching recv on rank {dst}"
-                     for t, n in extra_sends]
-        problems += [f"{t.where(n)}: recv from rank {src} (tag {tag}, {size} B) has no matching send on rank {src}"
-                     for t, n in extra_recvs]
-    return problems
