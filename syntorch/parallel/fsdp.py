@@ -17,9 +17,11 @@ Per micro-batch, as FSDP2 runs it:
   (averaged) into this rank's shard gradient, and the unit is freed. Gradients are reduce-scattered every
   micro-batch and accumulate in the shard, as FSDP2's default does.
 With `reshard_after_forward=False` (FSDP2's option, as Llama 3 runs it: Dubey et al. 2024, section 3.3.2) a
-unit stays whole from its forward until its gradients are reduce-scattered, so backward all-gathers nothing
-(unless a later micro-batch's backward finds it freed by an earlier one's reduce-scatter, as FSDP2 also
-re-gathers then); the price is every unit of the stage whole between forward and backward (memory.py).
+unit stays whole after its forward, and after each micro-batch's backward too until the step's last one (as
+torch.distributed.pipelining runs FSDP2 modules: set_reshard_after_backward(False) but for the last
+backward): the first forward all-gathers each unit once, no other forward or backward does, whatever the
+schedule; the gradients are still reduce-scattered every micro-batch. The price is every unit of the stage
+whole for the step (memory.py).
 With `reduce_fp32` (--grad_reduce_dtype fp32; FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32))
 the flattened gradients are cast to FP32 before the reduce-scatter, so it moves 4-byte elements and sums
 in FP32; the reduced shard is cast back to the model dtype, where it accumulates.
@@ -82,9 +84,9 @@ class Unit:
         self.whole = False
 
     @torch.no_grad()
-    def reduce(self, partial: dict) -> None:
+    def reduce(self, partial: dict, free: bool = True) -> None:
         """Every gradient is in: sum those other ranks hold parts of (`partial`: id(param) -> group) over
-        their group, reduce-scatter the average into the shard's gradient, free the parameters."""
+        their group, reduce-scatter the average into the shard's gradient, free the parameters (if `free`)."""
         grads = [p.grad for p in self.params]
         for p in self.params:
             if id(p) in partial:
@@ -102,7 +104,8 @@ class Unit:
         for p in self.params:
             p.grad = None
         self.ready = 0
-        self.free()
+        if free:
+            self.free()
 
 
 class FullyShard:
@@ -115,7 +118,8 @@ class FullyShard:
         weight's group (the embedding pair) is summed at the end of the step, others per backward.
         `reshard_after_forward`, `reduce_fp32`: the module docstring."""
         self.reshard_after_forward = reshard_after_forward
-        self.active = False  # unused: every backward reduce-scatters (kept for the training step's interface)
+        # every backward reduce-scatters; True in the step's last backward, when units not resharded are freed
+        self.active = False
         self.tied_group = None
         tied_params = []
         self.partial = {}
@@ -171,7 +175,7 @@ class FullyShard:
     def _grad_ready(self, unit: Unit) -> None:
         unit.ready += 1
         if unit.ready == len(unit.params):
-            unit.reduce(self.partial)
+            unit.reduce(self.partial, self.reshard_after_forward or self.active)
 
     @torch.no_grad()
     def finish(self) -> None:
