@@ -78,7 +78,10 @@ class TrainPlan:
     account_for_embedding: bool = False
     account_for_loss: bool = False
     reshard_after_forward: bool = True  # FSDP2's option (fsdp.py): false keeps layers whole until backward
-    grad_reduce_dtype: str = "model"  # "fp32": gradients reduced over DP in FP32 (data.py, fsdp.py)
+    # "fp32": gradients reduced over DP in FP32 (data.py, fsdp.py), as Llama 3 and Megatron-Core's bf16 default.
+    # Default "model": FSDP2's default (reduce_dtype None: the parameters' dtype), torch DDP's, and what the
+    # calibration tables were fitted with; predictions of earlier plans stay as they were
+    grad_reduce_dtype: str = "model"
 
     @property
     def mesh(self) -> Mesh:
