@@ -178,3 +178,16 @@ def test_real_uneven_steps_equal_one_process(tmp_path):
             for key, grad in r["grads"].items():
                 ref = grads["tok_emb.weight" if key == "lm_head.weight" else key].grad
                 torch.testing.assert_close(torch.tensor(grad), ref, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+
+
+def test_memory_counts_each_uneven_chunks_layers_at_the_peak():
+    from syntorch.parallel import memory
+
+    config = tiny_config("gpt2", n_layer=6)
+    plan = TrainPlan(pp=2, virtual_stages=2, microbatches=4, seq=16, account_for_embedding=True, account_for_loss=True)
+    per_layer = memory.layer_activation_bytes(config, plan, 2)
+    # stage 0 holds chunks of 1 and 2 layers. Its steps: F m0.0, m1.0, m0.1, m1.1 (warm-up: 1 + 1 + 2 + 2),
+    # F m2.0 (7 layers alive), B m0.1 (5), F m3.0 (6), B m1.1 (4), F m2.1 (6), B m0.0 (5), F m3.1 (7), ...: 7 at
+    # most, where 5 chunk-micro-batches of 1.5 layers on average would be 7.5
+    assert memory.activation_bytes(config, plan, 2, plan.stage(config, 0)) == pytest.approx(7 * per_layer)
+

@@ -45,7 +45,7 @@ the logits' FP32 copy and their log-softmax.
 How many layer-micro-batches a stage holds is counted from the schedule itself: 1F1B's first stage holds
 min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1 + (p-1)/(p·v)) layers'
 worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
-4.2.3, give it); GPipe all m.
+4.2.3, give it); GPipe all m. Chunks of uneven size (layout.py) count their own layers at the peak.
 """
 from dataclasses import dataclass
 
@@ -96,13 +96,13 @@ def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
     return params.dense + params.experts
 
 
-def peak_in_flight(plan, stage: int, chunk: int | None = None) -> int:
+def peak_in_flight(plan, stage: int, chunk: int | None = None, weights: list[int] | None = None) -> int:
     """The most chunk-micro-batches whose activations a stage holds at once in its schedule (of one chunk
-    when given)."""
+    when given); with `weights`, each chunk's counted by its weight (its layers: uneven chunks, layout.py)."""
     alive = peak = 0
     for kind, _, c in pp_.schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages):
         if chunk is None or c == chunk:
-            alive += 1 if kind == "F" else -1
+            alive += (weights[c] if weights else 1) * (1 if kind == "F" else -1)
             peak = max(peak, alive)
     return peak
 
@@ -158,8 +158,8 @@ def whole_layer_bytes(config: ModelConfig, plan, element: int) -> float:
 def activation_bytes(config: ModelConfig, plan, element: int, stage: pp_.Stage) -> float:
     """The stage's activations at the peak of its schedule: layers x micro-batches in flight, the layer
     being recomputed under full recompute, and the last stage's logits."""
-    layers_per_chunk = len(stage.layers) / stage.virtual
-    total = peak_in_flight(plan, stage.index) * layers_per_chunk * layer_activation_bytes(config, plan, element)
+    layers = [len(chunk) for chunk in stage.chunks or (stage.layers,)]
+    total = peak_in_flight(plan, stage.index, weights=layers) * layer_activation_bytes(config, plan, element)
     if plan.recompute == "full":  # one layer's activations, while backward recomputes it
         total += whole_layer_bytes(config, plan, element)
     if stage.last:  # per micro-batch whose loss awaits its backward (module docstring)
