@@ -61,7 +61,7 @@ def test_llama3_405b_stage_sizes():
     (dict(pp=2, first_stage_layers=9), 8, "leave -1 of the model's 8 layers"),
     (dict(pp=3, first_stage_layers=4, last_stage_layers=4), 8, "leave no layer for the other 1 stage"),
     (dict(pp=4, first_stage_layers=3, last_stage_layers=3, virtual_stages=2, microbatches=4), 14,
-     "--virtual_stages 2 must divide every stage's layers (3, 4, 4, 3"),
+     "--virtual_stages 2 must divide every stage's layers (first 3, others 4, last 3"),
     (dict(pp=2, account_for_embedding=True, virtual_stages=2, microbatches=2), 8,
      "8 layers with the embedding and loss counted (9) do not divide into --pp 2 x --virtual_stages 2"),
     (dict(pp=2, account_for_embedding=True, account_for_loss=True, virtual_stages=2, microbatches=2), 2,

@@ -74,8 +74,9 @@ def _ends_sizes(n_layer: int, pp: int, virtual: int, layout: Layout) -> list[lis
     counts[0] = per if layout.first is None else layout.first
     counts[-1] = per if layout.last is None else layout.last
     if any(c % virtual for c in counts):
-        raise UserError(f"--virtual_stages {virtual} must divide every stage's layers ({', '.join(map(str, counts))} "
-                        f"with {given}); pick counts or a V that divide evenly")
+        raise UserError(f"--virtual_stages {virtual} must divide every stage's layers (first {counts[0]}, others "
+                        f"{per}, last {counts[-1]} with {given}); pick counts or a V that divide them, or count "
+                        "the ends with --account_for_embedding/--account_for_loss")
     return [[c // virtual] * virtual for c in counts]
 
 
