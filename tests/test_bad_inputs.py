@@ -292,6 +292,13 @@ CASES = [
                                                        "2 layers over --pp 2 is 1 per stage"),
         ("--pp 2 --microbatches 3 --virtual_stages 2", "--microbatches 3 must be a multiple of --pp 2"),
         ("--virtual_stages 2", "it needs --pp > 1"),
+        ("--pp 2 --first_stage_layers 1 --last_stage_layers 2", "--first_stage_layers 1 and --last_stage_layers 2 "
+         "leave -1 of the model's 2 layers for 0 other stage(s) of --pp 2; the stage counts must sum to 2"),
+        ("--pp 2 --microbatches 2 --virtual_stages 2 --account_for_embedding",
+         "2 layers with the embedding and loss counted (3) do not divide into --pp 2 x --virtual_stages 2"),
+        ("--pp 2 --first_stage_layers 1 --account_for_loss", "use one (Megatron-Core refuses both too)"),
+        ("--dp 2 --reshard_after_forward false", "it needs --zero 3 (--fsdp), got --zero 0"),
+        ("--grad_reduce_dtype fp16", "argument --grad_reduce_dtype: invalid choice: 'fp16'"),
         ("--cp 3", "--cp 3 cuts the sequence into 2 * cp = 6 equal chunks; --seq 16 does not divide by 6"),
         ("--cp 2 --mode infer", "--mode infer does not take it, drop --cp"),
         ("--cp 2 --tp 4 --sp --seq 36", "make seq / cp divide by tp"),

@@ -40,6 +40,23 @@ def add_parser(sub) -> None:
                      help="activation recomputation in backward: selective (the attention core) or full (each layer)")
     par.add_argument("--virtual_stages", type=int, default=1,
                      help="interleaved 1F1B: chunks of layers per stage (Megatron's virtual pipeline; 1: none)")
+    par.add_argument("--first_stage_layers", type=int, default=None,
+                     help="layers on the first pipeline stage, the others shared evenly by the middle stages "
+                          "(Megatron-Core's --decoder-first-pipeline-num-layers)")
+    par.add_argument("--last_stage_layers", type=int, default=None,
+                     help="layers on the last pipeline stage (Megatron-Core's --decoder-last-pipeline-num-layers)")
+    par.add_argument("--account_for_embedding", action="store_true",
+                     help="count the embedding as a layer in the pipeline split: the first chunk takes one layer "
+                          "fewer (Megatron-Core's --account-for-embedding-in-pipeline-split)")
+    par.add_argument("--account_for_loss", action="store_true",
+                     help="count the loss as a layer in the pipeline split: the last chunk takes one layer fewer "
+                          "(Megatron-Core's --account-for-loss-in-pipeline-split)")
+    par.add_argument("--reshard_after_forward", type=_flag, default=True, metavar="true|false",
+                     help="FSDP: free gathered parameters after forward (default true, as FSDP2); false keeps them "
+                          "whole until backward, which then gathers nothing (as Llama 3 runs it)")
+    par.add_argument("--grad_reduce_dtype", default="model", choices=["model", "fp32"],
+                     help="dtype of the DP gradient reduction (default model, as FSDP2; fp32 as Llama 3 and "
+                          "Megatron-Core's bf16 default accumulate_allreduce_grads_in_fp32)")
     par.add_argument("--no_scatter_gather", "--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
                      action="store_false", help="with --tp > 1 and --pp > 1, send the whole stream between stages "
                      "from every TP rank (default: Megatron's scatter/gather, 1/tp each and an all-gather over TP)")

@@ -22,6 +22,11 @@ and a bucket's parameters are copied out of it just before the first module that
 gathers overlap the layers before. (Until that forward the model's weights are the step before's:
 `gather_stale` makes them whole, e.g. before a checkpoint.)
 
+With `reduce_fp32` (--grad_reduce_dtype fp32; Megatron-Core's accumulate_allreduce_grads_in_fp32, its default
+with bf16, and Llama 3's FP32 gradient reduce-scatter) each bucket is flattened into FP32 before its
+collective, which then moves 4-byte elements and sums in FP32; the reduced values stay in that FP32 buffer
+until they are copied back into `.grad` (or the ZeRO shard's gradient) in the model dtype.
+
 Gradients that several ranks each hold a part of are summed over those ranks at the end of backward, before
 their own (last) buckets: a weight shared by the first and the last pipeline stage (a tied LM head, over
 Megatron's embedding group) and, under sequence parallel, the LayerNorms and biases each TP rank applied to
@@ -76,6 +81,7 @@ class GradSync:
     divisor: int = 0
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    reduce_fp32: bool = False
 
     def __post_init__(self):
         self.divisor = self.divisor or self.dp
@@ -123,6 +129,8 @@ class GradSync:
     def _launch(self, bucket: Bucket, after: torch.Tensor | None = None) -> None:
         grads = [p.grad for p in bucket.params]
         flat = _flat(grads if after is None else [after.new_empty(0, dtype=grads[0].dtype), *grads], bucket.size)
+        if self.reduce_fp32:
+            flat = flat.float()
         if self.zero:
             bucket.flat = comm.reduce_scatter(flat, 0, "sum", self.dp_group).div_(self.divisor)
         else:
@@ -144,7 +152,7 @@ class GradSync:
         for bucket in self.late:
             self._launch(bucket)
         if self.shard is not None:
-            self.shard.grad = torch.cat([b.flat for b in self.all_buckets])
+            self.shard.grad = torch.cat([b.flat for b in self.all_buckets]).to(self.shard.dtype)
         for bucket in self.all_buckets if not self.zero else ():
             torch._foreach_copy_([p.grad for p in bucket.params], _split(bucket.flat, bucket.params))
         for bucket in self.all_buckets:

@@ -16,6 +16,15 @@ Per micro-batch, as FSDP2 runs it:
   the ranks that hold parts of them (sequence-parallel LayerNorms over TP), flattened, reduce-scattered
   (averaged) into this rank's shard gradient, and the unit is freed. Gradients are reduce-scattered every
   micro-batch and accumulate in the shard, as FSDP2's default does.
+With `reshard_after_forward=False` (FSDP2's option, as Llama 3 runs it: Dubey et al. 2024, section 3.3.2) a
+unit stays whole after its forward, and after each micro-batch's backward too until the step's last one (as
+torch.distributed.pipelining runs FSDP2 modules: set_reshard_after_backward(False) but for the last
+backward): the first forward all-gathers each unit once, no other forward or backward does, whatever the
+schedule; the gradients are still reduce-scattered every micro-batch. The price is every unit of the stage
+whole for the step (memory.py).
+With `reduce_fp32` (--grad_reduce_dtype fp32; FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32))
+the flattened gradients are cast to FP32 before the reduce-scatter, so it moves 4-byte elements and sums
+in FP32; the reduced shard is cast back to the model dtype, where it accumulates.
 Each all-gather reads a copy of the shard (FSDP2's copy-in) made together with a 0-element tensor taken from the activation
 (or gradient) that was current when it was issued: real runs move no extra data, and a trace orders the
 collective after the compute before it, as FSDP2's all-gather stream waits for the compute stream.
@@ -23,7 +32,18 @@ collective after the compute before it, as FSDP2's all-gather stream waits for t
 import torch
 import torch.nn as nn
 
+from syntorch.errors import UserError
 from syntorch.parallel import comm
+
+GRAD_REDUCE_DTYPES = ("model", "fp32")
+
+
+def check_grad_options(reshard_after_forward: bool, grad_reduce_dtype: str, zero: int) -> None:
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise UserError(f"--grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, got {grad_reduce_dtype!r}")
+    if not reshard_after_forward and zero != 3:
+        raise UserError(f"--reshard_after_forward false keeps FSDP's gathered parameters until backward; it needs "
+                        f"--zero 3 (--fsdp), got --zero {zero}")
 
 
 class Unit:
@@ -31,8 +51,9 @@ class Unit:
     (freed by resizing it to 0 bytes, as FSDP does, so tensors autograd saved from them, e.g. a weight's
     transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it."""
 
-    def __init__(self, params: list[nn.Parameter], group, size: int, owner: nn.Module, name: str):
-        self.params, self.group, self.size = params, group, size
+    def __init__(self, params: list[nn.Parameter], group, size: int, owner: nn.Module, name: str,
+                 reduce_fp32: bool = False):
+        self.params, self.group, self.size, self.reduce_fp32 = params, group, size, reduce_fp32
         numel = sum(p.numel() for p in params)
         padded = -(-numel // size) * size
         self.buffer = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
@@ -63,9 +84,9 @@ class Unit:
         self.whole = False
 
     @torch.no_grad()
-    def reduce(self, partial: dict) -> None:
+    def reduce(self, partial: dict, free: bool = True) -> None:
         """Every gradient is in: sum those other ranks hold parts of (`partial`: id(param) -> group) over
-        their group, reduce-scatter the average into the shard's gradient, free the parameters."""
+        their group, reduce-scatter the average into the shard's gradient, free the parameters (if `free`)."""
         grads = [p.grad for p in self.params]
         for p in self.params:
             if id(p) in partial:
@@ -73,7 +94,9 @@ class Unit:
         numel = sum(g.numel() for g in grads)
         padded = self.shard.numel() * self.size
         flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(padded - numel)] if padded > numel else []))
-        part = comm.reduce_scatter(flat.div_(self.size), 0, "sum", self.group)
+        if self.reduce_fp32:
+            flat = flat.float()
+        part = comm.reduce_scatter(flat.div_(self.size), 0, "sum", self.group).to(self.shard.dtype)
         if self.shard.grad is None:
             self.shard.grad = part
         else:
@@ -81,7 +104,8 @@ class Unit:
         for p in self.params:
             p.grad = None
         self.ready = 0
-        self.free()
+        if free:
+            self.free()
 
 
 class FullyShard:
@@ -89,10 +113,13 @@ class FullyShard:
     step uses (`active`, `finish`, `gather_params`, `optimizer_params`)."""
 
     def __init__(self, model: nn.Module, group, size: int, partial: list[tuple[list, object]] = (),
-                 tied=None):
+                 tied=None, reshard_after_forward: bool = True, reduce_fp32: bool = False):
         """`partial`: (parameters, group) whose gradients each rank of group holds a part of; a tied
-        weight's group (the embedding pair) is summed at the end of the step, others per backward."""
-        self.active = False  # unused: every backward reduce-scatters (kept for the training step's interface)
+        weight's group (the embedding pair) is summed at the end of the step, others per backward.
+        `reshard_after_forward`, `reduce_fp32`: the module docstring."""
+        self.reshard_after_forward = reshard_after_forward
+        # every backward reduce-scatters; True in the step's last backward, when units not resharded are freed
+        self.active = False
         self.tied_group = None
         tied_params = []
         self.partial = {}
@@ -105,9 +132,11 @@ class FullyShard:
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         tied_ids = {id(p) for p in tied_params}
         rest = [p for p in model.parameters() if id(p) not in in_layers and id(p) not in tied_ids]
-        self.tied = Unit(tied_params, group, size, model, "fsdp_tied") if tied_params else None
-        self.ends = [u for u in (self.tied, Unit(rest, group, size, model, "fsdp_flat") if rest else None) if u]
-        self.layers = [Unit(list(layer.parameters()), group, size, layer, "fsdp_flat") for layer in layers]
+        self.tied = Unit(tied_params, group, size, model, "fsdp_tied", reduce_fp32) if tied_params else None
+        self.ends = [u for u in (self.tied, Unit(rest, group, size, model, "fsdp_flat", reduce_fp32) if rest else None)
+                     if u]
+        self.layers = [Unit(list(layer.parameters()), group, size, layer, "fsdp_flat", reduce_fp32)
+                       for layer in layers]
         self.units = [*self.ends, *self.layers]
         # the model's own units: before its first layer in forward, before its last one in backward
         self._hook(model, self.ends, self.layers[0] if self.layers else None, self.layers[-1] if self.layers else None)
@@ -118,8 +147,7 @@ class FullyShard:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
 
-    @staticmethod
-    def _hook(module: nn.Module, units: list[Unit], forward_next: Unit | None, backward_next: Unit | None) -> None:
+    def _hook(self, module: nn.Module, units: list[Unit], forward_next: Unit | None, backward_next: Unit | None) -> None:
         """Gather `units` before `module` runs, prefetching `forward_next`, and free them after; gather them
         again when the gradient of its output arrives, prefetching `backward_next`."""
         def pre_forward(_module, args):
@@ -130,7 +158,7 @@ class FullyShard:
                 forward_next.gather(x)
 
         def post_forward(_module, _args, out):
-            for unit in units:
+            for unit in units if self.reshard_after_forward else ():
                 unit.free()
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(pre_backward)
@@ -147,7 +175,7 @@ class FullyShard:
     def _grad_ready(self, unit: Unit) -> None:
         unit.ready += 1
         if unit.ready == len(unit.params):
-            unit.reduce(self.partial)
+            unit.reduce(self.partial, self.reshard_after_forward or self.active)
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -11,7 +11,11 @@ the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
 - ZeRO-2: one gradient bucket (--bucket_mb) before its reduce-scatter;
 - ZeRO-3 (FSDP, fsdp.py): the unit being computed and the one prefetched (two of the largest unit, whole
   over DP: a layer, or the stage's embeddings and head) and one unit's whole gradients before their
-  reduce-scatter.
+  reduce-scatter. With --reshard_after_forward false (fsdp.py) every unit of the stage is whole between its
+  forward and backward instead: Ψ whole beside the Ψ/N_d shards.
+With --grad_reduce_dtype fp32 the gradients are counted in FP32 (4 bytes each), as Megatron-Core's
+accumulate_allreduce_grads_in_fp32 keeps them (its main_grad buffers) and FSDP2 reduces them with
+reduce_dtype=torch.float32: the whole (or ZeRO-sharded) gradients, the bucket and the unit's gradients.
 
 Activations per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", section 4 and Table 2), with 2-byte activations:
@@ -41,7 +45,7 @@ the logits' FP32 copy and their log-softmax.
 How many layer-micro-batches a stage holds is counted from the schedule itself: 1F1B's first stage holds
 min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1 + (p-1)/(p·v)) layers'
 worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
-4.2.3, give it); GPipe all m.
+4.2.3, give it); GPipe all m. Chunks of uneven size (layout.py) count their own layers at the peak.
 """
 from dataclasses import dataclass
 
@@ -92,13 +96,13 @@ def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
     return params.dense + params.experts
 
 
-def peak_in_flight(plan, stage: int, chunk: int | None = None) -> int:
+def peak_in_flight(plan, stage: int, chunk: int | None = None, weights: list[int] | None = None) -> int:
     """The most chunk-micro-batches whose activations a stage holds at once in its schedule (of one chunk
-    when given)."""
+    when given); with `weights`, each chunk's counted by its weight (its layers: uneven chunks, layout.py)."""
     alive = peak = 0
     for kind, _, c in pp_.schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages):
         if chunk is None or c == chunk:
-            alive += 1 if kind == "F" else -1
+            alive += (weights[c] if weights else 1) * (1 if kind == "F" else -1)
             peak = max(peak, alive)
     return peak
 
@@ -110,13 +114,14 @@ def model_state_bytes(params: StageParams, plan, element: int, mixed: bool) -> d
     # Ψ / N_d: the dense parameters over the grad group, the experts over their replicas (grad group / ep)
     sharded = params.dense / plan.grad_ranks + params.experts / (plan.grad_ranks / plan.ep)
     k = 12 if mixed else 2 * element  # Adam: FP32 masters and two FP32 moments, or the moments alone
+    grad_element = 4 if plan.grad_reduce_dtype == "fp32" else element
     weights = element * (sharded if plan.zero == 3 else whole)
-    gradients = element * (sharded if plan.zero >= 2 else whole)
+    gradients = grad_element * (sharded if plan.zero >= 2 else whole)
     if plan.zero == 2:  # one bucket of whole gradients before its reduce-scatter
-        gradients += min(plan.bucket_mb * 2**20, element * whole)
-    if plan.zero == 3:  # the unit computed and the one prefetched, and one unit's gradients
-        weights += 2 * element * params.largest_unit
-        gradients += element * params.largest_unit
+        gradients += min(plan.bucket_mb * 2**20, grad_element * whole)
+    if plan.zero == 3:  # the unit computed and the one prefetched (or, not resharded, all), one unit's gradients
+        weights += element * (2 * params.largest_unit if plan.reshard_after_forward else whole)
+        gradients += grad_element * params.largest_unit
     return {"weights": weights, "gradients": gradients, "optimizer": k * (sharded if plan.zero else whole)}
 
 
@@ -153,8 +158,8 @@ def whole_layer_bytes(config: ModelConfig, plan, element: int) -> float:
 def activation_bytes(config: ModelConfig, plan, element: int, stage: pp_.Stage) -> float:
     """The stage's activations at the peak of its schedule: layers x micro-batches in flight, the layer
     being recomputed under full recompute, and the last stage's logits."""
-    layers_per_chunk = len(stage.layers) / stage.virtual
-    total = peak_in_flight(plan, stage.index) * layers_per_chunk * layer_activation_bytes(config, plan, element)
+    layers = [len(chunk) for chunk in stage.chunks or (stage.layers,)]
+    total = peak_in_flight(plan, stage.index, weights=layers) * layer_activation_bytes(config, plan, element)
     if plan.recompute == "full":  # one layer's activations, while backward recomputes it
         total += whole_layer_bytes(config, plan, element)
     if stage.last:  # per micro-batch whose loss awaits its backward (module docstring)

@@ -34,6 +34,7 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model, on_meta
 from syntorch.parallel import comm
+from syntorch.parallel.layout import Layout, chunk_ranges, chunk_sizes
 from syntorch.parallel.loss import loss_module, sharded_logits
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -53,9 +54,13 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
-def stage_chunks(n_layer: int, pp: int, virtual: int = 1) -> list[tuple[range, ...]]:
+def stage_chunks(n_layer: int, pp: int, virtual: int = 1, layout: Layout = Layout()) -> list[tuple[range, ...]]:
     """Each stage's chunks of layers. With `virtual` V > 1 the layers are cut into pp·V equal chunks and
-    stage s holds chunks s, s + pp, s + 2pp, ... (Megatron's virtual pipeline); else its one contiguous range."""
+    stage s holds chunks s, s + pp, s + 2pp, ... (Megatron's virtual pipeline); else its one contiguous range.
+    An uneven `layout` (Megatron-Core's first/last-stage counts or embedding/loss accounting) sizes them
+    as layout.py says, dealt in the same order."""
+    if not layout.even:
+        return chunk_ranges(chunk_sizes(n_layer, pp, virtual, layout))
     if virtual == 1:
         return [(layers,) for layers in stage_layers(n_layer, pp)]
     if n_layer % pp or (n_layer // pp) % virtual:

@@ -36,7 +36,8 @@ from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.data import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
 from syntorch.parallel.fp8 import apply_fp8
-from syntorch.parallel.fsdp import FullyShard
+from syntorch.parallel.fsdp import FullyShard, check_grad_options
+from syntorch.parallel.layout import Layout, check_layout
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.recompute import apply_recompute, check_recompute
 from syntorch.parallel.precision import MixedPrecision
@@ -70,6 +71,17 @@ class TrainPlan:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     clip_grad: float = 1.0  # gradient clipping by the global norm (clip.py), Megatron's default; 0: none
+    # uneven pipeline stages, Megatron-Core's options (layout.py): layers on the first / last stage, or the
+    # embedding / loss counted as a layer in the split
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    reshard_after_forward: bool = True  # FSDP2's option (fsdp.py): false keeps layers whole until backward
+    # "fp32": gradients reduced over DP in FP32 (data.py, fsdp.py), as Llama 3 and Megatron-Core's bf16 default.
+    # Default "model": FSDP2's default (reduce_dtype None: the parameters' dtype), torch DDP's, and what the
+    # calibration tables were fitted with; predictions of earlier plans stay as they were
+    grad_reduce_dtype: str = "model"
 
     @property
     def mesh(self) -> Mesh:
@@ -113,6 +125,13 @@ class TrainPlan:
             raise UserError("--virtual_stages interleaves a training schedule; drop it with --mode infer")
         if self.schedule == "1f1b":
             pp_.check_interleaving(self.pp, self.microbatches, self.virtual_stages)
+        check_layout(self.layout, self.pp)
+        check_grad_options(self.reshard_after_forward, self.grad_reduce_dtype, self.zero)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.first_stage_layers, self.last_stage_layers, self.account_for_embedding,
+                      self.account_for_loss)
 
     def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
         """What depends on the model and the run: the context, the layers and heads to split, the counts."""
@@ -128,12 +147,12 @@ class TrainPlan:
             raise UserError(f"--global_batch {global_batch} is not dp({self.dp}) * microbatches({self.microbatches})"
                             f" * micro_batch_size({self.micro_batch_size}) = "
                             f"{self.dp * self.microbatches * self.micro_batch_size}; make them match")
-        pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages)
+        pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages, self.layout)
         check_tp(config, self.tp)
         check_ep(config, self.ep)
 
     def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
-        chunks = pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages)[index]
+        chunks = pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages, self.layout)[index]
         if len(chunks) == 1:
             return pp_.Stage(index, self.pp, chunks[0])
         return pp_.Stage(index, self.pp, tuple(i for chunk in chunks for i in chunk), chunks)
@@ -204,8 +223,10 @@ def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
     gradients in a GradSync of their own over expert-DP."""
     params = list(model.parameters())
     if plan.zero == 3:
-        return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding)
-    overlap = dict(overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather)
+        return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding,
+                          plan.reshard_after_forward, plan.grad_reduce_dtype == "fp32")
+    overlap = dict(overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+                   reduce_fp32=plan.grad_reduce_dtype == "fp32")
     if plan.ep == 1:
         sync = GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial, **overlap)
     else:

@@ -4,8 +4,9 @@ and the updated masters are cast back into the model's weights.
 
 Gradients accumulate and are reduced in the model dtype. That is Megatron's default for fp16
 (`accumulate_allreduce_grads_in_fp32` off); for bf16 Megatron turns that flag on by default (fp32 gradient
-buffers: bf16's 8-bit mantissa loses small accumulated gradients), which syntorch does not do yet: its DP
-buckets flatten `.grad` as it is. They become FP32 only when handed to the masters.
+buffers: bf16's 8-bit mantissa loses small accumulated gradients). `--grad_reduce_dtype fp32` (data.py,
+fsdp.py) runs the DP reduction in FP32; the accumulation over micro-batches stays in the model dtype, and
+gradients become FP32 for good only when handed to the masters.
 
 fp16 scales the loss (dynamic loss scaling, Megatron's DynamicGradScaler defaults: 2**32 to start, halved on
 a step whose gradients are not finite, which is then skipped, after `hysteresis` such steps; doubled after

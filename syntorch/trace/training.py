@@ -29,7 +29,7 @@ from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import DIMS, Mesh, init_groups
+from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.meta_cache import MetaCache
@@ -254,8 +254,8 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
     renamed = {}
 
     def move(rank: int) -> int:
-        index = dict(zip(DIMS, mesh.position(rank)))
-        return mesh.at(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
+        index = mesh.coordinate(rank)._asdict()
+        return mesh.rank_of(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
 
     def rename(name: str) -> str:
         if name not in renamed:
