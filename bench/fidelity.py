@@ -187,7 +187,8 @@ class NemoCase:
 
     def predict(self, hw) -> float:
         step_s = predict_train(self.config, self.plan, hw)["step_s"]
-        tokens = self.plan.dp * self.plan.cp * self.plan.microbatches * self.plan.micro_batch_size * self.plan.seq
+        # a step's global batch of sequences, each split over CP ranks
+        tokens = self.plan.dp * self.plan.microbatches * self.plan.micro_batch_size * self.plan.seq
         return tokens / step_s / self.gpus
 
 

@@ -111,8 +111,8 @@ KORTHIKANTI = [*_table5("22B", 1.42, 1.10, 64, 6144, 48, 1, 8, 4, 4, 1),
                *_table5("530B", 49.05, 37.83, 128, 20480, 105, 35, 280, 280, 1, 3),
                *_table5("1T", 94.42, 71.49, 160, 25600, 128, 64, 512, 512, 1, 1)]
 
-def predict_step_s(row: Row, hw, attention: str) -> float:
-    return predict_train(row.config, row.plan, hw, torch.float16, attention=attention)["step_s"]
+def predict_step(row: Row, hw, attention: str) -> dict:
+    return predict_train(row.config, row.plan, hw, torch.float16, attention=attention)
 
 
 def run(title: str, rows: list[Row], hw, attention: str, out: Path, filename: str, per_gpu_tflops: bool) -> None:
@@ -120,12 +120,16 @@ def run(title: str, rows: list[Row], hw, attention: str, out: Path, filename: st
     for row in rows:
         begin = time.perf_counter()
         try:
-            step = predict_step_s(row, hw, attention)
+            summary = predict_step(row, hw, attention)
         except UserError as e:
             print(f"refused {row.label}: {e}", flush=True)
             continue
+        step = summary["step_s"]
         predicted = row.iteration_flops() / step / row.gpus / 1e12 if per_gpu_tflops else step
-        print(f"  {row.label}: step {step:.3f} s -> {predicted:.1f} ({time.perf_counter() - begin:.0f} s)", flush=True)
+        # where the step went, to name what a row that stays off misses
+        print(f"  {row.label}: step {step:.3f} s, bubble {summary['bubble_fraction']:.1%}, exposed comm "
+              f"{summary['exposed_comm_s'] / step:.1%}, HFU {summary['hfu']:.1%} -> {predicted:.1f} "
+              f"({time.perf_counter() - begin:.0f} s)", flush=True)
         results.append((row.label, row.published, predicted))
     report(title, results, out, filename, "TFLOP/s per GPU" if per_gpu_tflops else "s per iteration")
 
