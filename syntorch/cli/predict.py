@@ -35,8 +35,10 @@ def run(args) -> int:
     from syntorch.simulate.chakra_files import predict_traces
     from syntorch.simulate.predict import write_prediction
 
-    if (args.profile or args.attention) and not args.hw_config:
-        raise UserError("--profile and --attention choose the performance model's kernels; give --hw_config too")
+    if args.profile and not args.hw_config:
+        raise UserError("--profile chooses how the performance model groups ops into kernels; give --hw_config too")
+    if args.attention and not args.hw_config:
+        raise UserError("--attention chooses the performance model's attention kernel; give --hw_config too")
     read = args.path if os.path.isdir(args.path) else os.path.dirname(args.path) or "."
     check_output_dir(args.out, args.force, "--out", inputs=[read],
                      new_files=["prediction.json", "timeline.json"])  # --force never removes the traces it reads
