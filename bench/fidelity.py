@@ -5,11 +5,14 @@
 Every prediction goes the way a user's does: a symbolic trace on meta, the cost model's durations
 (trace/cost.py, fused profile) and the one simulator (syntorch/simulate). Per table: every row's published
 figure, the prediction and the error; the mean absolute percentage error (MAPE), the worst row and a
-predicted-vs-measured PNG in --out.
+predicted-vs-measured PNG in --out. Each table runs with the attention kernel its software ran (--attention):
+the two A100 tables are Megatron-LM 2022 and FasterTransformer, whose context attention is the unfused core
+(QK^T GEMM, softmax, GEMM over V; the score matrix through memory); NeMo 24.07 runs Transformer Engine's fused
+(cuDNN flash) attention. That is the software of the tables, not a fit.
 
 FasterTransformer GPT-20B (ft_gpt20b_a100.csv, A100-80GB): 44 layers, 48 heads x 128, vocabulary 51,200,
-FP16, top-p 0.9 sampling; what `syntorch infer --device meta --tp T --hw_config a100-80gb --profile fused`
-predicts for a prompt and two output tokens (prefill, decode step 0). A run of `output` tokens is the
+FP16, top-p 0.9 sampling; what `syntorch infer --device meta --tp T --hw_config a100-80gb --profile fused
+--attention unfused` predicts for a prompt and two output tokens (prefill, decode step 0). A run of `output` tokens is the
 prefill and output - 1 decode steps; a decode step's time is affine in its position (only attention's KV
 reads grow with it), so the steps sum to (output - 1) x the mean of the first and the last, the last
 predicted as decode step 0 after a prompt of its length.
@@ -19,11 +22,13 @@ Megatron-LM 22B layer (korthikanti2022_table4_22b_layer.csv, A100-80GB): hidden 
 shape, and the simulator's time for the layer's forward ops and for its backward ops, each on their own
 (Megatron's TP all-reduce of an input gradient overlaps the weight gradient on its own stream).
 
-NeMo 24.07 (nemo2407_h100_fp8.csv, DGX-H100): whole training steps, `syntorch trace --predict_only` on
-h100-sxm (sequence parallel when TP > 1, distributed optimizer as ZeRO-1, no recomputation, the table's
-TP/PP/CP/virtual stages and batches). The table is FP8; syntorch has no FP8 yet, so these rows run in BF16
-(column `run`) and are expected to be slow by up to FP8's GEMM speed-up. Rows whose shape syntorch lacks
-(Nemotron) or whose plan the memory check refuses are skipped with the reason printed.
+NeMo 24.07 (nemo2407_h100_fp8.csv, DGX-H100): whole training steps, `syntorch trace --predict_only
+--hw_config h100-sxm --dtype fp8 --profile fused --attention flash` (sequence parallel when TP > 1, the
+distributed optimizer as ZeRO-1 when DP x CP > 1, no recomputation: the table does not state one, the table's
+TP/PP/CP/virtual stages and batches). Shapes: GPT-3 5B and 20B as NeMo's configs give them, 175B as Brown et
+al. 2020, all with NeMo's vocabulary of 51,200; Llama 2 and 3 from the registry. Rows whose shape syntorch
+lacks (Nemotron: 8B/22B unpublished, 340B's squared-ReLU MLP) or whose plan the memory check refuses are
+skipped with the reason printed.
 
 `--fit` refits the four fitted figures of the A100 preset (gemm_efficiency, memory_efficiency,
 collective_latency_us, intra_node_latency_us) by Nelder-Mead on the mean of the two A100 tables' MAPEs
@@ -57,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = next((p for p in (ROOT.parent / "shared" / "calibration", ROOT.parents[1] / "shared" / "calibration")
                     if p.is_dir()), ROOT.parent / "shared" / "calibration")
 PROFILE = "fused"
+A100_ATTENTION = "unfused"  # Megatron-LM 2022 and FasterTransformer's context attention (module docstring)
 FITTED = ("gemm_efficiency", "memory_efficiency", "collective_latency_us", "intra_node_latency_us")
 GPT20B = ModelConfig(name="gpt-20b", arch="gpt", n_layer=44, d_model=6144, n_head=48, vocab_size=51200,
                      n_positions=2048)
@@ -82,16 +88,18 @@ def trace_inference(config: ModelConfig, batch: int, prompt: int, tp: int, dtype
     return ranks
 
 
-def predict_infer(ranks: RankTraces, hw, profile: str = PROFILE) -> dict:
-    """run.json's `predicted` of `syntorch infer --hw_config hw --profile profile`."""
-    fill_rank_durations(ranks, hw, profile)
-    return predict_inference(ranks, hw.name, profile).summary
+def predict_infer(ranks: RankTraces, hw, profile: str = PROFILE, attention: str = "flash") -> dict:
+    """run.json's `predicted` of `syntorch infer --hw_config hw --profile profile --attention attention`."""
+    fill_rank_durations(ranks, hw, profile, attention)
+    return predict_inference(ranks, hw.name, profile, attention).summary
 
 
-def predict_train(config: ModelConfig, plan: TrainPlan, hw, dtype=torch.bfloat16, profile: str = PROFILE) -> dict:
-    """summary.json's `predicted` of `syntorch trace --predict_only --hw_config hw --profile profile`."""
-    workload = trace_workload(config, plan, dtype, hw, schedule=False, profile=profile)
-    return predict_training(workload.probes, workload.source, plan, hw, profile).summary
+def predict_train(config: ModelConfig, plan: TrainPlan, hw, dtype=torch.bfloat16, profile: str = PROFILE,
+                  attention: str = "flash") -> dict:
+    """summary.json's `predicted` of `syntorch trace --predict_only --hw_config hw --profile profile
+    --attention attention`."""
+    workload = trace_workload(config, plan, dtype, hw, schedule=False, profile=profile, attention=attention)
+    return predict_training(workload.probes, workload.source, plan, hw, profile, attention).summary
 
 
 # --- FasterTransformer GPT-20B ------------------------------------------------------------------------
@@ -106,7 +114,7 @@ class FTCase:
     last: RankTraces  # decode step 0 after a prompt as long as the last step's context
 
     def predict_ms(self, hw) -> float:
-        first, last = predict_infer(self.first, hw), predict_infer(self.last, hw)
+        first, last = (predict_infer(ranks, hw, attention=A100_ATTENTION) for ranks in (self.first, self.last))
         mean_step = (first["decode_ms_per_token"] + last["decode_ms_per_token"]) / 2
         return first["prefill_ms"] + (self.output_len - 1) * mean_step
 
@@ -133,7 +141,7 @@ class LayerCase:
     backward: list
 
     def predict_ms(self, hw) -> tuple[float, float]:
-        fill_durations(self.graph, hw, PROFILE)
+        fill_durations(self.graph, hw, PROFILE, A100_ATTENTION)
         frame = MeshFrame(self.plan.mesh)
         return tuple(simulate([graph_program(self.graph, part, frame, nodes=nodes, isolated=True)[0]]).end_us / 1e3
                      for part, nodes in (("forward", self.forward), ("backward", self.backward)))
@@ -179,7 +187,8 @@ class NemoCase:
 
     def predict(self, hw) -> float:
         step_s = predict_train(self.config, self.plan, hw)["step_s"]
-        tokens = self.plan.dp * self.plan.cp * self.plan.microbatches * self.plan.micro_batch_size * self.plan.seq
+        # a step's global batch of sequences, each split over CP ranks
+        tokens = self.plan.dp * self.plan.microbatches * self.plan.micro_batch_size * self.plan.seq
         return tokens / step_s / self.gpus
 
 
@@ -196,8 +205,9 @@ def nemo_cases(path: Path, rows: int | None = None) -> list[NemoCase]:
             config = get_config(model) if isinstance(model, str) else model
             dp = gpus // (tp * pp * cp)
             mb, seq = int(row["micro_batch"]), int(row["seq"])
-            plan = TrainPlan(dp=dp, tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=1, micro_batch_size=mb, seq=seq,
-                             microbatches=int(row["global_batch"]) // (dp * mb), virtual_stages=int(row["vp"]))
+            plan = TrainPlan(dp=dp, tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=1 if dp * cp > 1 else 0, micro_batch_size=mb,
+                             seq=seq, microbatches=int(row["global_batch"]) // (dp * mb), virtual_stages=int(row["vp"]),
+                             fp8=True)
             cases.append(NemoCase(label, float(row["tokens_per_s_per_gpu"]), dataclasses.replace(config, n_positions=seq),
                                   plan, gpus))
     return cases
@@ -207,7 +217,7 @@ def nemo_rows(cases: list[NemoCase], hw) -> list[tuple]:
     rows = []
     for c in cases:
         try:
-            rows.append((c.label + " [run: bf16]", c.measured, c.predict(hw)))
+            rows.append((c.label, c.measured, c.predict(hw)))
         except UserError as e:
             print(f"skipped {c.label}: {e}")
     return rows
@@ -294,7 +304,7 @@ def plot(title: str, rows, path: Path, unit: str) -> None:
 
 def _group(label: str) -> str:
     """What a row's point is coloured by: its TP degree (FT), forward/backward (layer), model (NeMo)."""
-    return label.split()[0] if label.endswith("[run: bf16]") else label.split()[-1]
+    return label.split()[0] if " GPUs " in label else label.split()[-1]
 
 
 def main():
@@ -320,14 +330,14 @@ def main():
         print(f"hardware {hw.name}: " + ", ".join(f"{k}={getattr(hw, k)}" for k in FITTED))
     ft_rows, layer_rows = errors(ft, layers, hw)
     if ft:
-        report("FasterTransformer GPT-20B latency, A100-80GB, fused profile (ms)", ft_rows, out, "fidelity_ft_gpt20b.png")
+        report("FasterTransformer GPT-20B latency, A100-80GB, fused profile, unfused attention (ms)", ft_rows, out, "fidelity_ft_gpt20b.png")
     if layers:
-        report("Megatron-LM 22B one layer, TP8, Korthikanti et al. 2022 Table 4 (ms)", layer_rows, out,
+        report("Megatron-LM 22B one layer, TP8, Korthikanti et al. 2022 Table 4, unfused attention (ms)", layer_rows, out,
                "fidelity_korthikanti_22b.png")
     if "nemo" in tables:
         rows = nemo_rows(nemo_cases(calibration / "nemo2407_h100_fp8.csv", args.rows), load_hw_config("h100-sxm"))
-        report("NeMo 24.07 DGX-H100 FP8 table, run in BF16 (tokens/s/GPU)", rows, out, "fidelity_nemo2407_h100.png",
-               "tokens/s/GPU")
+        report("NeMo 24.07 DGX-H100 FP8, fused profile, flash attention (tokens/s/GPU)", rows, out,
+               "fidelity_nemo2407_h100.png", "tokens/s/GPU")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,16 @@ class HardwareConfig:
 # Not fitted: kernel_overhead_us 2 (the GPU-side gap between back-to-back kernels of one stream; launches
 # are asynchronous), and the bus efficiencies, vendor benchmarks: nccl-tests all_reduce bus bandwidth on
 # DGX A100 (~230 GB/s of NVLink's 300: 0.77) and across HDR InfiniBand (~23 GB/s of 25 per NIC: 0.92).
+# A100_FLASH, the flash kernel's attention_efficiency (--attention flash): a published component measurement, not
+# fitted. FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv:2307.08691,
+# abstract and section 4.1: A100 80GB SXM4, head dim 64 and 128, causal or not, FLOPs counted as here with causal
+# halved); 0.6 is the middle of that range. The two A100 tables ran the unfused core (--attention unfused), so
+# it moves none of their prefill or training figures; decode's attention is memory-bound.
 A100_FIT = dict(gemm_efficiency=0.67, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
+A100_FLASH = 0.6
 NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 # Hopper (H100 SXM5 and H200 SXM share the GH100 die, clocks and NVLink 4): published component measurements,
-# none fitted, none taken from the H100 whole-step table (bench/nemo_h100.py only checks against it):
+# none fitted, none taken from the H100 whole-step table (bench/fidelity.py only checks against it):
 #   gemm_efficiency 0.80       cuBLAS BF16 matmul at its best full-wave shape, 792.1 of 989 TFLOP/s (Bekman,
 #                              ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS", H100 SXM,
 #                              CUDA 12.1); FP8 reaches the same fraction of its doubled peak: cuBLASLt e4m3 8192^3,
@@ -102,7 +108,7 @@ PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
                    memory_bw_gb_s=2039.0, memory_gb=80.0,
                    intra_node_bw_gb_s=300.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=25.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=108, **A100_FIT, **NCCL_BUS),
+                   sm_count=108, attention_efficiency=A100_FLASH, **A100_FIT, **NCCL_BUS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
     # with sparsity = 989.4 dense, FP8 3,958 with sparsity = 1,979 dense, HBM3 3.35 TB/s, 80 GB,
     # NVLink 4 900 GB/s. DGX H100: 8 GPUs, 8x ConnectX-7 NDR 400 Gb/s.

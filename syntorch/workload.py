@@ -44,18 +44,20 @@ class Workload:
     probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
     source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
     profile: str = "eager"  # software profile of the durations, when hw is set
+    attention: str = "flash"  # the attention kernel of the durations (trace/kernels.py), when hw is set
     memory: list[dict] = field(default_factory=list)  # per stage: parallel/memory.py's estimate of one rank
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
-                   hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager") -> Workload:
+                   hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager",
+                   attention: str = "flash") -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step.
-    `profile`: the software profile of the durations (trace/kernels.py), with `hw`."""
+    `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
-        return _trace_workload(config, plan, dtype, hw, schedule, profile)
+        return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention))
 
 
-def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
+def _trace_workload(config, plan, dtype, hw, schedule, software) -> Workload:
     estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
     if hw:  # before the work: a plan that does not fit is refused, not traced
         memory.check_fits(estimates, hw.memory_gb, hw.name)
@@ -65,8 +67,8 @@ def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
     made = (config, plan, hw, len(probes))
     if not schedule:  # a prediction needs only the probes, costed
         for graph, _ in probes.values() if hw else ():
-            fill_durations(graph, hw, profile)
-        return Workload(*made[:2], [], *made[2:], probes, source, profile, estimates)
+            fill_durations(graph, hw, *software)
+        return Workload(*made[:2], [], *made[2:], probes, source, *software, estimates)
     stages = {}
     # shifted copies first: schedule_stage may finish a probe in place (see there); each copy is scheduled
     # before the next is made, so only one unscheduled copy is alive at a time (peak RSS)
@@ -76,9 +78,9 @@ def _trace_workload(config, plan, dtype, hw, schedule, profile) -> Workload:
         # after shifting (a moved group may span nodes where the source did not), before scheduling: a copied
         # node keeps its duration (same FLOPs, bytes, dtypes, group), so micro-batches are not costed again
         if hw:
-            fill_durations(graph, hw, profile)
+            fill_durations(graph, hw, *software)
         stages[s] = schedule_stage(graph, probes[source[s]][1], plan)
-    return Workload(*made[:2], [stages[s] for s in range(plan.pp)], *made[2:], probes, source, profile, estimates)
+    return Workload(*made[:2], [stages[s] for s in range(plan.pp)], *made[2:], probes, source, *software, estimates)
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -115,7 +117,8 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
             total += written
             variants.add(variant)
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
-        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile))
+        (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile,
+                                                       workload.attention))
         summary = summarize(workload, node_counts, level)
         summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
         if prediction is not None:
@@ -167,4 +170,4 @@ def summarize(workload: Workload, node_counts: list[int], level: str) -> dict:
         })
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
-            "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}
+            "attention": workload.attention, "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}

@@ -4,6 +4,8 @@ from syntorch.export import EXPORTERS, NAMED_BY_SUFFIX
 
 
 def add_parser(sub) -> None:
+    from syntorch.cli.predict import add_attention
+
     p = sub.add_parser("export", help="convert a tensor_trace_graph.json to svg, png, graphml, perfetto, chakra, json")
     p.add_argument("--input", required=True, help="a tensor_trace_graph.json written by syntorch")
     p.add_argument("--output", required=True, help="output file (a folder for chakra)")
@@ -17,6 +19,7 @@ def add_parser(sub) -> None:
                                        "model (default: the graph's own, traced with --hw_config)")
     p.add_argument("--profile", default="eager", choices=["eager", "fused"], help="perfetto: with --hw_config, "
                    "how ops group into kernels")
+    add_attention(p)
     p.set_defaults(func=run)
 
 
@@ -30,7 +33,7 @@ def run(args) -> int:
     if fmt == "chakra":  # the one format written as a folder (syntorch.outdir)
         options["force"] = args.force
     if fmt == "perfetto" and args.hw_config:
-        options.update(hw_config=args.hw_config, profile=args.profile)
+        options.update(hw_config=args.hw_config, profile=args.profile, attention=args.attention)
     exporter(fmt)(graph, args.output, **options)
     print(f"{args.input} -> {args.output} ({fmt})")
     return 0

@@ -12,6 +12,7 @@ def int_list(text: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
+    from syntorch.cli.predict import add_attention
     from syntorch.options import named
     from syntorch.config import REGISTRY
 
@@ -61,6 +62,7 @@ def add_parser(sub) -> None:
     out.add_argument("--profile", default="eager",
                      help="software profile of the predicted durations: eager (one kernel per aten op, as PyTorch "
                           "runs) or fused (FasterTransformer/Megatron kernels)")
+    add_attention(out)
     out.add_argument("--recompute", default="none", help="training only (syntorch trace); inference recomputes nothing")
     out.add_argument("--chakra", action="store_true", help="write Chakra .et traces per rank into OUT/chakra")
     out.add_argument("--comm_debug", type=int, nargs="?", const=1, default=None, metavar="NOISE_LEVEL",
@@ -76,7 +78,7 @@ def run(args) -> int:
     from syntorch.trace.cost import check_profile_needs_hw
 
     check_recompute(args.recompute, mode="infer")
-    check_profile_needs_hw(args.profile, args.hw_config)
+    check_profile_needs_hw(args.profile, args.hw_config, args.attention)
     outputs = from_args(RunOutputs, args, visualize=args.visualize_trace, level=args.trace_level)
     if args.dtype == "fp8" and args.hw_config:
         from syntorch.hardware import load_hw_config

@@ -3,6 +3,16 @@ cross-rank simulation of them: prediction.json and a Perfetto timeline.json in -
 import os
 
 PROFILES = ("eager", "fused")
+ATTENTION_KERNELS = ("flash", "unfused")  # trace/kernels.py's, named here so parsing imports no torch
+
+
+def add_attention(group, default: str | None = "flash") -> None:
+    """--attention, beside --profile in every command that predicts durations."""
+    group.add_argument("--attention", default=default, choices=ATTENTION_KERNELS,
+                       help="the attention kernel of the predicted durations: flash (one fused kernel, as PyTorch's "
+                            "SDPA, Transformer Engine and torchtitan run it; the default) or unfused (QK^T GEMM, "
+                            "softmax, GEMM over V with the scores in memory: Megatron-LM 2022, FasterTransformer, "
+                            "PyTorch's math path)" + ("" if default else "; default: the files' own, else flash"))
 
 
 def add_parser(sub) -> None:
@@ -12,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file; "
                                        "without it, the files' own duration_micros")
     p.add_argument("--profile", choices=PROFILES, help="software profile of the performance model (needs --hw_config)")
+    add_attention(p, default=None)
     p.add_argument("--out", default="runs/predict", help="output folder (prediction.json, timeline.json)")
     p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's outputs in --out")
     p.set_defaults(func=run)
@@ -26,12 +37,14 @@ def run(args) -> int:
 
     if args.profile and not args.hw_config:
         raise UserError("--profile chooses how the performance model groups ops into kernels; give --hw_config too")
+    if args.attention and not args.hw_config:
+        raise UserError("--attention chooses the performance model's attention kernel; give --hw_config too")
     read = args.path if os.path.isdir(args.path) else os.path.dirname(args.path) or "."
     check_output_dir(args.out, args.force, "--out", inputs=[read],
                      new_files=["prediction.json", "timeline.json"])  # --force never removes the traces it reads
     hw = load_hw_config(args.hw_config) if args.hw_config else None
     check_simulable(args.path)
-    prediction = predict_traces(args.path, hw, args.profile)
+    prediction = predict_traces(args.path, hw, args.profile, args.attention)
     write_prediction(args.out, {"predicted": prediction.summary}, prediction, "prediction.json", args.force)
     print_prediction(prediction.summary)
     print(f"-> {args.out}/prediction.json, {args.out}/timeline.json (open in ui.perfetto.dev)")

@@ -3,6 +3,7 @@ written as one Chakra `.et` per rank, `comm_groups.json`, `tensor_trace_chakra.j
 
 
 def add_parser(sub) -> None:
+    from syntorch.cli.predict import add_attention
     from syntorch.options import named
     from syntorch.config import REGISTRY
 
@@ -70,6 +71,7 @@ def add_parser(sub) -> None:
     out.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm, cpu) or JSON file: durations")
     out.add_argument("--profile", default="eager",
                      help="software profile of the durations: eager (one kernel per aten op) or fused (Megatron's kernels)")
+    add_attention(out)
     out.add_argument("--trace_level", default="module", choices=["op", "module"], help="one Chakra node per op or per module")
     out.add_argument("--predict_only", action="store_true",
                      help="predict the step (needs --hw_config) without writing Chakra files: summary.json, timeline.json")
@@ -100,7 +102,7 @@ def run(args) -> int:
     from syntorch.workload import trace_workload, write_workload
 
     check_output_dir(args.out, args.force, "--out", new_files=["summary.json"])  # before the work, not after it
-    check_profile_needs_hw(args.profile, args.hw_config)
+    check_profile_needs_hw(args.profile, args.hw_config, args.attention)
     if args.fsdp:
         if args.zero not in (0, 3):
             raise UserError(f"--fsdp is --zero 3; drop --zero {args.zero} or --fsdp")
@@ -116,8 +118,9 @@ def run(args) -> int:
     if plan.fp8:
         check_fp8(hw)
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only,
-                              profile=args.profile)
-    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile) if hw else None
+                              profile=args.profile, attention=args.attention)
+    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile, args.attention) \
+        if hw else None
     if args.predict_only:
         record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
                   "hw_config": hw.name, "predicted": prediction.summary}

@@ -14,17 +14,17 @@ from syntorch.hardware import load_hw_config
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.predict import rank_programs
 from syntorch.simulate.timeline import timeline_events, write_events
-from syntorch.trace.cost import check_profile, fill_rank_durations, shared_key
+from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations, shared_key
 
 ARGS = ("module", "phase", "flops", "bytes_read", "bytes_written", "collective", "reduce_op", "group",
         "bytes", "src", "dst", "tag", "order", "num_ops")
 
 
-def trace_events(graphs, hw_config: str | None = None, profile: str = "eager") -> dict:
+def trace_events(graphs, hw_config: str | None = None, profile: str = "eager", attention: str = "flash") -> dict:
     """`graphs`: one TraceGraph or a rank -> TraceGraph mapping (RankTraces)."""
     by_rank = _ranks(graphs)
     if hw_config is not None:
-        fill_rank_durations(by_rank, load_hw_config(hw_config), check_profile(profile))
+        fill_rank_durations(by_rank, load_hw_config(hw_config), check_profile(profile), check_attention(attention))
     elif any(d.get("duration_us") is None for g in by_rank.values() for _, d in g.work()):
         raise UserError("the graph has no durations (traced without --hw_config); give --hw_config for the "
                         "performance model's")
@@ -41,11 +41,12 @@ def _ranks(graphs) -> dict:
     return {rank: graphs for rank in range(graphs.graph.get("world_size", 1))}
 
 
-def export(graphs, path, level: str | None = None, hw_config: str | None = None, profile: str = "eager") -> None:
+def export(graphs, path, level: str | None = None, hw_config: str | None = None, profile: str = "eager",
+           attention: str = "flash") -> None:
     """`level`: the graph collapsed per module or layer (durations summed), after the op-level costs."""
     by_rank = _ranks(graphs)
     if hw_config is not None:
-        fill_rank_durations(by_rank, load_hw_config(hw_config), check_profile(profile))
+        fill_rank_durations(by_rank, load_hw_config(hw_config), check_profile(profile), check_attention(attention))
     if level:
         from syntorch.trace.levels import level_view
         views = {shared_key(g): level_view(g, level) for g in by_rank.values()}  # shared graphs stay shared

@@ -11,7 +11,7 @@ from syntorch.export.comm_report import write_comm_outputs
 from syntorch.hardware import load_hw_config
 from syntorch.simulate.predict import TIMELINE, predict_inference
 from syntorch.trace.comm_report import check_noise_level
-from syntorch.trace.cost import check_profile, fill_rank_durations
+from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations
 
 
 @dataclass
@@ -22,6 +22,7 @@ class RunOutputs:
     comm_debug: int | None = None  # noise level of the report, None: no report
     level: str | None = None  # --trace_level
     profile: str = "eager"  # software profile of the durations (trace/kernels.py): eager | fused
+    attention: str = "flash"  # the attention kernel of the durations (trace/kernels.py): flash | unfused
 
     @property
     def any(self) -> bool:
@@ -30,6 +31,7 @@ class RunOutputs:
     def __post_init__(self):
         """Reject bad options before any model is built."""
         check_profile(self.profile)
+        check_attention(self.attention)
         if self.hw_config is not None:
             load_hw_config(self.hw_config)
         if self.comm_debug is not None:
@@ -44,9 +46,9 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
     record = {"nodes": len(graph), "flops": graph.total_flops(), "ranks": len(traces)}
     if outputs.hw_config is not None:
         hw = load_hw_config(outputs.hw_config)
-        fill_rank_durations(traces, hw, outputs.profile)
-        record["hw_config"], record["profile"] = hw.name, outputs.profile
-        prediction = predict_inference(traces, hw.name, outputs.profile)
+        fill_rank_durations(traces, hw, outputs.profile, outputs.attention)
+        record.update(hw_config=hw.name, profile=outputs.profile, attention=outputs.attention)
+        prediction = predict_inference(traces, hw.name, outputs.profile, outputs.attention)
         record["predicted"] = prediction.summary
         prediction.write_timeline(out_dir / TIMELINE)
     if outputs.visualize:

@@ -7,7 +7,7 @@ nothing across communicators (ctrl deps that reach compute nodes stay edges).
 
 Durations: the files' own (`duration_ns` where our writer added it, else the whole µs of `duration_micros`),
 which syntorch trace writes from the cost model (trace/cost.py, op by op, summed per module) and records,
-with the hardware and profile, in RANK_KINDS. So `predict DIR`
+with the hardware, profile and attention kernel, in RANK_KINDS. So `predict DIR`
 replays them, and predicts what `trace --hw_config` did, when given no --hw_config or that same one; given
 another (or on files we did not write), fill_durations costs each node from what the file holds (a
 module-level node: a roofline of its summed FLOPs and bytes, not its kernels' times).
@@ -45,31 +45,33 @@ DTYPES = {"BFloat16": "bfloat16", "Half": "float16", "float": "float32", "double
 
 
 def rank_kinds_json(model: str, mesh: Mesh, folder: Path, hw: HardwareConfig | None = None,
-                    profile: str | None = None) -> str:
+                    profile: str | None = None, attention: str = "flash") -> str:
     """The mesh, each rank's file as written (size and modification time: the quick check rsync and make
     use; a file rewritten since, even to the same size, shows a new time) and what its durations are from."""
     stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
                        "mesh": mesh.to_json(),
                        "files": [[st.st_size, st.st_mtime_ns] for st in stats],
-                       "durations": {"hw_config": hw.to_dict(), "profile": profile} if hw else None})
+                       "durations": {"hw_config": hw.to_dict(), "profile": profile, "attention": attention}
+                       if hw else None})
 
 
-def predict_traces(path, hw=None, profile: str | None = None) -> Prediction:
-    """A simulated step of the traces at `path` (DIR or PREFIX); durations from `hw`'s model, else the files'."""
+def predict_traces(path, hw=None, profile: str | None = None, attention: str | None = None) -> Prediction:
+    """A simulated step of the traces at `path` (DIR or PREFIX); durations from `hw`'s model, else the files'.
+    `profile`, `attention`: None keeps what the files' durations were written with (else eager, flash)."""
     with no_gc():  # many small dicts and lists, none cyclic
-        return _predict_traces(path, hw, profile)
+        return _predict_traces(path, hw, profile, attention)
 
 
-def _predict_traces(path, hw, profile) -> Prediction:
+def _predict_traces(path, hw, profile, attention) -> Prediction:
     files = find_traces(path)
     folder = files[0][1].parent
     groups = {k: sorted(v) for k, v in load_comm_groups(folder / "comm_groups.json", explicit=False).items()}
     world = len(files)
     mesh, why, written = _symmetric_mesh(folder, files)
-    replay = _replays(written, hw, profile)
+    replay = _replays(written, hw, profile, attention)
     if replay:
-        hw, profile = config_from_dict(written["hw_config"]), written["profile"]
+        hw, profile, attention = config_from_dict(written["hw_config"]), written["profile"], _attention(written)
     if mesh is not None:
         paths = dict(files)
         kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.size("dp", "cp", "tp"))
@@ -82,7 +84,7 @@ def _predict_traces(path, hw, profile) -> Prediction:
     for name, rank, f, ranks in kinds:
         graph = chakra_graph(f, rank, world, groups)
         if hw is not None and not replay:
-            fill_durations(graph, hw, **({"profile": profile} if profile else {}))
+            fill_durations(graph, hw, profile or "eager", attention or "flash")
         programs.append(graph_program(graph, name, frame, ranks)[0])
         for d in graph.node_attrs.values():
             if d["kind"] == "op":
@@ -92,21 +94,29 @@ def _predict_traces(path, hw, profile) -> Prediction:
     # every COMP node counts: a Chakra file does not say which ops are recomputations or the optimizer's
     peak = hw.peak_flops(max(dtypes, key=dtypes.get)) if hw is not None and dtypes else 0.0
     summary = run_summary(run, flops, flops, peak)
-    summary.update(hw_config=hw.name if hw else None, profile=profile, traces=str(path), ranks=world,
-                   notes=[note, _durations_note(hw, profile, replay)])
+    summary.update(hw_config=hw.name if hw else None, profile=profile, attention=attention, traces=str(path),
+                   ranks=world, notes=[note, _durations_note(hw, profile, attention, replay)])
     return Prediction(run, summary)
 
 
-def _replays(written: dict | None, hw, profile) -> bool:
-    """Do the files' durations answer for `hw` and `profile` (written by the same cost model for them)?"""
+def _replays(written: dict | None, hw, profile, attention) -> bool:
+    """Do the files' durations answer for `hw`, `profile` and `attention` (written by the same cost model for
+    them)?"""
     if not written:
         return False
-    return hw is None or (hw.to_dict() == written["hw_config"] and profile in (None, written["profile"]))
+    return hw is None or (hw.to_dict() == written["hw_config"] and profile in (None, written["profile"])
+                          and attention in (None, _attention(written)))
 
 
-def _durations_note(hw, profile, replay: bool) -> str:
+def _attention(written: dict) -> str:
+    """Files written before --attention existed timed attention as flash kernels only under the eager profile."""
+    return written.get("attention", "flash" if written["profile"] == "eager" else "unfused")
+
+
+def _durations_note(hw, profile, attention, replay: bool) -> str:
     if replay:
-        return f"durations as syntorch trace wrote them (--hw_config {hw.name} --profile {profile}), replayed"
+        return (f"durations as syntorch trace wrote them (--hw_config {hw.name} --profile {profile} "
+                f"--attention {attention}), replayed")
     if hw is None:
         return "durations from the files' duration_micros"
     return f"durations from --hw_config {hw.name}'s model of each node as the files hold it"

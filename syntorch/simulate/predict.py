@@ -65,14 +65,15 @@ def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_
     return out
 
 
-def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None) -> Prediction:
+def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None,
+                     attention: str | None = None) -> Prediction:
     """A training step (or pipelined prefill) from per-stage probes (trace/training.py's probe_stage:
     {stage: (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
     with no_gc():  # many small lists, none cyclic
-        return _predict_training(probes, source, plan, hw, profile)
+        return _predict_training(probes, source, plan, hw, profile, attention)
 
 
-def _predict_training(probes, source, plan, hw, profile) -> Prediction:
+def _predict_training(probes, source, plan, hw, profile, attention) -> Prediction:
     mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
     costs = {s: probe_costs(graph, blocks, mesh) for s, (graph, blocks) in probes.items()}
     optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
@@ -94,7 +95,7 @@ def _predict_training(probes, source, plan, hw, profile) -> Prediction:
     for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
         kind["stage"] = s
     summary["stages"] = summary["rank_kinds"]
-    summary.update(hw_config=hw.name, profile=profile, level="pipeline step", microbatches=M, virtual_stages=virtual)
+    summary.update(hw_config=hw.name, profile=profile, attention=attention, level="pipeline step", microbatches=M, virtual_stages=virtual)
     return Prediction(run, summary)
 
 
@@ -106,7 +107,7 @@ def _main_dtype(probes: dict) -> str:
     return "float32" if biggest is None else op_dtype(graph, biggest)
 
 
-def predict_inference(traces, hw_name: str, profile: str | None = None) -> Prediction:
+def predict_inference(traces, hw_name: str, profile: str | None = None, attention: str | None = None) -> Prediction:
     """Latency of an inference run whose graphs have durations: `traces` maps each rank to its graph, ranks
     that run one graph sharing it (RankTraces), each distinct graph simulated once.
     run.json's `predicted`: latency_ms, prefill_ms (to the end of the prompt's pass), decode_ms_per_token."""
@@ -120,7 +121,7 @@ def predict_inference(traces, hw_name: str, profile: str | None = None) -> Predi
     summary = {"latency_ms": latency / 1e3, "prefill_ms": prefill / 1e3,
                "decode_ms_per_token": (latency - prefill) / 1e3 / len(decodes) if decodes else 0.0,
                "exposed_comm_ms": max(k["exposed_comm_us"] for k in kind_stats(run)) / 1e3,
-               "hw_config": hw_name, "profile": profile}
+               "hw_config": hw_name, "profile": profile, "attention": attention}
     return Prediction(run, summary)
 
 

@@ -1,11 +1,12 @@
-"""Per-node durations of a trace from a HardwareConfig and a software profile (eager | fused).
+"""Per-node durations of a trace from a HardwareConfig and the software: a profile (eager | fused) and an
+attention kernel (flash | unfused).
 
 Compute ops: kernels.py (which ops launch kernels under the profile; GEMM tiles and waves, achievable
 bandwidth, a fixed cost per kernel, fused attention). Collectives: nccl.py (ring or tree, bus bandwidth,
 per-step latency, hierarchical across nodes). An op that runs inside another op's kernel (fused profile)
 gets 0; the kernel it joins carries its time.
 
-    fill_durations(graph, hw, profile="fused")   # sets duration_us on every op and collective
+    fill_durations(graph, hw, profile="fused", attention="flash")   # sets duration_us on every op and collective
 
 Durations only: syntorch/simulate composes them (streams, ranks, pipelines), for every command.
 """
@@ -15,12 +16,12 @@ import networkx as nx
 
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig
-from syntorch.trace.kernels import (ATTENTION, GEMMS, PROFILES, attention_us, compute_us, foreach_launches, gemm_us,
-                                    kernel_plan, launches_kernel)
+from syntorch.trace.kernels import (ATTENTION, ATTENTION_KERNELS, GEMMS, PROFILES, attention_us, compute_us,
+                                    foreach_launches, gemm_us, kernel_plan, launches_kernel)
 from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
-__all__ = ["PROFILES", "Kernel", "check_profile", "collective_us", "compute_us", "fill_durations",
+__all__ = ["ATTENTION_KERNELS", "PROFILES", "Kernel", "check_attention", "check_profile", "collective_us", "compute_us", "fill_durations",
            "fill_rank_durations", "kernel_of", "kernel_plan", "kernel_us", "node_us", "op_dtype", "shared_key"]
 
 
@@ -30,11 +31,20 @@ def check_profile(profile: str) -> str:
     return profile
 
 
-def check_profile_needs_hw(profile: str, hw_config) -> None:
-    """A profile groups ops into kernels for the performance model; without a device there is none."""
+def check_attention(attention: str) -> str:
+    if attention not in ATTENTION_KERNELS:
+        raise UserError(f"unknown --attention {attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+    return attention
+
+
+def check_profile_needs_hw(profile: str, hw_config, attention: str = "flash") -> None:
+    """A profile groups ops into kernels for the performance model, --attention picks one; without a device there
+    is none."""
     if profile != "eager" and not hw_config:
         raise UserError(f"--profile {profile} chooses how predicted durations group ops into kernels; "
                         "give --hw_config too")
+    if attention != "flash" and not hw_config:
+        raise UserError(f"--attention {attention} chooses the kernel of predicted durations; give --hw_config too")
 
 
 @dataclass(frozen=True)
@@ -72,33 +82,36 @@ def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
     return Kernel("compute", data["name"], data["flops"], nbytes, dtype, launches)
 
 
-def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager") -> float:
+def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager", attention: str = "flash") -> float:
     if kernel.kind == "collective":
         return collective_us(kernel.name, kernel.nbytes, list(kernel.shape), hw)
     if kernel.kind == "gemm":
         return gemm_us(*kernel.shape, kernel.nbytes, kernel.dtype, hw)
     if kernel.kind == "attention":
-        return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile)
+        return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile,
+                            attention)
     if kernel.kind == "compute":
         return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw, launches=kernel.shape[0] if kernel.shape else 1)
     return 0.0
 
 
-def node_us(graph: nx.DiGraph, node, hw: HardwareConfig, profile: str = "eager", plan: dict | None = None) -> float:
+def node_us(graph: nx.DiGraph, node, hw: HardwareConfig, profile: str = "eager", plan: dict | None = None,
+            attention: str = "flash") -> float:
     """Duration of one op or collective. `plan`: kernel_plan(graph, profile), when costing many nodes."""
     plan = kernel_plan(graph, check_profile(profile)) if plan is None else plan
-    return kernel_us(kernel_of(graph, node, plan), hw, profile)
+    return kernel_us(kernel_of(graph, node, plan), hw, profile, check_attention(attention))
 
 
 LOOKUPS = frozenset({"aten.embedding", "aten.index_select", "aten.gather", "aten.index"})
 
 
-def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager") -> None:
+def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager", attention: str = "flash") -> None:
     """Sets `duration_us` on every op and collective node of `graph` (in place)."""
     plan = kernel_plan(graph, check_profile(profile))
+    check_attention(attention)
     for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
-            data["duration_us"] = node_us(graph, node, hw, profile, plan)
+            data["duration_us"] = kernel_us(kernel_of(graph, node, plan), hw, profile, attention)
 
 
 def op_dtype(graph: nx.DiGraph, node) -> str:
@@ -151,8 +164,8 @@ def shared_key(graph: nx.DiGraph) -> int:
     return id(graph.nodes[next(iter(graph))]) if len(graph) else id(graph)
 
 
-def fill_rank_durations(graphs_by_rank, hw: HardwareConfig, profile: str = "eager") -> None:
+def fill_rank_durations(graphs_by_rank, hw: HardwareConfig, profile: str = "eager", attention: str = "flash") -> None:
     """fill_durations on every rank's graph, once per distinct graph (shared ones share durations)."""
     distinct = {shared_key(g): g for g in graphs_by_rank.values()}
     for graph in distinct.values():
-        fill_durations(graph, hw, profile)
+        fill_durations(graph, hw, profile, attention)

@@ -8,14 +8,19 @@ Kernel time = kernel_overhead_us + one of
   ceil(tiles / sm_count) waves. Fewer tiles than SMs: split-K spreads them over sm_count // tiles slices
   of K, whose FP32 partial sums a second pass writes and reads back.
   Memory: the bytes the op reads and writes at `memory_efficiency` of the bandwidth.
-- attention (the fused sdpa op): FlashAttention-style, one kernel, max(math, memory) -- for the eager
-  profile (PyTorch picks a flash kernel on GPUs) and for decode (FasterTransformer's masked attention
-  kernel). Its math is the op's FLOPs, which count only the (query, key) pairs a causal mask keeps
-  (attention.py): flash kernels skip the masked blocks. With more than one query in the fused profile it
-  runs as Megatron-LM and FasterTransformer's context attention do: a batched GEMM for QK^T, a softmax kernel
-  and a batched GEMM over V over the whole score matrix, masked or not (so the dense FLOPs, from the shapes),
-  the score matrix going through memory SCORE_PASSES times (forward: written, read and written by softmax,
-  read; backward: dP written, P read for dV, softmax backward reads P and dP and writes dS, dS read twice).
+- attention (the fused sdpa op): the attention kernel is a software choice (ATTENTION_KERNELS, `--attention`):
+  flash (default; what PyTorch's SDPA, Transformer Engine/cuDNN, NeMo and torchtitan run since 2023): one
+  FlashAttention-style kernel, max(math, memory), its math the op's FLOPs, which count only the (query, key)
+  pairs a causal mask keeps (attention.py; flash kernels skip the masked blocks), at `attention_efficiency`.
+  unfused (Megatron-LM 2022 and FasterTransformer's context attention, which the A100 calibration tables ran):
+  a batched GEMM for QK^T, a softmax kernel and a batched GEMM over V over the whole score matrix, masked or
+  not (so the dense FLOPs, from the shapes), the score matrix going through memory SCORE_PASSES times
+  (forward: written, read and written by softmax, read; backward: dP written, P read for dV, softmax backward
+  reads P and dP and writes dS, dS read twice). Under the eager profile that is PyTorch's math path
+  (aten::_scaled_dot_product_attention_math), which adds a masked score matrix's mask as a kernel of its own
+  (attn.add_(mask): the scores read and written once more); under the fused profile the mask and scale live
+  in Megatron's fused softmax. Decode (one query) under the fused profile is one kernel either way
+  (FasterTransformer's masked multi-head attention kernel).
 - anything else: max(FLOPs at `gemm_efficiency` of peak, bytes at `memory_efficiency` of bandwidth).
 
 Profiles (the same trace, other kernels):
@@ -32,12 +37,14 @@ Profiles (the same trace, other kernels):
 """
 import math
 
+import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from syntorch.hardware import HardwareConfig
 from syntorch.trace.attention import SDPA
 
 PROFILES = ("eager", "fused")
+ATTENTION_KERNELS = ("flash", "unfused")  # --attention (module docstring)
 GEMMS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"})  # _scaled_mm: FP8
 ATTENTION = frozenset({SDPA, SDPA + "_backward"})
 # ops that allocate or relabel a tensor without a kernel
@@ -83,17 +90,20 @@ def gemm_us(batch: int, m: int, n: int, k: int, nbytes: int, dtype: str, hw: Har
 
 
 def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: str, hw: HardwareConfig,
-                 profile: str) -> float:
-    """The fused sdpa op (forward or backward): one flash kernel, or the unfused core (module docstring)."""
-    queries = q_shape[-2]
-    if profile == "eager" or queries == 1:
+                 profile: str, attention: str = "flash") -> float:
+    """The fused sdpa op (forward or backward) as `attention` and `profile` run it (module docstring): the one
+    place that decides between a flash kernel and the unfused core."""
+    if attention == "flash" or (profile == "fused" and q_shape[-2] == 1):
         return compute_us(flops, nbytes, dtype, hw, "attention")
-    scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk
-    kernels = 3 if name == SDPA else 5  # GEMM, softmax, GEMM / two GEMMs, softmax backward, two GEMMs
-    score_bytes = SCORE_PASSES[name] * scores * 2  # FP16 scores, as Megatron's fused softmax keeps them
     # every score computed, masked or not (V's head size is Q's in every model here, so k stands for v)
     dense = sdpa_flop_count(q_shape, k_shape, k_shape) if name == SDPA else \
         sdpa_backward_flop_count(q_shape, q_shape, k_shape, k_shape)
+    kernels = 3 if name == SDPA else 5  # GEMM, softmax, GEMM / two GEMMs, softmax backward, two GEMMs
+    passes = SCORE_PASSES[name]
+    if profile == "eager" and name == SDPA and flops < dense:  # the math path adds the causal mask on its own
+        kernels, passes = kernels + 1, passes + 2
+    scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk, in the op's dtype (FP16 in Megatron's softmax)
+    score_bytes = passes * scores * getattr(torch, dtype).itemsize
     return kernels * hw.kernel_overhead_us + math_us(dense, dtype, hw) + memory_us(nbytes + score_bytes, hw)
 
 
