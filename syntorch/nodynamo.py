@@ -1,12 +1,13 @@
 """Keeps torch's compiler stack (torch._dynamo, ~1.2 s to import) out of runs that compile nothing.
 
 torch wraps many Python functions in `torch._disable_dynamo`: every Python meta kernel with type promotion
-(add, sub, where, cat, gelu, ...: on `meta` these replace the C++ kernels), torch.optim's steps,
-torch.utils.checkpoint, and each TorchDispatchMode's __torch_dispatch__. On its first call the wrapper
+(add, sub, where, cat, gelu, ...: on `meta` these replace the C++ kernels), torch.utils.checkpoint, and
+each TorchDispatchMode's __torch_dispatch__. On its first call the wrapper
 imports torch._dynamo to build `torch._dynamo.disable(fn)`, then caches that on `fn.__dynamo_disable`.
 While torch._dynamo is not imported nothing can be compiling (torch.compile imports it), so there is
 nothing to disable: `skip_dynamo_until_loaded` puts a stand-in in that cache which calls `fn` as is until
 torch._dynamo is loaded, and the real disabled function from then on. What runs is unchanged either way.
+(torch.optim's step wrapper imports torch._dynamo itself, outside this cache: a training step still does.)
 """
 import functools
 import gc
