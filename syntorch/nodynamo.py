@@ -2,8 +2,8 @@
 
 torch wraps many Python functions in `torch._disable_dynamo`: every Python meta kernel with type promotion
 (add, sub, where, cat, gelu, ...: on `meta` these replace the C++ kernels), torch.utils.checkpoint, and
-each TorchDispatchMode's __torch_dispatch__. On its first call the wrapper
-imports torch._dynamo to build `torch._dynamo.disable(fn)`, then caches that on `fn.__dynamo_disable`.
+each TorchDispatchMode's __torch_dispatch__. On its first call the wrapper imports torch._dynamo to build
+`torch._dynamo.disable(fn)`, then caches that on `fn.__dynamo_disable`.
 While torch._dynamo is not imported nothing can be compiling (torch.compile imports it), so there is
 nothing to disable: `skip_dynamo_until_loaded` puts a stand-in in that cache which calls `fn` as is until
 torch._dynamo is loaded, and the real disabled function from then on. What runs is unchanged either way.
