@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "syntorch"
 # lowest first; a module may import its own layer (without a cycle) and the layers below it
 LAYERS = [
     ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console",
-              "syntorch.options"]),
+              "syntorch.options", "syntorch.nodynamo"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
     ("models", ["syntorch.models", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints", "syntorch.hf_format"]),
     ("parallel", ["syntorch.parallel", "syntorch.quant"]),

@@ -5,7 +5,6 @@ collective report (--comm_debug)."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from syntorch.chakra.writer import write_chakra
 from syntorch.export import write_trace_outputs
 from syntorch.export.comm_report import write_comm_outputs
 from syntorch.hardware import load_hw_config
@@ -54,6 +53,7 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
     if outputs.visualize:
         record["files"] = write_trace_outputs(graph, out_dir, outputs.level)
     if outputs.chakra or (outputs.visualize and len(traces) > 1):
+        from syntorch.chakra.writer import write_chakra  # here: protobuf only for a run that writes Chakra
         level = outputs.level if outputs.level in ("op", "module") else "op"
         chakra = write_chakra(traces, out_dir / "chakra", level=level)
         record["chakra"] = {k: chakra[k] for k in ("ranks", "distinct_traces", "nodes", "et_bytes", "notes")}

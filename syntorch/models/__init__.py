@@ -13,6 +13,7 @@ from syntorch.config import ModelConfig
 from syntorch.models.bert import Bert
 from syntorch.models.gpt import GPT
 from syntorch.models.layers import init_weights
+from syntorch.nodynamo import skip_dynamo_until_loaded
 
 
 LAYER_PATH = re.compile(r"^layers\.(\d+)(?=\.|$)")  # a module path inside block i; group 1 is i
@@ -38,6 +39,7 @@ class _SkipInit(TorchFunctionMode):
 def on_meta():
     """Modules built inside have meta parameters, without torch's default init (a meta tensor holds no
     values; real weights come from init_weights or a checkpoint)."""
+    skip_dynamo_until_loaded()  # what runs on meta next needs no compiler
     with torch.device("meta"), _SkipInit():
         yield
 
