@@ -69,6 +69,29 @@ class ModelConfig:
     d_ff_expert: int = 0  # each routed expert's hidden size; 0: d_ff (Mixtral's experts are full-size MLPs)
     n_shared_experts: int = 0  # DeepSeekMoE: experts every token passes through, unweighted (one MLP of n x d_ff_expert)
     moe_renormalize: bool = True  # Mixtral renormalizes the top-k softmax weights to sum to 1; DeepSeek-V2 does not
+    # DeepSeek-V2/V3 (DeepSeek-AI 2024, arXiv 2405.04434 and 2412.19437), all off by default.
+    # Multi-head Latent Attention: K/V compressed to kv_lora_rank (the cache holds it) plus one rotary key of
+    # rotary_dim dims shared by all heads; d_head is the query/key head size (qk_nope + qk_rope), v_head_dim the value's
+    kv_lora_rank: int = 0  # 0: no MLA
+    q_lora_rank: int = 0  # MLA's query down-projection rank; 0: a full-rank query projection (DeepSeek-V2-Lite)
+    v_head_dim: int = 0  # MLA's value head size; 0: d_head
+    first_k_dense: int = 0  # the first k layers have a dense MLP of d_ff, the others are MoE layers (HF first_k_dense_replace)
+    # "": softmax top-k (Mixtral). DeepSeek's (config.json topk_method): "greedy" and "group_limited_greedy" (V2:
+    # softmax, groups ranked by their best expert), "noaux_tc" (V3: sigmoid, top-k by score + a correction bias,
+    # groups ranked by the sum of their top-2); groups: moe_n_group of them, tokens go to moe_topk_group
+    moe_topk_method: str = ""
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scale: float = 1.0  # routed experts' weights times this (HF routed_scaling_factor)
+    # YaRN (Peng et al. 2023; HF rope_type "yarn"), with rope_scaling="yarn": rope_factor, rope_original_positions and
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: unset (HF's None)
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True
+    # MLA's softmax scale times yarn_mscale(rope_factor, rope_mscale_all_dim)^2, as DeepSeek's code and HF's
+    # DeepseekV3Attention compute it (HF's DeepseekV2Attention leaves it out)
+    yarn_softmax_mscale: bool = True
     ln_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT segment embeddings
     pad_token_id: int = 0
@@ -87,6 +110,14 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         """Dims of each head that rotary rotates (0 with learned positions)."""
         return (self.rotary_dim or self.d_head) if self.pos == "rotary" else 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.d_head
 
     @property
     def expert_d_ff(self) -> int:
@@ -113,7 +144,7 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
     need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
-    need(c.rope_scaling in ("", "llama3"), f"rope_scaling must be '' or 'llama3', got {c.rope_scaling!r}")
+    need(c.rope_scaling in ("", "llama3", "yarn"), f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
     need(c.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
@@ -139,8 +170,32 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch == "gpt" or (c.norm, c.kv_heads, c.sliding_window, c.gated_mlp) == ("layernorm", c.n_head, 0, False),
          "bert supports only its own layout (layernorm, multi-head attention, no sliding window, GELU MLP)")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
+    check_deepseek(c, need)
     need(isinstance(c.ln_eps, (int, float)) and math.isfinite(c.ln_eps) and c.ln_eps > 0,
          f"ln_eps must be a positive finite number, got {c.ln_eps!r}")
+
+
+def check_deepseek(c: ModelConfig, need) -> None:
+    """The MLA and DeepSeek routing fields (see ModelConfig)."""
+    for k in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "first_k_dense"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+    need(not c.mla or (c.arch == "gpt" and c.pos == "rotary" and 0 < c.rotary_dim < c.d_head),
+         "MLA (kv_lora_rank > 0) needs pos 'rotary' and a rotary_dim (the shared rotary key) below d_head")
+    need(c.mla or not (c.q_lora_rank or c.v_head_dim), "q_lora_rank and v_head_dim describe MLA: set kv_lora_rank too")
+    need(c.moe_topk_method in ("", "greedy", "group_limited_greedy", "noaux_tc"),
+         f"moe_topk_method must be '', 'greedy', 'group_limited_greedy' or 'noaux_tc', got {c.moe_topk_method!r}")
+    for k in ("moe_n_group", "moe_topk_group"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) > 0, f"{k} must be a positive integer, got {getattr(c, k)!r}")
+    need(not c.n_experts or (c.n_experts % c.moe_n_group == 0 and c.moe_topk_group <= c.moe_n_group),
+         f"moe_n_group ({c.moe_n_group}) must divide n_experts ({c.n_experts}) and moe_topk_group "
+         f"({c.moe_topk_group}) be at most moe_n_group")
+    need(c.moe_topk_method != "noaux_tc" or c.n_experts // c.moe_n_group >= 2,
+         "noaux_tc ranks groups by their top-2 experts: each group needs at least 2")
+    need(not c.n_experts or c.moe_top_k <= c.moe_topk_group * (c.n_experts // c.moe_n_group),
+         f"moe_top_k ({c.moe_top_k}) exceeds the experts of moe_topk_group groups")
+    for k in ("moe_routed_scale", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"):
+        need(isinstance(getattr(c, k), (int, float)) and math.isfinite(getattr(c, k)) and getattr(c, k) >= 0,
+             f"{k} must be a finite number >= 0, got {getattr(c, k)!r}")
 
 
 def _gpt3(name, n_layer, d_model, n_head):
@@ -190,6 +245,31 @@ LLAMA_FAMILY = [
     _llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 65536, rope_theta=1e6, n_experts=8, moe_top_k=2),
 ]
 
+
+def _deepseek(name, n_layer, d_model, n_head, d_ff, vocab_size, **fields):
+    # MLA with 128 no-rope + 64 rotary query/key dims, 128-dim values and a 512-dim latent, rotary in pairs
+    # (DeepSeek's complex form; HF's rope_interleave), YaRN x40 over a 4096 context, first layers dense
+    mla = dict(d_head=192, rotary_dim=64, v_head_dim=128, kv_lora_rank=512, rotary_style="interleaved", ln_eps=1e-6,
+               rope_scaling="yarn", rope_factor=40.0, rope_original_positions=4096)
+    return _llama(name, n_layer, d_model, n_head, 0, d_ff, vocab_size, 163840, **{**mla, **fields})
+
+
+# deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V2, DeepSeek-V3 config.json (moe_intermediate_size -> d_ff_expert,
+# first_k_dense_replace -> first_k_dense, topk_method, n_group, topk_group, routed_scaling_factor, rope_scaling
+# mscale / mscale_all_dim). V2's softmax scale follows transformers' DeepseekV2Attention (no mscale, see
+# yarn_softmax_mscale); the multi-token-prediction module of V3 (its layer 61) is not modelled, as in HF
+_V2 = dict(moe_top_k=6, n_shared_experts=2, first_k_dense=1, moe_renormalize=False, rope_mscale=0.707,
+           rope_mscale_all_dim=0.707, yarn_softmax_mscale=False)
+DEEPSEEK_FAMILY = [
+    _deepseek("deepseek-v2-lite", 27, 2048, 16, 10944, 102400, n_experts=64, d_ff_expert=1408,
+              moe_topk_method="greedy", **_V2),
+    _deepseek("deepseek-v2", 60, 5120, 128, 12288, 102400, q_lora_rank=1536, n_experts=160, d_ff_expert=1536,
+              moe_topk_method="group_limited_greedy", moe_n_group=8, moe_topk_group=3, moe_routed_scale=16.0, **_V2),
+    _deepseek("deepseek-v3", 61, 7168, 128, 18432, 129280, q_lora_rank=1536, n_experts=256, d_ff_expert=2048,
+              moe_top_k=8, n_shared_experts=1, first_k_dense=3, moe_topk_method="noaux_tc", moe_n_group=8,
+              moe_topk_group=4, moe_routed_scale=2.5, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+]
+
 REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -201,7 +281,7 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
                 pos="rotary", rotary_dim=64, parallel_residual=True, tied_head=False,
                 head_bias=True, qkv_bias=False, proj_bias=False),
     _bert("bert-base-uncased", 12, 768, 12), _bert("bert-large-uncased", 24, 1024, 16),
-    *LLAMA_FAMILY,
+    *LLAMA_FAMILY, *DEEPSEEK_FAMILY,
 ]}
 ALIASES = {"gpt2-small": "gpt2", "gpt-j-6b": "gptj-6b", "gpt-j-6B": "gptj-6b", "bert-base": "bert-base-uncased",
            "bert-large": "bert-large-uncased"}

@@ -113,12 +113,18 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu
 # ---- config.json <-> ModelConfig
 
 
+def _deepseek():
+    """hf_deepseek, which builds on this module's helpers: imported when first needed."""
+    from syntorch import hf_deepseek
+    return hf_deepseek
+
+
 def _hf_family(hf_config: dict) -> Family:
     model_type, archs = hf_config.get("model_type"), hf_config.get("architectures") or []
-    for fam in FAMILIES:
+    for fam in (*FAMILIES, *_deepseek().DEEPSEEK):
         if model_type == fam.model_type or (model_type is None and fam.architecture in archs):
             return fam
-    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES)
+    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in (*FAMILIES, *_deepseek().DEEPSEEK))
     raise UserError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
                     f"syntorch loads {known}")
 
@@ -153,6 +159,8 @@ def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> M
     _require(hf_config, "add_cross_attention", (False,), False)
     if fam in LLAMA_LIKE:
         return ModelConfig(name, "gpt", **_llama_fields(hf_config, fam))
+    if fam in _deepseek().DEEPSEEK:
+        return ModelConfig(name, "gpt", **_deepseek().fields_from_hf(hf_config, fam))
     fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
     if fields["d_model"] % fields["n_head"]:
         raise UserError(f"config.json: hidden size {fields['d_model']} is not divisible by the head count "
@@ -235,6 +243,8 @@ def model_config_to_hf_config(c: ModelConfig) -> dict:
               "tie_word_embeddings": c.tied_head}
     if fam in LLAMA_LIKE:
         return {**common, **_llama_hf_fields(c, fam)}
+    if fam in _deepseek().DEEPSEEK:
+        return {**common, **_deepseek().fields_to_hf(c, fam)}
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
     if fam is BERT:
         return {**common, "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
@@ -266,6 +276,8 @@ def _family(c: ModelConfig) -> Family:
     """The HF class that holds this config: chosen by its layout, then every field that class fixes checked."""
     if c.arch == "bert":
         fam = BERT
+    elif c.mla:
+        fam = _deepseek().family_of(c)
     elif c.pos == "learned" or c.rotary_style == "interleaved":
         fam = GPT2 if c.pos == "learned" else GPTJ
     else:
@@ -274,7 +286,7 @@ def _family(c: ModelConfig) -> Family:
         if want is not None and getattr(c, key) != want:
             raise UserError(f"model '{c.name}': {key}={getattr(c, key)!r} has no HuggingFace {fam.architecture} "
                             f"equivalent (it needs {want!r}); cannot save it in HF format")
-    if fam not in LLAMA_LIKE and c.d_head * c.n_head != c.d_model:
+    if fam not in LLAMA_LIKE and not c.mla and c.d_head * c.n_head != c.d_model:
         raise UserError(f"model '{c.name}': d_head {c.d_head} x n_head {c.n_head} != d_model {c.d_model}; "
                         "HuggingFace models need d_model = n_head x d_head")
     if fam is BERT and c.activation != "gelu":

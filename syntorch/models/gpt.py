@@ -1,24 +1,27 @@
 """Decoder-only family, chosen by ModelConfig flags: GPT-2, GPT-3 (learned positions, sequential residual, tied
 head), GPT-J (interleaved rotary, parallel residual, untied head with bias), and the Llama layout (RMSNorm,
 rotate-half rotary with Llama 3.1's scaling, grouped-query attention, SwiGLU, no biases, untied head) with
-Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP."""
+Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP; DeepSeek-V2/V3's latent
+attention (mla.py), dense first layers and routers (router.py)."""
 import torch
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import MLP, Attention, make_norm, rotary_tables
+from syntorch.models.mla import MLA
 from syntorch.models.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
         self.parallel_residual = c.parallel_residual
         self.ln1 = make_norm(c)
-        self.attn = Attention(c)
+        self.attn = MLA(c) if c.mla else Attention(c)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
         self.ln2 = None if c.parallel_residual else make_norm(c)
-        self.mlp = MoE(c) if c.n_experts else MLP(c)
+        # DeepSeek keeps the first `first_k_dense` layers dense
+        self.mlp = MoE(c) if c.n_experts and index >= c.first_k_dense else MLP(c)
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)
@@ -35,7 +38,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = nn.Embedding(c.n_positions, c.d_model) if c.pos == "learned" else None
         # a ModuleDict keeps names like layers.3 when a pipeline stage drops other layers
-        self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in range(c.n_layer)})
         self.ln_f = make_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.head_bias)
         self.tie_weights()

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
+from syntorch.models.yarn import yarn_frequencies
 
 
 class KVCache(nn.Module):
@@ -38,9 +39,11 @@ class KVCache(nn.Module):
 
 def rope_frequencies(c: ModelConfig, device=None) -> torch.Tensor:
     """The rotary angle per position of each dim pair, [rotary_dims / 2]: theta^(-2i/r), with Llama 3.1's
-    scaling when configured (HF's rope_type "llama3")."""
+    scaling or YaRN's when configured (HF's rope_type "llama3", "yarn")."""
     r = c.rotary_dims
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r))
+    if c.rope_scaling == "yarn":
+        return yarn_frequencies(c, inv_freq)
     if c.rope_scaling != "llama3":
         return inv_freq
     wavelength = 2 * math.pi / inv_freq
@@ -177,6 +180,8 @@ def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0)
             nn.init.zeros_(m.bias)
         if isinstance(m, nn.RMSNorm):
             nn.init.ones_(m.weight)
+        if hasattr(m, "e_score_correction_bias"):  # DeepSeek-V3's router: no correction before training sets one
+            nn.init.zeros_(m.e_score_correction_bias)
     if not residual_layers:
         return
     for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it

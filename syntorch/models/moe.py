@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral; DeepSeekMoE with shared experts). Plain PyTorch.
+"""Sparse mixture-of-experts MLP (Mixtral; DeepSeekMoE with shared experts and DeepSeek's routers). Plain PyTorch.
 
 A router Linear scores the E experts for each token; each token goes to its top-k experts and their outputs
 are summed with the softmax weights, renormalized over the chosen k as HuggingFace's MixtralSparseMoeBlock
@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import MLP
+from syntorch.models.router import DeepSeekRouter
 
 
 class MoE(nn.Module):
@@ -18,7 +19,8 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = c.moe_top_k
         self.renormalize = c.moe_renormalize
-        self.router = nn.Linear(c.d_model, c.n_experts, bias=False)  # HF "gate"
+        # HF "gate"; DeepSeek's routers (router.py) choose the experts themselves
+        self.router = DeepSeekRouter(c) if c.moe_topk_method else nn.Linear(c.d_model, c.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(c, c.expert_d_ff) for _ in range(c.n_experts))
         # DeepSeekMoE's shared experts: one MLP as wide as all of them, every token, unweighted
         self.shared = MLP(c, c.n_shared_experts * c.expert_d_ff) if c.n_shared_experts else None
@@ -28,6 +30,8 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
+        if isinstance(self.router, DeepSeekRouter):
+            return self.router.route(x)
         probs = self.router(x).softmax(-1, dtype=torch.float32)  # [N, E]
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:

@@ -1,0 +1,152 @@
+"""DeepSeek-V2, V2-Lite and V3 against transformers (tiny random models written here): HF folders load as they are
+with the same logits, greedy and beam tokens; saved ones load back into transformers. MLA's cache holds the
+latent; the registry's shapes give the published parameter counts."""
+import pytest
+import torch
+import transformers as hf
+
+from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.config import get_config
+from syntorch.generate import Sampling, clear_caches, generate, setup_caches
+from syntorch.models import build_model
+from syntorch.models.moe import MoE
+
+GREEDY = Sampling(temperature=0)
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+              max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+              pad_token_id=VOCAB - 1)
+# YaRN over a short original context with a fractional ramp (truncate False) and mscale != mscale_all_dim, so
+# that scaled, kept and blended frequencies, the rotary gain and the softmax mscale all occur
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=4.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=0.8, truncate=False)
+FAMILIES = ["v3", "v2", "v2-lite"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make(family: str):
+    """V3: sigmoid routing with a correction bias over 4 groups of 2 (top 2 groups), q LoRA; V2: softmax routing
+    limited to 2 of 4 groups, q LoRA, 2 shared experts; V2-Lite: greedy softmax, no q LoRA."""
+    if family == "v3":
+        config = hf.DeepseekV3Config(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1,
+                                     routed_scaling_factor=2.5, norm_topk_prob=True, rope_scaling=YARN, **COMMON)
+        return hf.DeepseekV3ForCausalLM(config)
+    lite = family == "v2-lite"
+    config = hf.DeepseekV2Config(q_lora_rank=None if lite else 24, n_group=1 if lite else 4, topk_group=1 if lite else 2,
+                                 topk_method="greedy" if lite else "group_limited_greedy", n_shared_experts=2,
+                                 routed_scaling_factor=1.0 if lite else 16.0, norm_topk_prob=False, rope_scaling=YARN,
+                                 **COMMON)
+    return hf.DeepseekV2ForCausalLM(config)
+
+
+def randomized(model):
+    """Wide random weights (norms and V3's correction bias too), so attention is far from uniform and a wrong
+    rotary pairing, scale or routing choice moves logits well beyond the tolerance."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(family, HF model, folder it saved, our model loaded from it)."""
+    model = randomized(make(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, model, folder, load_checkpoint(folder)[1]
+
+
+def ids(batch=2, length=12, seed=1):
+    return torch.randint(1, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(pair):
+    _, model, _, ours = pair
+    with torch.no_grad():
+        ref = model(ids()).logits
+        mine = ours(ids())
+    assert ref.abs().max() > 1
+    assert (mine - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def hf_generate(model, prompt, new_tokens, **kwargs):
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=VOCAB - 1, eos_token_id=None, **kwargs).tolist()
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_greedy_and_beam_tokens_match_transformers(pair, beams):
+    """Decode steps run MLA's absorbed form over the cached latent (reordered between beams)."""
+    _, model, _, ours = pair
+    prompt = ids(length=8, seed=2)
+    expected = hf_generate(model, prompt, 10, num_beams=beams)
+    assert generate(ours, prompt, 10, GREEDY, beam_width=beams).tokens == expected
+
+
+def test_cache_holds_the_latent_and_decode_equals_a_full_forward(pair):
+    """The cache holds kv_lora_rank + rotary dims per token (one shared 'head'), not per-head K/V; a decode step
+    through it (absorbed) gives the logits a full forward over the same tokens gives (expanded)."""
+    _, _, _, ours = pair
+    setup_caches(ours, 2, 20)
+    cache = ours.layers["0"].attn.kv_cache
+    assert (cache.k.shape, cache.v.shape) == ((2, 1, 20, 16), (2, 1, 20, 8))
+    tokens = ids(length=9, seed=3)
+    with torch.no_grad():
+        ours(tokens[:, :8])
+        step = ours(tokens[:, 8:], start=8)
+        clear_caches(ours)
+        full = ours(tokens)
+    assert (step[:, 0] - full[:, 8]).abs().max().item() <= 1e-5 * full.abs().max().item()
+
+
+def test_config_mapping(pair):
+    family, _, _, ours = pair
+    c = ours.config
+    assert (c.d_head, c.rotary_dim, c.value_head_dim, c.kv_lora_rank) == (24, 8, 12, 16)
+    assert c.q_lora_rank == (0 if family == "v2-lite" else 24) and c.rotary_style == "interleaved"
+    assert c.moe_topk_method == {"v3": "noaux_tc", "v2": "group_limited_greedy", "v2-lite": "greedy"}[family]
+    assert (c.rope_scaling, c.rope_factor, c.rope_mscale_all_dim, c.rope_truncate) == ("yarn", 4.0, 0.8, False)
+    assert not isinstance(ours.layers["0"].mlp, MoE) and isinstance(ours.layers["1"].mlp, MoE)
+
+
+def test_save_round_trip_through_transformers(pair, tmp_path):
+    _, model, _, ours = pair
+    save_checkpoint(ours, tmp_path / "out")
+    reloaded = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded) is type(model)
+    with torch.no_grad():
+        ref = model(ids()).logits
+        assert (reloaded(ids()).logits - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def counts(name):
+    """(total, active) parameters on meta. Active: what one token's forward multiplies by (attention, dense MLPs,
+    shared experts, routers, its top-k routed experts, the head), not the input embedding, which is a lookup."""
+    c = get_config(name)
+    model = build_model(c, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+    active = total - routed + routed // c.n_experts * c.moe_top_k - model.tok_emb.weight.numel()
+    return total, active
+
+
+@pytest.mark.parametrize("name,total,active", [
+    # published: DeepSeek-V3 report (arXiv 2412.19437) §1: 671B total, 37B activated, the main model without the
+    # 14B multi-token-prediction module (the HF checkpoint's 685B holds it); DeepSeek-V2 (arXiv 2405.04434): 236B
+    # and 21B; DeepSeek-V2-Lite model card: 15.7B and 2.4B
+    ("deepseek-v3", 671e9, 37e9), ("deepseek-v2", 236e9, 21e9), ("deepseek-v2-lite", 15.7e9, 2.4e9),
+])
+def test_registry_parameter_counts(name, total, active):
+    mine_total, mine_active = counts(name)
+    assert abs(mine_total - total) <= 0.5e9 if total > 100e9 else abs(mine_total - total) <= 0.05e9
+    # the active figures are rounded: V3 36.6B, V2 20.9B, V2-Lite 2.45B
+    assert abs(mine_active - active) <= 0.025 * active
