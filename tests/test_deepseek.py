@@ -1,15 +1,26 @@
 """DeepSeek-V2, V2-Lite and V3 against transformers (tiny random models written here): HF folders load as they are
 with the same logits, greedy and beam tokens; saved ones load back into transformers. MLA's cache holds the
-latent; the registry's shapes give the published parameter counts."""
+latent; the registry's shapes give the published parameter counts; TP and EP equal one process."""
+import copy
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers as hf
+from plan_steps import global_batch, reference_step
 
 from syntorch.checkpoints import load_checkpoint, save_checkpoint
 from syntorch.config import get_config
 from syntorch.generate import Sampling, clear_caches, generate, setup_caches
 from syntorch.models import build_model
 from syntorch.models.moe import MoE
+from syntorch.parallel import plans
+from syntorch.parallel.launch import init_distributed, spawn
+from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.plans import TrainPlan
+from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
+from tests.conftest import tiny_config
 
 GREEDY = Sampling(temperature=0)
 VOCAB = 96
@@ -150,3 +161,101 @@ def test_registry_parameter_counts(name, total, active):
     assert abs(mine_total - total) <= 0.5e9 if total > 100e9 else abs(mine_total - total) <= 0.05e9
     # the active figures are rounded: V3 36.6B, V2 20.9B, V2-Lite 2.45B
     assert abs(mine_active - active) <= 0.025 * active
+
+
+# ---- tensor and expert parallelism on gloo ranks, against one process
+
+def tiny(base, **kw):
+    return tiny_config(base, n_layer=3, n_head=4, d_head=24, rotary_dim=8, v_head_dim=12, kv_lora_rank=16,
+                       n_experts=8, d_ff_expert=32, d_ff=64, moe_top_k=3, first_k_dense=1, rope_original_positions=16,
+                       **kw)
+
+
+TINY = {"v3": tiny("deepseek-v3", q_lora_rank=24, moe_n_group=4, moe_topk_group=2),
+        "v2-lite": tiny("deepseek-v2-lite")}
+PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8, 0, 64]])
+
+
+def close(what, got, want, tol=1e-5):
+    err = (got - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), f"{what}: max abs error {err:.2e}"
+
+
+def tp_check(name, groups):
+    torch.manual_seed(0)
+    full = build_model(TINY[name])
+    with torch.no_grad():
+        for p in full.parameters():  # wide weights: sharp routing and attention, so a wrong shard shows
+            p.normal_(0, 0.3)
+    model = copy.deepcopy(full)
+    plan = apply_tp(model, groups)
+    r, n = groups.tp_rank, groups.mesh.tp
+    attn = model.layers["1"].attn
+    assert attn.kv_b.weight.shape[0] == 4 // n * (16 + 12) and attn.kv_a.weight.shape[0] == 16 + 8  # heads split
+    idx = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        close(name, model(idx), full(idx))
+    for beams in (1, 2):
+        want = generate(full, PROMPT, 5, GREEDY, beam_width=beams).tokens
+        assert generate(model, PROMPT, 5, GREEDY, beam_width=beams).tokens == want, name
+    full.train(), model.train()
+    full(idx).square().mean().backward()
+    model(idx).square().mean().backward()
+    reduce_partial_grads(model, plan, groups)
+    for replicated in ("attn.kv_a", "attn.kv_norm", "mlp.router", *(("attn.q_a",) if name == "v3" else ())):
+        assert f"layers.1.{replicated}.weight" in plan.partial_grads, (replicated, plan.partial_grads)
+        close(f"{name} {replicated} grad", model.get_submodule(f"layers.1.{replicated}").weight.grad,
+              full.get_submodule(f"layers.1.{replicated}").weight.grad)
+    for sharded in ("attn.kv_b", "attn.q_b" if name == "v3" else "attn.q"):
+        close(f"{name} {sharded} grad", model.get_submodule(f"layers.1.{sharded}").weight.grad,
+              full.get_submodule(f"layers.1.{sharded}").weight.grad.chunk(n)[r])
+    close(f"{name} proj grad", attn.proj.weight.grad, full.layers["1"].attn.proj.weight.grad.chunk(n, 1)[r])
+
+
+def tp_rank():
+    rank, world = init_distributed("cpu")
+    groups = init_groups(Mesh(tp=world))
+    for name in TINY:
+        tp_check(name, groups)
+
+
+def test_tp2_equals_one_process():
+    """MLA split by heads (q LoRA or not), dense first layer and MoE layers: logits, greedy and beam tokens,
+    and the gradients of replicated (summed over TP) and sharded weights equal one process."""
+    spawn(tp_rank, 2, ())
+
+
+EP2 = TrainPlan(dp=2, ep=2, microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
+
+
+def ep_rank(out_dir: str) -> None:
+    rank, _ = init_distributed("cpu")
+    torch.manual_seed(0)
+    config = TINY["v3"]
+    run = plans.apply_plans(config, EP2, init_groups(EP2.mesh, config.tied_head), "cpu")
+    x, y = global_batch(config, EP2)
+    mine = [(x[i:i + 2], y[i:i + 2]) for i in range(rank * 4, rank * 4 + 4, 2)]
+    loss = plans.train_step(run, mine)
+    first = run.model.layers["1"].mlp.first_expert
+    grads = {}
+    for name, p in run.model.named_parameters():
+        head, _, tail = name.partition(".experts.")
+        if tail:  # local index -> the expert's global index
+            local, _, rest = tail.partition(".")
+            name = f"{head}.experts.{first + int(local)}.{rest}"
+        grads[name] = p.grad.tolist()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"loss": loss.item(), "grads": grads}))
+
+
+def test_ep2_step_equals_one_process(tmp_path):
+    """DeepSeek-V3's routing (sigmoid, groups, correction bias) with the routed experts split over 2 EP ranks: the
+    loss and every gradient equal one process's step over the same global batch."""
+    spawn(ep_rank, 2, (str(tmp_path),))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ref_loss, ref_grads, _ = reference_step(TINY["v3"], EP2)
+    assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(ref_loss, abs=1e-5)
+    for name, grad in ref_grads.items():
+        holders = [r["grads"][name] for r in ranks if name in r["grads"]]
+        assert len(holders) == (1 if ".experts." in name else 2), name
+        for g in holders:
+            torch.testing.assert_close(torch.tensor(g), grad, atol=1e-5, rtol=1e-4)
