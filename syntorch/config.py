@@ -116,6 +116,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def uniform_layers(self) -> bool:
+        """Every layer runs the same ops on the same shapes (not so with DeepSeek's dense first layers)."""
+        return not (self.n_experts and 0 < self.first_k_dense < self.n_layer)
+
+    @property
     def value_head_dim(self) -> int:
         return self.v_head_dim or self.d_head
 

@@ -259,3 +259,21 @@ def test_ep2_step_equals_one_process(tmp_path):
         assert len(holders) == (1 if ".experts." in name else 2), name
         for g in holders:
             torch.testing.assert_close(torch.tensor(g), grad, atol=1e-5, rtol=1e-4)
+
+
+def test_symbolic_tp_trace_has_dense_then_moe_layers_and_one_all_reduce_per_region():
+    """On meta under TP 2: layer 0's dense MLP and layer 1's experts are both traced (not layer 0 copied), each
+    MLA layer and each MLP/MoE layer is one TP region (one all-reduce each), and decode reads the latent cache."""
+    from collections import Counter
+
+    from syntorch.trace.generation import trace_tp_rank
+    graph, _ = trace_tp_rank(TINY["v3"], PROMPT, 2, 2, 0, False)
+    modules = {d.get("module", "") for _, d in graph.nodes(data=True)}
+    assert any(m.startswith("layers.0.mlp.fc1") for m in modules)
+    assert any(m.startswith("layers.1.mlp.experts.") for m in modules)
+    assert not any(m.startswith("layers.0.mlp.experts.") for m in modules)
+    per_module = Counter((d["phase"], d["module"]) for _, d in graph.collectives() if d["module"].startswith("layers"))
+    assert per_module == {(phase, f"layers.{i}.{part}"): 1 for phase in ("prefill", "decode[0]") for i in range(3)
+                          for part in ("attn", "mlp")}
+    cache = [d for _, d in graph.nodes(data=True) if d.get("kind") == "tensor" and "kv_cache.k" in d.get("name", "")]
+    assert cache and all(d["shape"][1:] == [1, 10, 16] for d in cache)  # [B, 1, positions, kv_lora_rank]
