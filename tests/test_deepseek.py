@@ -20,6 +20,7 @@ from syntorch.parallel.launch import init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
+from syntorch.trace.training import trace_stage
 from tests.conftest import tiny_config
 
 GREEDY = Sampling(temperature=0)
@@ -277,3 +278,17 @@ def test_symbolic_tp_trace_has_dense_then_moe_layers_and_one_all_reduce_per_regi
                           for part in ("attn", "mlp")}
     cache = [d for _, d in graph.nodes(data=True) if d.get("kind") == "tensor" and "kv_cache.k" in d.get("name", "")]
     assert cache and all(d["shape"][1:] == [1, 10, 16] for d in cache)  # [B, 1, positions, kv_lora_rank]
+
+
+def test_trace_command_with_ep_validates(tmp_path):
+    """`syntorch trace --model_config small.json --ep 2 --dp 2`: the routed experts' all-to-alls over EP, the
+    traces valid for ASTRA-sim."""
+    from syntorch.chakra.validate import check_traces
+    from syntorch.cli import main
+    from syntorch.config import save_model_config
+    save_model_config(TINY["v3"], tmp_path / "small.json")
+    out = tmp_path / "run"
+    assert main(["trace", "--model_config", str(tmp_path / "small.json"), "--ep", "2", "--dp", "2", "--seq", "16",
+                 "--out", str(out), "--no_progress"]) == 0
+    assert check_traces(out)[0] == []
+    assert "all_to_all" in {d["collective"] for _, d in trace_stage(TINY["v3"], EP2, 0).collectives()}
