@@ -3,28 +3,31 @@ with the same logits, greedy and beam tokens; saved ones load back into transfor
 latent; the registry's shapes give the published parameter counts; TP and EP equal one process."""
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import transformers as hf
-from plan_steps import global_batch, reference_step
+from plan_steps import reference_step
 
-from syntorch.checkpoints import load_checkpoint, save_checkpoint
+from syntorch.checkpoints import load_checkpoint
 from syntorch.config import get_config
 from syntorch.generate import Sampling, clear_caches, generate, setup_caches
 from syntorch.models import build_model
 from syntorch.models.moe import MoE
-from syntorch.parallel import plans
 from syntorch.parallel.launch import init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
 from syntorch.trace.training import trace_stage
 from tests.conftest import tiny_config
+from tests.test_expert_parallel import EP2, ep_rank
+# collected here with this module's `pair`: greedy and beam tokens equal transformers' (decode steps run MLA's
+# absorbed form over the cached latent, reordered between beams); saved folders load back into transformers
+from tests.test_llama import test_greedy_and_beam_tokens_match_transformers  # noqa: F401
+from tests.test_llama import test_save_round_trip_through_transformers  # noqa: F401
+from tests.test_llama import VOCAB, ids
+from tests.test_llama import randomized as wide
 
 GREEDY = Sampling(temperature=0)
-VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
               v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
@@ -55,16 +58,14 @@ def make(family: str):
 
 
 def randomized(model):
-    """Wide random weights (norms and V3's correction bias too), so attention is far from uniform and a wrong
-    rotary pairing, scale or routing choice moves logits well beyond the tolerance."""
-    torch.manual_seed(0)
+    """test_llama's wide random weights, and V3's correction bias too: a routing choice that ignores it, or a
+    weight that includes it, moves logits well beyond the tolerance."""
+    model = wide(model)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,10 +77,6 @@ def pair(request, tmp_path_factory):
     return request.param, model, folder, load_checkpoint(folder)[1]
 
 
-def ids(batch=2, length=12, seed=1):
-    return torch.randint(1, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 def test_logits_match_transformers(pair):
     _, model, _, ours = pair
     with torch.no_grad():
@@ -87,21 +84,6 @@ def test_logits_match_transformers(pair):
         mine = ours(ids())
     assert ref.abs().max() > 1
     assert (mine - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-
-
-def hf_generate(model, prompt, new_tokens, **kwargs):
-    with torch.no_grad():
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=VOCAB - 1, eos_token_id=None, **kwargs).tolist()
-
-
-@pytest.mark.parametrize("beams", [1, 3])
-def test_greedy_and_beam_tokens_match_transformers(pair, beams):
-    """Decode steps run MLA's absorbed form over the cached latent (reordered between beams)."""
-    _, model, _, ours = pair
-    prompt = ids(length=8, seed=2)
-    expected = hf_generate(model, prompt, 10, num_beams=beams)
-    assert generate(ours, prompt, 10, GREEDY, beam_width=beams).tokens == expected
 
 
 def test_cache_holds_the_latent_and_decode_equals_a_full_forward(pair):
@@ -128,16 +110,6 @@ def test_config_mapping(pair):
     assert c.moe_topk_method == {"v3": "noaux_tc", "v2": "group_limited_greedy", "v2-lite": "greedy"}[family]
     assert (c.rope_scaling, c.rope_factor, c.rope_mscale_all_dim, c.rope_truncate) == ("yarn", 4.0, 0.8, False)
     assert not isinstance(ours.layers["0"].mlp, MoE) and isinstance(ours.layers["1"].mlp, MoE)
-
-
-def test_save_round_trip_through_transformers(pair, tmp_path):
-    _, model, _, ours = pair
-    save_checkpoint(ours, tmp_path / "out")
-    reloaded = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(reloaded) is type(model)
-    with torch.no_grad():
-        ref = model(ids()).logits
-        assert (reloaded(ids()).logits - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
 def counts(name):
@@ -183,11 +155,7 @@ def close(what, got, want, tol=1e-5):
 
 
 def tp_check(name, groups):
-    torch.manual_seed(0)
-    full = build_model(TINY[name])
-    with torch.no_grad():
-        for p in full.parameters():  # wide weights: sharp routing and attention, so a wrong shard shows
-            p.normal_(0, 0.3)
+    full = randomized(build_model(TINY[name]))  # wide weights: sharp routing and attention, so a wrong shard shows
     model = copy.deepcopy(full)
     plan = apply_tp(model, groups)
     r, n = groups.tp_rank, groups.mesh.tp
@@ -226,32 +194,10 @@ def test_tp2_equals_one_process():
     spawn(tp_rank, 2, ())
 
 
-EP2 = TrainPlan(dp=2, ep=2, microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
-
-
-def ep_rank(out_dir: str) -> None:
-    rank, _ = init_distributed("cpu")
-    torch.manual_seed(0)
-    config = TINY["v3"]
-    run = plans.apply_plans(config, EP2, init_groups(EP2.mesh, config.tied_head), "cpu")
-    x, y = global_batch(config, EP2)
-    mine = [(x[i:i + 2], y[i:i + 2]) for i in range(rank * 4, rank * 4 + 4, 2)]
-    loss = plans.train_step(run, mine)
-    first = run.model.layers["1"].mlp.first_expert
-    grads = {}
-    for name, p in run.model.named_parameters():
-        head, _, tail = name.partition(".experts.")
-        if tail:  # local index -> the expert's global index
-            local, _, rest = tail.partition(".")
-            name = f"{head}.experts.{first + int(local)}.{rest}"
-        grads[name] = p.grad.tolist()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"loss": loss.item(), "grads": grads}))
-
-
 def test_ep2_step_equals_one_process(tmp_path):
     """DeepSeek-V3's routing (sigmoid, groups, correction bias) with the routed experts split over 2 EP ranks: the
     loss and every gradient equal one process's step over the same global batch."""
-    spawn(ep_rank, 2, (str(tmp_path),))
+    spawn(ep_rank, 2, (str(tmp_path), TINY["v3"]))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     ref_loss, ref_grads, _ = reference_step(TINY["v3"], EP2)
     assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(ref_loss, abs=1e-5)
