@@ -75,7 +75,7 @@ class ModelConfig:
     kv_lora_rank: int = 0  # 0: no MLA
     q_lora_rank: int = 0  # MLA's query down-projection rank; 0: a full-rank query projection (DeepSeek-V2-Lite)
     v_head_dim: int = 0  # MLA's value head size; 0: d_head
-    first_k_dense: int = 0  # the first k layers have a dense MLP of d_ff, the others are MoE layers (HF first_k_dense_replace)
+    first_k_dense: int = 0  # the first k layers have a dense MLP of d_ff, the rest MoE (HF first_k_dense_replace)
     # "": softmax top-k (Mixtral). DeepSeek's (config.json topk_method): "greedy" and "group_limited_greedy" (V2:
     # softmax, groups ranked by their best expert), "noaux_tc" (V3: sigmoid, top-k by score + a correction bias,
     # groups ranked by the sum of their top-2); groups: moe_n_group of them, tokens go to moe_topk_group
@@ -149,7 +149,8 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
     need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
-    need(c.rope_scaling in ("", "llama3", "yarn"), f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
+    need(c.rope_scaling in ("", "llama3", "yarn"),
+         f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
     need(c.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
@@ -183,14 +184,16 @@ def check_config(c: ModelConfig) -> None:
 def check_deepseek(c: ModelConfig, need) -> None:
     """The MLA and DeepSeek routing fields (see ModelConfig)."""
     for k in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "first_k_dense"):
-        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0, f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0,
+             f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
     need(not c.mla or (c.arch == "gpt" and c.pos == "rotary" and 0 < c.rotary_dim < c.d_head),
          "MLA (kv_lora_rank > 0) needs pos 'rotary' and a rotary_dim (the shared rotary key) below d_head")
     need(c.mla or not (c.q_lora_rank or c.v_head_dim), "q_lora_rank and v_head_dim describe MLA: set kv_lora_rank too")
     need(c.moe_topk_method in ("", "greedy", "group_limited_greedy", "noaux_tc"),
          f"moe_topk_method must be '', 'greedy', 'group_limited_greedy' or 'noaux_tc', got {c.moe_topk_method!r}")
     for k in ("moe_n_group", "moe_topk_group"):
-        need(isinstance(getattr(c, k), int) and getattr(c, k) > 0, f"{k} must be a positive integer, got {getattr(c, k)!r}")
+        need(isinstance(getattr(c, k), int) and getattr(c, k) > 0,
+             f"{k} must be a positive integer, got {getattr(c, k)!r}")
     need(not c.n_experts or (c.n_experts % c.moe_n_group == 0 and c.moe_topk_group <= c.moe_n_group),
          f"moe_n_group ({c.moe_n_group}) must divide n_experts ({c.n_experts}) and moe_topk_group "
          f"({c.moe_topk_group}) be at most moe_n_group")

@@ -50,7 +50,8 @@ def make(family: str):
                                      routed_scaling_factor=2.5, norm_topk_prob=True, rope_scaling=YARN, **COMMON)
         return hf.DeepseekV3ForCausalLM(config)
     lite = family == "v2-lite"
-    config = hf.DeepseekV2Config(q_lora_rank=None if lite else 24, n_group=1 if lite else 4, topk_group=1 if lite else 2,
+    config = hf.DeepseekV2Config(q_lora_rank=None if lite else 24, n_group=1 if lite else 4,
+                                 topk_group=1 if lite else 2,
                                  topk_method="greedy" if lite else "group_limited_greedy", n_shared_experts=2,
                                  routed_scaling_factor=1.0 if lite else 16.0, norm_topk_prob=False, rope_scaling=YARN,
                                  **COMMON)
