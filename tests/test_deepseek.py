@@ -239,3 +239,22 @@ def test_trace_command_with_ep_validates(tmp_path):
                  "--out", str(out), "--no_progress"]) == 0
     assert check_traces(out)[0] == []
     assert "all_to_all" in {d["collective"] for _, d in trace_stage(TINY["v3"], EP2, 0).collectives()}
+
+
+def test_int8_weight_only_keeps_the_router_and_kv_b():
+    """--quant int8_weight_only quantizes MLA's projections and the experts but, as vLLM, not DeepSeek's FP32
+    router or kv_b (the absorbed decode multiplies by its halves); prefill and decode then stay close to FP32."""
+    from syntorch.quant import quantize_int8_weight_only
+    full = build_model(TINY["v3"])
+    model = copy.deepcopy(full)
+    done = quantize_int8_weight_only(model)
+    assert "layers.1.attn.q_b" in done and "layers.1.mlp.experts.0.fc1" in done
+    assert not any(name.endswith(("router", "kv_b")) for name in done)
+    tokens = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        want = full(tokens)
+        setup_caches(model, 1, 9)
+        model(tokens[:, :8])
+        step = model(tokens[:, 8:], start=8)  # the absorbed form over int8 q_b and proj
+        clear_caches(model)
+    close("int8 decode", step[:, 0], want[:, 8], 0.05)
