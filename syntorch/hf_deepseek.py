@@ -1,32 +1,43 @@
 """DeepSeek-V2 and -V3 in HuggingFace's format (transformers 4.57 DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
-their config.json fields as ModelConfig fields and back, and their tensor names. hf_format.py uses these
-families as its own (imported there lazily: this module builds on its helpers)."""
-import dataclasses
-
+their config.json fields as ModelConfig fields and back, and their tensor names (hf_format.py loads and saves
+them as it does its own families)."""
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
-from syntorch.hf_format import _LLAMA_BLOCK, _LLAMA_MODULES, _eps, _llama_like, _require, _size
+from syntorch.hf_family import Family, _eps, _require, _size
 
-_ATTN, _MLP = _LLAMA_BLOCK + "self_attn.", _LLAMA_BLOCK + "mlp."
+_BLOCK = "model.layers.{i}."
+_ATTN, _MLP = _BLOCK + "self_attn.", _BLOCK + "mlp."
 _MODULES = {
-    **{k: v for k, v in _LLAMA_MODULES.items() if ".attn." not in k},  # the dense layers' MLP is Llama's
+    "tok_emb": "model.embed_tokens", "ln_f": "model.norm", "lm_head": "lm_head",
+    "layers.{i}.ln1": _BLOCK + "input_layernorm", "layers.{i}.ln2": _BLOCK + "post_attention_layernorm",
     "layers.{i}.attn.q_a": _ATTN + "q_a_proj", "layers.{i}.attn.q_norm": _ATTN + "q_a_layernorm",
     "layers.{i}.attn.q_b": _ATTN + "q_b_proj", "layers.{i}.attn.q": _ATTN + "q_proj",
     "layers.{i}.attn.kv_a": _ATTN + "kv_a_proj_with_mqa", "layers.{i}.attn.kv_norm": _ATTN + "kv_a_layernorm",
     "layers.{i}.attn.kv_b": _ATTN + "kv_b_proj", "layers.{i}.attn.proj": _ATTN + "o_proj",
+    # the dense layers' MLP, fused [gate; up] as Llama's
+    "layers.{i}.mlp.fc1": (_MLP + "gate_proj", _MLP + "up_proj"), "layers.{i}.mlp.fc2": _MLP + "down_proj",
     "layers.{i}.mlp.router": _MLP + "gate",  # its weight, and V3's e_score_correction_bias
     "layers.{i}.mlp.experts.{e}.fc1": (_MLP + "experts.{e}.gate_proj", _MLP + "experts.{e}.up_proj"),
     "layers.{i}.mlp.experts.{e}.fc2": _MLP + "experts.{e}.down_proj",
     "layers.{i}.mlp.shared.fc1": (_MLP + "shared_experts.gate_proj", _MLP + "shared_experts.up_proj"),
     "layers.{i}.mlp.shared.fc2": _MLP + "shared_experts.down_proj"}
-# None: a field config.json chooses; MLA's own fields are always chosen by it
-_FLAGS = dict(rotary_dim=None, n_experts=None, n_kv_head=0, rope_scaling=None)
-DEEPSEEK_V2 = _llama_like("deepseek_v2", "DeepseekV2ForCausalLM", _MODULES, moe_topk_method=None,
-                          moe_renormalize=False, yarn_softmax_mscale=False, rotary_style="interleaved", **_FLAGS)
+# what both classes fix; None: a field config.json chooses (MLA's own fields always are)
+_FLAGS = dict(pos="rotary", norm="rmsnorm", activation="silu", gated_mlp=True, mlp_bias=False, parallel_residual=False,
+              qkv_bias=False, proj_bias=False, head_bias=False, sliding_window=0, n_kv_head=0, rotary_dim=None,
+              n_experts=None, rope_scaling=None)
+
+
+def _family(model_type: str, architecture: str, ignored: str = "", **flags) -> Family:
+    return Family(model_type=model_type, architecture=architecture, body="model.", head="lm_head.",
+                  flags={**_FLAGS, **flags}, modules=_MODULES, tied="lm_head.weight",
+                  ignored=r"\.rotary_emb\.inv_freq$" + ignored)
+
+
+DEEPSEEK_V2 = _family("deepseek_v2", "DeepseekV2ForCausalLM", moe_topk_method=None, moe_renormalize=False,
+                      yarn_softmax_mscale=False, rotary_style="interleaved")
 # HF drops DeepSeek-V3's multi-token-prediction module (layer 61 of the published checkpoint) on load; so do we
-DEEPSEEK_V3 = _llama_like("deepseek_v3", "DeepseekV3ForCausalLM", _MODULES, moe_topk_method="noaux_tc",
-                          moe_renormalize=None, yarn_softmax_mscale=True, rotary_style=None, **_FLAGS)
-DEEPSEEK_V3 = dataclasses.replace(DEEPSEEK_V3, ignored=DEEPSEEK_V3.ignored + r"|^model\.layers\.61\.")
+DEEPSEEK_V3 = _family("deepseek_v3", "DeepseekV3ForCausalLM", r"|^model\.layers\.61\.", moe_topk_method="noaux_tc",
+                      moe_renormalize=None, yarn_softmax_mscale=True, rotary_style=None)
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
 _V2_METHODS = ("greedy", "group_limited_greedy")  # what DeepseekV2MoEGate computes
 

@@ -3,27 +3,18 @@ their config.json fields as ModelConfig fields and back, and their tensor names 
 No file I/O: checkpoints.py reads and writes the folders."""
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
+from syntorch.hf_deepseek import DEEPSEEK
+from syntorch.hf_deepseek import family_of as deepseek_family
+from syntorch.hf_deepseek import fields_from_hf as deepseek_fields_from_hf
+from syntorch.hf_deepseek import fields_to_hf as deepseek_fields_to_hf
+from syntorch.hf_family import Family, _eps, _require, _size
 from syntorch.models import build_model
 
-@dataclass(frozen=True, eq=False)
-class Family:
-    model_type: str  # config.json "model_type"
-    architecture: str  # config.json "architectures" entry we write and recognise
-    flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
-    body: str  # prefix of the base model's keys ("transformer."), absent when a base model was saved
-    head: str  # prefix of the LM head's keys, which never carry `body`
-    modules: dict  # our module -> HF module; "{i}" the block, "{e}" the expert index; a tuple: HF modules fused into
-    # ours along the output dim (q, k, v into qkv; gate, up into a gated fc1)
-    conv1d: tuple = ()  # our modules whose HF weight is stored [in, out] (GPT-2's Conv1D)
-    params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
-    ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
-    tied: str = ""  # HF key of the LM head weight, which HF ties to the embedding
 
 
 _GPT_IGNORED = r"\.attn\.(masked_)?bias$"  # causal-mask buffers in older checkpoints
@@ -113,42 +104,14 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu
 # ---- config.json <-> ModelConfig
 
 
-def _deepseek():
-    """hf_deepseek, which builds on this module's helpers: imported when first needed."""
-    from syntorch import hf_deepseek
-    return hf_deepseek
-
-
 def _hf_family(hf_config: dict) -> Family:
     model_type, archs = hf_config.get("model_type"), hf_config.get("architectures") or []
-    for fam in (*FAMILIES, *_deepseek().DEEPSEEK):
+    for fam in (*FAMILIES, *DEEPSEEK):
         if model_type == fam.model_type or (model_type is None and fam.architecture in archs):
             return fam
-    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in (*FAMILIES, *_deepseek().DEEPSEEK))
+    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in (*FAMILIES, *DEEPSEEK))
     raise UserError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
                     f"syntorch loads {known}")
-
-
-def _require(hf_config: dict, key: str, allowed, default):
-    value = hf_config.get(key, default)
-    if value not in allowed:
-        raise UserError(f"config.json: {key}={value!r} is not supported by syntorch's model "
-                        f"(supported: {', '.join(map(repr, allowed))})")
-    return value
-
-
-def _size(hf_config: dict, key: str, default=None) -> int:
-    value = hf_config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _eps(hf_config: dict, key: str, default: float | None = None) -> float:
-    value = hf_config.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> ModelConfig:
@@ -159,8 +122,8 @@ def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> M
     _require(hf_config, "add_cross_attention", (False,), False)
     if fam in LLAMA_LIKE:
         return ModelConfig(name, "gpt", **_llama_fields(hf_config, fam))
-    if fam in _deepseek().DEEPSEEK:
-        return ModelConfig(name, "gpt", **_deepseek().fields_from_hf(hf_config, fam))
+    if fam in DEEPSEEK:
+        return ModelConfig(name, "gpt", **deepseek_fields_from_hf(hf_config, fam))
     fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
     if fields["d_model"] % fields["n_head"]:
         raise UserError(f"config.json: hidden size {fields['d_model']} is not divisible by the head count "
@@ -243,8 +206,8 @@ def model_config_to_hf_config(c: ModelConfig) -> dict:
               "tie_word_embeddings": c.tied_head}
     if fam in LLAMA_LIKE:
         return {**common, **_llama_hf_fields(c, fam)}
-    if fam in _deepseek().DEEPSEEK:
-        return {**common, **_deepseek().fields_to_hf(c, fam)}
+    if fam in DEEPSEEK:
+        return {**common, **deepseek_fields_to_hf(c, fam)}
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
     if fam is BERT:
         return {**common, "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
@@ -277,7 +240,7 @@ def _family(c: ModelConfig) -> Family:
     if c.arch == "bert":
         fam = BERT
     elif c.mla:
-        fam = _deepseek().family_of(c)
+        fam = deepseek_family(c)
     elif c.pos == "learned" or c.rotary_style == "interleaved":
         fam = GPT2 if c.pos == "learned" else GPTJ
     else:
