@@ -16,6 +16,7 @@ from syntorch.models import build_model
 from syntorch.models.moe import MoE
 from syntorch.parallel.launch import init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
+from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
 from syntorch.trace.training import trace_stage
 from tests.conftest import tiny_config
@@ -258,3 +259,19 @@ def test_int8_weight_only_keeps_the_router_and_kv_b():
         step = model(tokens[:, 8:], start=8)  # the absorbed form over int8 q_b and proj
         clear_caches(model)
     close("int8 decode", step[:, 0], want[:, 8], 0.05)
+
+
+def test_mla_layer_activations_from_its_shapes():
+    """DeepSeek-V3's MLA at TP 8 with SP, bf16, per token (memory.py's conventions: flash attention, what backward
+    reads): outside the TP regions, over t, the norms' inputs and outputs (4h), the latents q_a and its norm's
+    output (2 x 1536), kv_a's latent and rotary key (512 + 64) and the latent norm's output (512); inside, over t,
+    Q (128 heads x 192) and the attention output (128 x 128), the MoE's routed copies (2 x 8 x h, outside) and
+    the intermediates of 8 routed + 1 shared experts (3 x 2048 each); K and V (128 x (192 + 128)) over t."""
+    from syntorch.parallel import memory
+    h, t = 7168, 8
+    outside = 4 * h + 2 * 1536 + 2 * 512 + 64 + 2 * 8 * h
+    inside = 128 * (192 + 128) + 3 * 9 * 2048
+    per_token = 2 * (outside / t + inside / t + 128 * (192 + 128) / t)
+    plan = TrainPlan(tp=t, sp=True, seq=4096)
+    assert memory.layer_activation_bytes(get_config("deepseek-v3"), plan, 2) == pytest.approx(4096 * per_token,
+                                                                                            rel=1e-12)
