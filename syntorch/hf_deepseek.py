@@ -55,6 +55,9 @@ def family_of(c: ModelConfig):
 
 
 def fields_from_hf(h: dict, fam) -> dict:
+    if h.get("quantization_config") is not None:  # DeepSeek-V3's published weights are FP8 with block scales
+        raise UserError(f"config.json: quantization_config {h['quantization_config'].get('quant_method')!r} "
+                        "weights are not supported; give a BF16 checkpoint (DeepSeek's fp8_cast_bf16.py makes one)")
     _require(h, "hidden_act", ("silu",), "silu")
     _require(h, "attention_bias", (False,), False)
     _require(h, "mlp_bias", (False,), False)

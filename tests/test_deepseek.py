@@ -275,3 +275,20 @@ def test_mla_layer_activations_from_its_shapes():
     plan = TrainPlan(tp=t, sp=True, seq=4096)
     assert memory.layer_activation_bytes(get_config("deepseek-v3"), plan, 2) == pytest.approx(4096 * per_token,
                                                                                             rel=1e-12)
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config 'fp8' weights are not supported"),
+    ("v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+    ("v2", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid' is not supported"),
+    ("v3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}}, "rope_scaling .* is not"),
+    ("v3", {"n_group": 3}, r"moe_n_group \(3\) must divide n_experts \(8\)"),
+    ("v3", {"n_shared_experts": None}, "n_shared_experts must be a positive integer"),
+])
+def test_bad_configs_are_one_line(family, change, message):
+    from syntorch.errors import UserError
+    from syntorch.hf_format import hf_config_to_model_config
+    config = {**make(family).config.to_dict(), **change}
+    with pytest.raises(UserError, match=message) as e:
+        hf_config_to_model_config(json.loads(json.dumps(config)))
+    assert "\n" not in str(e.value)
