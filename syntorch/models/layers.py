@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
-from syntorch.models.yarn import yarn_frequencies
+from syntorch.models.yarn import yarn_attention_factor, yarn_frequencies
 
 
 class KVCache(nn.Module):
@@ -62,6 +62,9 @@ def rotary_tables(positions: torch.Tensor, c: ModelConfig):
         angles = angles.repeat_interleave(2, -1)
     else:  # Llama/NeoX: dims i and i + r/2 share one
         angles = torch.cat((angles, angles), -1)
+    if c.rope_scaling == "yarn":  # YaRN's attention factor, on cos and sin as HF applies it
+        gain = yarn_attention_factor(c)
+        return angles.cos() * gain, angles.sin() * gain
     return angles.cos(), angles.sin()
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import Attention, KVCache, apply_rotary
-from syntorch.models.yarn import yarn_attention_factor, yarn_mscale
+from syntorch.models.yarn import yarn_mscale
 
 LATENT_EPS = 1e-6  # the latent norms' epsilon: HF builds them with its default, not rms_norm_eps
 
@@ -56,20 +56,13 @@ class MLA(Attention):
         self.kv_norm = nn.RMSNorm(c.kv_lora_rank, eps=LATENT_EPS)
         self.kv_b = nn.Linear(c.kv_lora_rank, c.n_head * (self.nope_dim + self.v_head_dim), bias=False)
         self.proj = nn.Linear(c.n_head * self.v_head_dim, c.d_model, bias=False)
-        yarn = c.rope_scaling == "yarn"
-        # HF scales the rotary cos and sin by YaRN's attention factor (1 when mscale == mscale_all_dim)
-        self.rope_gain = yarn_attention_factor(c) if yarn else 1.0
         self.scale = c.d_head ** -0.5
-        if yarn and c.yarn_softmax_mscale and c.rope_mscale_all_dim:
+        if c.rope_scaling == "yarn" and c.yarn_softmax_mscale and c.rope_mscale_all_dim:
             self.scale *= yarn_mscale(c.rope_factor, c.rope_mscale_all_dim) ** 2
         self.kv_cache: LatentCache | None = None  # attached by generate.setup_caches
 
     def new_cache(self, batch: int, max_seq: int, dtype) -> LatentCache:
         return LatentCache(batch, max_seq, self.latent, self.rope_dim, dtype, self.kv_a.weight.device)
-
-    def _rotate(self, x, rope):
-        x = apply_rotary(x, *rope, self.rotary_style)
-        return x * self.rope_gain if self.rope_gain != 1.0 else x
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         B, T, _ = x.shape
@@ -78,8 +71,9 @@ class MLA(Attention):
         q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), -1)
         latent, k_rope = self.kv_a(x).split((self.latent, self.rope_dim), -1)
         latent = self.kv_norm(latent)[:, None]  # [B, 1, T, latent]: one "head"
-        q_rope = self._rotate(q_rope, rope).transpose(1, 2)  # [B, H, T, rope]
-        k_rope = self._rotate(k_rope[:, :, None], rope).transpose(1, 2)  # [B, 1, T, rope], shared by the heads
+        q_rope = apply_rotary(q_rope, *rope, self.rotary_style).transpose(1, 2)  # [B, H, T, rope]
+        # [B, 1, T, rope]: one rotary key shared by the heads
+        k_rope = apply_rotary(k_rope[:, :, None], *rope, self.rotary_style).transpose(1, 2)
         if self.kv_cache is not None:
             latent, k_rope = self.kv_cache.update(start, latent, k_rope)
         mask, is_causal = self.attention_mask(start, T, latent.shape[2], mask, x.device)
