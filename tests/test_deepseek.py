@@ -38,17 +38,19 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_interm
 # that scaled, kept and blended frequencies, the rotary gain and the softmax mscale all occur
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=4.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=0.8, truncate=False)
-FAMILIES = ["v3", "v2", "v2-lite"]
+FAMILIES = ["v3", "v3-half", "v2", "v2-lite"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(family: str):
-    """V3: sigmoid routing with a correction bias over 4 groups of 2 (top 2 groups), q LoRA; V2: softmax routing
-    limited to 2 of 4 groups, q LoRA, 2 shared experts; V2-Lite: greedy softmax, no q LoRA."""
-    if family == "v3":
+    """V3: sigmoid routing with a correction bias over 4 groups of 2 (top 2 groups), q LoRA, rotary on pairs
+    (or, v3-half, on halves: HF's rope_interleave false); V2: softmax routing limited to 2 of 4 groups, q LoRA,
+    2 shared experts; V2-Lite: greedy softmax, no q LoRA."""
+    if family.startswith("v3"):
         config = hf.DeepseekV3Config(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1,
-                                     routed_scaling_factor=2.5, norm_topk_prob=True, rope_scaling=YARN, **COMMON)
+                                     routed_scaling_factor=2.5, norm_topk_prob=True, rope_scaling=YARN,
+                                     rope_interleave=family == "v3", **COMMON)
         return hf.DeepseekV3ForCausalLM(config)
     lite = family == "v2-lite"
     config = hf.DeepseekV2Config(q_lora_rank=None if lite else 24, n_group=1 if lite else 4,
@@ -108,8 +110,9 @@ def test_config_mapping(pair):
     family, _, _, ours = pair
     c = ours.config
     assert (c.d_head, c.rotary_dim, c.value_head_dim, c.kv_lora_rank) == (24, 8, 12, 16)
-    assert c.q_lora_rank == (0 if family == "v2-lite" else 24) and c.rotary_style == "interleaved"
-    assert c.moe_topk_method == {"v3": "noaux_tc", "v2": "group_limited_greedy", "v2-lite": "greedy"}[family]
+    assert c.q_lora_rank == (0 if family == "v2-lite" else 24)
+    assert c.rotary_style == ("half" if family == "v3-half" else "interleaved")
+    assert c.moe_topk_method == {"v2": "group_limited_greedy", "v2-lite": "greedy"}.get(family, "noaux_tc")
     assert (c.rope_scaling, c.rope_factor, c.rope_mscale_all_dim, c.rope_truncate) == ("yarn", 4.0, 0.8, False)
     assert not isinstance(ours.layers["0"].mlp, MoE) and isinstance(ours.layers["1"].mlp, MoE)
 
