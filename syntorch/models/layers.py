@@ -196,6 +196,8 @@ def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0)
             nn.init.ones_(m.weight)
         if isinstance(m, AttentionSinks):  # as HF inits GPT-OSS's sinks
             nn.init.normal_(m.weight, std=std)
+        if hasattr(m, "e_score_correction_bias"):  # DeepSeek-V3's router: no correction before training sets one
+            nn.init.zeros_(m.e_score_correction_bias)
     if not residual_layers:
         return
     for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it
