@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
+from syntorch.models.causal import causal_pairs
 from syntorch.models.gpt_oss import AttentionSinks, clamped_swiglu, sink_attention
 from syntorch.models.yarn import yarn_attention_factor, yarn_frequencies
 
@@ -147,7 +148,6 @@ class Attention(nn.Module):
             allowed = allowed & (q_slot - k_slot < window)
         if mask is not None:
             return mask & allowed, False
-        from syntorch.trace.attention import causal_pairs  # here: the trace package imports the models
         allowed.attended_pairs = causal_pairs(T, keys, start, window)  # the tracer's FLOPs (meta has no values)
         return allowed, False
 
