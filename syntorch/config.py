@@ -239,7 +239,8 @@ def check_deepseek(c: ModelConfig, need) -> None:
          "noaux_tc ranks groups by their top-2 experts: each group needs at least 2")
     need(not c.n_experts or c.moe_top_k <= c.moe_topk_group * (c.n_experts // c.moe_n_group),
          f"moe_top_k ({c.moe_top_k}) exceeds the experts of moe_topk_group groups")
-    need(not (c.moe_topk_method and c.router_bias), "DeepSeek's routers (moe_topk_method) have no bias: router_bias false")
+    need(not (c.moe_topk_method and c.router_bias),
+         "DeepSeek's routers (moe_topk_method) have no bias: router_bias false")
 
 
 def _gpt3(name, n_layer, d_model, n_head):

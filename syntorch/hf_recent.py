@@ -12,8 +12,8 @@ def refuse_quantized(h: dict) -> None:
     if quantized is not None:
         method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
         raise UserError(f"config.json: quantization_config {method!r} weights are not supported: syntorch loads "
-                        "unquantized weights only; dequantize first (MXFP4: transformers' Mxfp4Config(dequantize=True), "
-                        "then save_pretrained; DeepSeek's FP8: its fp8_cast_bf16.py)")
+                        "unquantized weights only; dequantize first (MXFP4: transformers' "
+                        "Mxfp4Config(dequantize=True), then save_pretrained; DeepSeek's FP8: its fp8_cast_bf16.py)")
 
 
 def qwen3_moe_fields(h: dict) -> dict:
@@ -82,7 +82,8 @@ def rope_scaling_hf(c: ModelConfig) -> dict | None:
     """config.json's rope_scaling for our fields (the optional YaRN keys only when set)."""
     if c.rope_scaling == "llama3":
         return {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
-                "high_freq_factor": c.rope_high_freq_factor, "original_max_position_embeddings": c.rope_original_positions}
+                "high_freq_factor": c.rope_high_freq_factor,
+                "original_max_position_embeddings": c.rope_original_positions}
     if c.rope_scaling != "yarn":
         return None
     optional = {"attention_factor": c.rope_attention_factor, "mscale": c.rope_mscale,
