@@ -60,11 +60,17 @@ class ModelConfig:
     # YaRN (Peng et al. 2023; HF rope_type "yarn", with rope_factor and rope_original_positions): dims turning more than
     # beta_fast times over the original context kept, fewer than beta_slow times slowed by rope_factor, a ramp between
     # (its ends rounded outwards unless rope_truncate is false); cos and sin scaled by rope_attention_factor
-    # (0: 0.1 ln(rope_factor) + 1, the paper's)
+    # (0: HF infers it, models/yarn.py: from rope_mscale / rope_mscale_all_dim when both are set, as DeepSeek's are,
+    # else 0.1 ln(rope_factor) + 1, the paper's)
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
     rope_attention_factor: float = 0.0
+    rope_mscale: float = 0.0  # 0: unset (HF's None)
+    rope_mscale_all_dim: float = 0.0
+    # MLA's softmax scale times yarn_mscale(rope_factor, rope_mscale_all_dim)^2, as DeepSeek's code and HF's
+    # DeepseekV3Attention compute it (HF's DeepseekV2Attention leaves it out)
+    yarn_softmax_mscale: bool = True
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's d_head dims of q and of k, before rotary
     attn_sinks: bool = False  # GPT-OSS: a learned logit per query head that joins each softmax's denominator
     norm: str = "layernorm"  # "layernorm" (GPT, BERT) | "rmsnorm" (Llama, Mistral, Qwen2, Mixtral)
@@ -87,6 +93,20 @@ class ModelConfig:
     # GPT-OSS's clamped SwiGLU: gate clamped above at swiglu_limit, up within +-swiglu_limit, gate * sigmoid(1.702 gate)
     # * (up + 1); 0: plain SwiGLU
     swiglu_limit: float = 0.0
+    # DeepSeek-V2/V3 (DeepSeek-AI 2024, arXiv 2405.04434 and 2412.19437), all off by default.
+    # Multi-head Latent Attention: K/V compressed to kv_lora_rank (the cache holds it) plus one rotary key of
+    # rotary_dim dims shared by all heads; d_head is the query/key head size (qk_nope + qk_rope), v_head_dim the value's
+    kv_lora_rank: int = 0  # 0: no MLA
+    q_lora_rank: int = 0  # MLA's query down-projection rank; 0: a full-rank query projection (DeepSeek-V2-Lite)
+    v_head_dim: int = 0  # MLA's value head size; 0: d_head
+    first_k_dense: int = 0  # the first k layers have a dense MLP of d_ff, the rest MoE (HF first_k_dense_replace)
+    # "": softmax top-k (Mixtral). DeepSeek's (config.json topk_method): "greedy" and "group_limited_greedy" (V2:
+    # softmax, groups ranked by their best expert), "noaux_tc" (V3: sigmoid, top-k by score + a correction bias,
+    # groups ranked by the sum of their top-2); groups: moe_n_group of them, tokens go to moe_topk_group
+    moe_topk_method: str = ""
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scale: float = 1.0  # routed experts' weights times this (HF routed_scaling_factor)
     ln_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT segment embeddings
     pad_token_id: int = 0
@@ -105,6 +125,19 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         """Dims of each head that rotary rotates (0 with learned positions)."""
         return (self.rotary_dim or self.d_head) if self.pos == "rotary" else 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer runs the same ops on the same shapes (not so with DeepSeek's dense first layers)."""
+        return not (self.n_experts and 0 < self.first_k_dense < self.n_layer)
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.d_head
 
     @property
     def expert_d_ff(self) -> int:
@@ -137,7 +170,8 @@ def check_config(c: ModelConfig) -> None:
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
     need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
-    need(c.rope_scaling in ("", "llama3", "yarn"), f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
+    need(c.rope_scaling in ("", "llama3", "yarn"),
+         f"rope_scaling must be '', 'llama3' or 'yarn', got {c.rope_scaling!r}")
     need(c.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     need(c.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     for k in ("n_layer", "d_model", "n_head", "vocab_size", "n_positions", "d_head", "d_ff"):
@@ -164,13 +198,15 @@ def check_config(c: ModelConfig) -> None:
          "bert supports only its own layout (layernorm, multi-head attention, no sliding window, GELU MLP)")
     need(c.arch == "gpt" or c.pos == "learned", "bert uses learned positions")
     _check_recent(c, need)
+    check_deepseek(c, need)
     need(isinstance(c.ln_eps, (int, float)) and math.isfinite(c.ln_eps) and c.ln_eps > 0,
          f"ln_eps must be a positive finite number, got {c.ln_eps!r}")
 
 
 def _check_recent(c: ModelConfig, need) -> None:
-    # the fields Qwen3 and GPT-OSS added
-    for k in ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "swiglu_limit"):
+    # the numbers Qwen3, GPT-OSS and DeepSeek added, and what Qwen3 and GPT-OSS added to attention
+    for k in ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_mscale", "rope_mscale_all_dim",
+              "swiglu_limit", "moe_routed_scale"):
         v = getattr(c, k)
         need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, f"{k} must be a finite number >= 0, got {v!r}")
     need(c.rope_beta_fast > c.rope_beta_slow,
@@ -179,6 +215,32 @@ def _check_recent(c: ModelConfig, need) -> None:
          "swiglu_limit clamps a SwiGLU MLP: it needs gated_mlp true and activation 'silu'")
     need(c.arch == "gpt" or not (c.qk_norm or c.attn_sinks or c.sliding_window_pattern),
          "bert has no q/k norms, attention sinks or per-layer windows")
+    need(not c.mla or not (c.qk_norm or c.attn_sinks or c.sliding_window_pattern),
+         "MLA (kv_lora_rank > 0) has no q/k norms, attention sinks or per-layer windows")
+
+
+def check_deepseek(c: ModelConfig, need) -> None:
+    """The MLA and DeepSeek routing fields (see ModelConfig)."""
+    for k in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "first_k_dense"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) >= 0,
+             f"{k} must be an integer >= 0, got {getattr(c, k)!r}")
+    need(not c.mla or (c.arch == "gpt" and c.pos == "rotary" and 0 < c.rotary_dim < c.d_head),
+         "MLA (kv_lora_rank > 0) needs pos 'rotary' and a rotary_dim (the shared rotary key) below d_head")
+    need(c.mla or not (c.q_lora_rank or c.v_head_dim), "q_lora_rank and v_head_dim describe MLA: set kv_lora_rank too")
+    need(c.moe_topk_method in ("", "greedy", "group_limited_greedy", "noaux_tc"),
+         f"moe_topk_method must be '', 'greedy', 'group_limited_greedy' or 'noaux_tc', got {c.moe_topk_method!r}")
+    for k in ("moe_n_group", "moe_topk_group"):
+        need(isinstance(getattr(c, k), int) and getattr(c, k) > 0,
+             f"{k} must be a positive integer, got {getattr(c, k)!r}")
+    need(not c.n_experts or (c.n_experts % c.moe_n_group == 0 and c.moe_topk_group <= c.moe_n_group),
+         f"moe_n_group ({c.moe_n_group}) must divide n_experts ({c.n_experts}) and moe_topk_group "
+         f"({c.moe_topk_group}) be at most moe_n_group")
+    need(c.moe_topk_method != "noaux_tc" or c.n_experts // c.moe_n_group >= 2,
+         "noaux_tc ranks groups by their top-2 experts: each group needs at least 2")
+    need(not c.n_experts or c.moe_top_k <= c.moe_topk_group * (c.n_experts // c.moe_n_group),
+         f"moe_top_k ({c.moe_top_k}) exceeds the experts of moe_topk_group groups")
+    need(not (c.moe_topk_method and c.router_bias),
+         "DeepSeek's routers (moe_topk_method) have no bias: router_bias false")
 
 
 def _gpt3(name, n_layer, d_model, n_head):
@@ -229,7 +291,6 @@ LLAMA_FAMILY = [
 ]
 
 
-
 def _qwen3(name, n_layer, d_model, n_head, n_kv_head, d_ff, **fields):
     # Qwen/Qwen3-*: the Llama layout with q/k norms, 128-dim heads, rope_theta 1e6, rms_norm_eps 1e-6, context 40960,
     # vocabulary 151936; the MoE ones: 128 experts, top 8, norm_topk_prob true, every layer sparse
@@ -264,6 +325,31 @@ def _gpt_oss(name, n_layer, n_experts):
 
 GPT_OSS_FAMILY = [_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)]
 
+
+def _deepseek(name, n_layer, d_model, n_head, d_ff, vocab_size, **fields):
+    # MLA with 128 no-rope + 64 rotary query/key dims, 128-dim values and a 512-dim latent, rotary in pairs
+    # (DeepSeek's complex form; HF's rope_interleave), YaRN x40 over a 4096 context, first layers dense
+    mla = dict(d_head=192, rotary_dim=64, v_head_dim=128, kv_lora_rank=512, rotary_style="interleaved", ln_eps=1e-6,
+               rope_scaling="yarn", rope_factor=40.0, rope_original_positions=4096)
+    return _llama(name, n_layer, d_model, n_head, 0, d_ff, vocab_size, 163840, **{**mla, **fields})
+
+
+# deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V2, DeepSeek-V3 config.json (moe_intermediate_size -> d_ff_expert,
+# first_k_dense_replace -> first_k_dense, topk_method, n_group, topk_group, routed_scaling_factor, rope_scaling
+# mscale / mscale_all_dim). V2's softmax scale follows transformers' DeepseekV2Attention (no mscale, see
+# yarn_softmax_mscale); the multi-token-prediction module of V3 (its layer 61) is not modelled, as in HF
+_V2 = dict(moe_top_k=6, n_shared_experts=2, first_k_dense=1, moe_renormalize=False, rope_mscale=0.707,
+           rope_mscale_all_dim=0.707, yarn_softmax_mscale=False)
+DEEPSEEK_FAMILY = [
+    _deepseek("deepseek-v2-lite", 27, 2048, 16, 10944, 102400, n_experts=64, d_ff_expert=1408,
+              moe_topk_method="greedy", **_V2),
+    _deepseek("deepseek-v2", 60, 5120, 128, 12288, 102400, q_lora_rank=1536, n_experts=160, d_ff_expert=1536,
+              moe_topk_method="group_limited_greedy", moe_n_group=8, moe_topk_group=3, moe_routed_scale=16.0, **_V2),
+    _deepseek("deepseek-v3", 61, 7168, 128, 18432, 129280, q_lora_rank=1536, n_experts=256, d_ff_expert=2048,
+              moe_top_k=8, n_shared_experts=1, first_k_dense=3, moe_topk_method="noaux_tc", moe_n_group=8,
+              moe_topk_group=4, moe_routed_scale=2.5, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+]
+
 REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -275,7 +361,7 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
                 pos="rotary", rotary_dim=64, parallel_residual=True, tied_head=False,
                 head_bias=True, qkv_bias=False, proj_bias=False),
     _bert("bert-base-uncased", 12, 768, 12), _bert("bert-large-uncased", 24, 1024, 16),
-    *LLAMA_FAMILY, *QWEN3_FAMILY, *GPT_OSS_FAMILY,
+    *LLAMA_FAMILY, *QWEN3_FAMILY, *GPT_OSS_FAMILY, *DEEPSEEK_FAMILY,
 ]}
 ALIASES = {"gpt2-small": "gpt2", "gpt-j-6b": "gptj-6b", "gpt-j-6B": "gptj-6b", "bert-base": "bert-base-uncased",
            "bert-large": "bert-large-uncased", "qwen3-30b-a3b": "qwen3-moe-30b-a3b",

@@ -14,6 +14,7 @@ import torch
 
 from syntorch.errors import UserError
 from syntorch.models.layers import Attention, KVCache
+from syntorch.models.mla import MLA
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
     # the model's float dtype (a weight may be stored int8: syntorch/quant.py)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for attn in model.modules():
-        if isinstance(attn, Attention):
+        if isinstance(attn, MLA):  # the latent and the shared rotary key, whole on every TP rank
+            attn.kv_cache = attn.new_cache(batch, max_seq, dtype)
+        elif isinstance(attn, Attention):
             weight = attn.qkv.weight
             # K/V heads only (grouped-query attention), and this rank's, so a TP-sharded qkv works
             _, n_kv = attn.local_heads(weight.shape[0] // attn.d_head)

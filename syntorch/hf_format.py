@@ -4,40 +4,31 @@ No file I/O: checkpoints.py reads and writes the folders."""
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
+from syntorch.hf_deepseek import DEEPSEEK
+from syntorch.hf_deepseek import family_of as deepseek_family
+from syntorch.hf_deepseek import fields_from_hf as deepseek_fields_from_hf
+from syntorch.hf_deepseek import fields_to_hf as deepseek_fields_to_hf
+from syntorch.hf_family import Family
 from syntorch.hf_recent import (gpt_oss_fields, gpt_oss_hf_fields, qwen3_moe_fields, qwen3_moe_hf_fields,
-                                 refuse_quantized, yarn_fields, yarn_hf_fields)
+                                 refuse_quantized, rope_scaling_fields, rope_scaling_hf)
 from syntorch.hf_stacked import Stacked, stack_experts
 from syntorch.hf_values import eps as _eps, require as _require, size as _size
 from syntorch.models import build_model
-
-@dataclass(frozen=True, eq=False)
-class Family:
-    model_type: str  # config.json "model_type"
-    architecture: str  # config.json "architectures" entry we write and recognise
-    flags: dict  # ModelConfig fields the HF class fixes; a config that differs has no HF equivalent
-    body: str  # prefix of the base model's keys ("transformer."), absent when a base model was saved
-    head: str  # prefix of the LM head's keys, which never carry `body`
-    modules: dict  # our module -> HF module; "{i}" the block, "{e}" the expert index; a tuple: HF modules fused into
-    # ours along the output dim (q, k, v into qkv; gate, up into a gated fc1)
-    conv1d: tuple = ()  # our modules whose HF weight is stored [in, out] (GPT-2's Conv1D)
-    params: dict = field(default_factory=dict)  # our parameter -> HF parameter where the module rule is wrong
-    ignored: str = r"$^"  # HF keys that are buffers, tied copies or heads our model does not have
-    tied: str = ""  # HF key of the LM head weight, which HF ties to the embedding
-    stacked: dict = field(default_factory=dict)  # our expert module -> the HF tensor holding every expert (hf_stacked)
 
 
 _GPT_IGNORED = r"\.attn\.(masked_)?bias$"  # causal-mask buffers in older checkpoints
 _GPT_BLOCK = "transformer.h.{i}."
 # what the GPT-2, GPT-J and BERT classes fix that the Llama layout changes
 _CLASSIC = dict(norm="layernorm", gated_mlp=False, mlp_bias=True, n_kv_head=0, sliding_window=0, n_experts=0)
-_NOT_RECENT = dict(qk_norm=False, attn_sinks=False, router_bias=False, swiglu_limit=0.0, sliding_window_pattern=0)
-_CLASSIC.update(_NOT_RECENT)  # what Qwen3 and GPT-OSS added, which no older class has
+# what Qwen3, GPT-OSS and DeepSeek (MLA aside: hf_deepseek.py) added, which no older class has
+_NOT_RECENT = dict(qk_norm=False, attn_sinks=False, router_bias=False, swiglu_limit=0.0, sliding_window_pattern=0,
+                   first_k_dense=0, moe_topk_method="", moe_routed_scale=1.0)
+_CLASSIC.update(_NOT_RECENT)
 
 GPT2 = Family(
     model_type="gpt2", architecture="GPT2LMHeadModel", body="transformer.", head="lm_head.",
@@ -144,10 +135,10 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu
 
 def _hf_family(hf_config: dict) -> Family:
     model_type, archs = hf_config.get("model_type"), hf_config.get("architectures") or []
-    for fam in FAMILIES:
+    for fam in (*FAMILIES, *DEEPSEEK):
         if model_type == fam.model_type or (model_type is None and fam.architecture in archs):
             return fam
-    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES)
+    known = ", ".join(f"{f.model_type} ({f.architecture})" for f in (*FAMILIES, *DEEPSEEK))
     raise UserError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
                     f"syntorch loads {known}")
 
@@ -161,6 +152,8 @@ def hf_config_to_model_config(hf_config: dict, name: str = "hf-checkpoint") -> M
     refuse_quantized(hf_config)
     if fam in LLAMA_LIKE:
         return ModelConfig(name, "gpt", **_llama_fields(hf_config, fam))
+    if fam in DEEPSEEK:
+        return ModelConfig(name, "gpt", **deepseek_fields_from_hf(hf_config, fam))
     fields = _bert_fields(hf_config) if fam is BERT else _gpt_fields(hf_config, fam)
     if fields["d_model"] % fields["n_head"]:
         raise UserError(f"config.json: hidden size {fields['d_model']} is not divisible by the head count "
@@ -183,7 +176,7 @@ def _llama_fields(h: dict, fam: Family) -> dict:
                   d_head=d_model // n_head if h.get("head_dim") is None else _size(h, "head_dim"),
                   ln_eps=_eps(h, "rms_norm_eps", 1e-6), rope_theta=_eps(h, "rope_theta", 10000.0),
                   tied_head=h.get("tie_word_embeddings", False) is True,
-                  **{k: v for k, v in fam.flags.items() if v is not None}, **_rope_scaling(h))
+                  **{k: v for k, v in fam.flags.items() if v is not None}, **rope_scaling_fields(h))
     if fam.flags["sliding_window"] is None and h.get("sliding_window") is not None:
         fields["sliding_window"] = _size(h, "sliding_window")
     if fam in (MIXTRAL, GPT_OSS):
@@ -193,24 +186,6 @@ def _llama_fields(h: dict, fam: Family) -> dict:
     if fam is GPT_OSS:
         fields.update(gpt_oss_fields(h, fields["n_layer"]))
     return fields
-
-
-def _rope_scaling(h: dict) -> dict:
-    scaling = h.get("rope_scaling")
-    if scaling is None:
-        return {}
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
-    if kind == "default":
-        return {}
-    if kind == "yarn":
-        return yarn_fields(scaling)
-    if kind != "llama3":
-        raise UserError(f"config.json: rope_scaling type {kind!r} is not supported (supported: 'llama3', 'yarn', "
-                        "'default')")
-    return dict(rope_scaling="llama3", rope_factor=_eps(scaling, "factor"),
-                rope_low_freq_factor=_eps(scaling, "low_freq_factor"),
-                rope_high_freq_factor=_eps(scaling, "high_freq_factor"),
-                rope_original_positions=_size(scaling, "original_max_position_embeddings"))
 
 
 def _bert_fields(h: dict) -> dict:
@@ -251,6 +226,8 @@ def model_config_to_hf_config(c: ModelConfig) -> dict:
               "tie_word_embeddings": c.tied_head}
     if fam in LLAMA_LIKE:
         return {**common, **_llama_hf_fields(c, fam)}
+    if fam in DEEPSEEK:
+        return {**common, **deepseek_fields_to_hf(c, fam)}
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
     if fam is BERT:
         return {**common, "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
@@ -266,13 +243,7 @@ def _llama_hf_fields(c: ModelConfig, fam: Family) -> dict:
     out = {"hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
            "num_key_value_heads": c.kv_heads, "head_dim": c.d_head, "intermediate_size": c.d_ff, "hidden_act": "silu",
            "max_position_embeddings": c.n_positions, "rms_norm_eps": c.ln_eps, "rope_theta": c.rope_theta,
-           "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
-    if c.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
-                               "high_freq_factor": c.rope_high_freq_factor,
-                               "original_max_position_embeddings": c.rope_original_positions}
-    if c.rope_scaling == "yarn":
-        out["rope_scaling"] = yarn_hf_fields(c)
+           "rope_scaling": rope_scaling_hf(c), "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
     if fam.flags["sliding_window"] is None:
         out["sliding_window"] = c.sliding_window or None
     if fam is MIXTRAL:
@@ -288,6 +259,8 @@ def _family(c: ModelConfig) -> Family:
     """The HF class that holds this config: chosen by its layout, then every field that class fixes checked."""
     if c.arch == "bert":
         fam = BERT
+    elif c.mla:
+        fam = deepseek_family(c)
     elif c.pos == "learned" or c.rotary_style == "interleaved":
         fam = GPT2 if c.pos == "learned" else GPTJ
     elif c.attn_sinks or c.qk_norm:
@@ -298,7 +271,7 @@ def _family(c: ModelConfig) -> Family:
         if want is not None and getattr(c, key) != want:
             raise UserError(f"model '{c.name}': {key}={getattr(c, key)!r} has no HuggingFace {fam.architecture} "
                             f"equivalent (it needs {want!r}); cannot save it in HF format")
-    if fam not in LLAMA_LIKE and c.d_head * c.n_head != c.d_model:
+    if fam not in LLAMA_LIKE and not c.mla and c.d_head * c.n_head != c.d_model:
         raise UserError(f"model '{c.name}': d_head {c.d_head} x n_head {c.n_head} != d_model {c.d_model}; "
                         "HuggingFace models need d_model = n_head x d_head")
     if fam is BERT and c.activation != "gelu":

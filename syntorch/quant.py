@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from syntorch.errors import UserError
+from syntorch.models.router import DeepSeekRouter
 from syntorch.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 
 MODES = ("int8_weight_only",)
@@ -84,6 +85,10 @@ def quantize_weight(w: torch.Tensor) -> Int8Weight:
 
 def _quantizable(name: str, module: nn.Module, head: bool) -> bool:
     is_head = name.rpartition(".")[2] == HEAD or isinstance(module, VocabParallelHead)
+    # kept as they are, as vLLM keeps them: DeepSeek's router (scored in FP32) and MLA's kv_b, whose halves the
+    # absorbed decode multiplies by directly (vLLM dequantizes it for that form)
+    if isinstance(module, DeepSeekRouter) or name.endswith("attn.kv_b"):
+        return False
     linear = isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelHead))
     weight = getattr(module, "weight", None)
     return (linear and (head or not is_head) and isinstance(weight, torch.Tensor) and weight.is_floating_point()

@@ -65,7 +65,7 @@ def test_symbolic_all_to_alls_carry_the_routed_rows():
 EP2 = TrainPlan(dp=2, ep=2, microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
 
 
-def ep_rank(out_dir: str) -> None:
+def ep_rank(out_dir: str, config=MOE) -> None:
     from syntorch.parallel import plans
     from syntorch.parallel.launch import init_distributed
     from syntorch.parallel.mesh import init_groups
@@ -73,11 +73,11 @@ def ep_rank(out_dir: str) -> None:
     rank, _ = init_distributed("cpu")
     plan = EP2
     torch.manual_seed(0)
-    run = plans.apply_plans(MOE, plan, init_groups(plan.mesh, MOE.tied_head), "cpu")
-    x, y = global_batch(MOE, plan)
+    run = plans.apply_plans(config, plan, init_groups(plan.mesh, config.tied_head), "cpu")
+    x, y = global_batch(config, plan)
     mine = [(x[i:i + 2], y[i:i + 2]) for i in range(rank * 4, rank * 4 + 4, 2)]
     loss = plans.train_step(run, mine)
-    first = run.model.layers["0"].mlp.first_expert
+    first = next(m.first_expert for m in run.model.modules() if hasattr(m, "first_expert"))
     grads = {}
     for name, p in run.model.named_parameters():
         if ".experts." in name:  # local index -> the expert's global index

@@ -8,9 +8,9 @@ from syntorch.models.layers import MLP, Attention
 
 
 class BertLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):  # built by index like GPT's Block (pipeline stages)
         super().__init__()
-        self.attn = Attention(c)
+        self.attn = Attention(c, layer)
         self.ln1 = nn.LayerNorm(c.d_model, eps=c.ln_eps)
         self.mlp = MLP(c)
         self.ln2 = nn.LayerNorm(c.d_model, eps=c.ln_eps)

@@ -2,12 +2,14 @@
 head), GPT-J (interleaved rotary, parallel residual, untied head with bias), and the Llama layout (RMSNorm,
 rotate-half rotary with Llama 3.1's scaling, grouped-query attention, SwiGLU, no biases, untied head) with
 Mistral's sliding window, Qwen2's QKV biases and Mixtral's mixture-of-experts MLP; Qwen3's q/k norms; GPT-OSS's
-alternating windows, attention sinks, biased experts with a clamped SwiGLU and YaRN rotary."""
+alternating windows, attention sinks, biased experts with a clamped SwiGLU and YaRN rotary; DeepSeek-V2/V3's latent
+attention (mla.py), dense first layers and routers (router.py)."""
 import torch
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import MLP, Attention, make_norm, rotary_tables
+from syntorch.models.mla import MLA
 from syntorch.models.moe import MoE
 
 
@@ -16,10 +18,12 @@ class Block(nn.Module):
         super().__init__()
         self.parallel_residual = c.parallel_residual
         self.ln1 = make_norm(c)
-        self.attn = Attention(c, layer)  # the layer index picks its window (GPT-OSS alternates)
+        # the layer index picks its window (GPT-OSS alternates)
+        self.attn = MLA(c) if c.mla else Attention(c, layer)
         # GPT-J feeds attention and MLP from the same LayerNorm, so it has no second one
         self.ln2 = None if c.parallel_residual else make_norm(c)
-        self.mlp = MoE(c) if c.n_experts else MLP(c)
+        # DeepSeek keeps the first `first_k_dense` layers dense
+        self.mlp = MoE(c) if c.n_experts and layer >= c.first_k_dense else MLP(c)
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         h = self.ln1(x)

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from syntorch.models.causal import causal_pairs
+
 GPT_OSS_ALPHA = 1.702  # the sigmoid's slope in GPT-OSS's gate: x * sigmoid(1.702 x) (HF GptOssExperts.alpha)
 
 
@@ -28,7 +30,6 @@ def sink_attention(q, k, v, sinks: torch.Tensor, mask, is_causal: bool, **gqa) -
     S = k.shape[2]
     scale = D ** -0.5
     if is_causal:  # SDPA's causal mask would not see the extra key: spell it out
-        from syntorch.trace.attention import causal_pairs  # here: the trace package imports the models
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         mask.attended_pairs = causal_pairs(T, S)
     q = torch.cat((q, (sinks / scale).to(q.dtype).view(1, H, 1, 1).expand(B, H, T, 1)), -1)  # [B, H, T, D + 1]

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
+from syntorch.models.causal import causal_pairs
 from syntorch.models.gpt_oss import AttentionSinks, clamped_swiglu, sink_attention
 from syntorch.models.yarn import yarn_attention_factor, yarn_frequencies
 
@@ -147,7 +148,6 @@ class Attention(nn.Module):
             allowed = allowed & (q_slot - k_slot < window)
         if mask is not None:
             return mask & allowed, False
-        from syntorch.trace.attention import causal_pairs  # here: the trace package imports the models
         allowed.attended_pairs = causal_pairs(T, keys, start, window)  # the tracer's FLOPs (meta has no values)
         return allowed, False
 
@@ -196,6 +196,8 @@ def init_weights(module: nn.Module, std: float = 0.02, residual_layers: int = 0)
             nn.init.ones_(m.weight)
         if isinstance(m, AttentionSinks):  # as HF inits GPT-OSS's sinks
             nn.init.normal_(m.weight, std=std)
+        if hasattr(m, "e_score_correction_bias"):  # DeepSeek-V3's router: no correction before training sets one
+            nn.init.zeros_(m.e_score_correction_bias)
     if not residual_layers:
         return
     for m in module.modules():  # a second pass: the first reaches attn.proj after attn and would undo it

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral; DeepSeekMoE with shared experts). Plain PyTorch.
+"""Sparse mixture-of-experts MLP (Mixtral; DeepSeekMoE with shared experts and DeepSeek's routers). Plain PyTorch.
 
 A router Linear scores the E experts for each token; each token goes to its top-k experts and their outputs
 are summed with the softmax weights, renormalized over the chosen k as HuggingFace's MixtralSparseMoeBlock
@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.models.layers import MLP
+from syntorch.models.router import DeepSeekRouter
 
 
 class MoE(nn.Module):
@@ -19,8 +20,10 @@ class MoE(nn.Module):
         self.top_k = c.moe_top_k
         self.renormalize = c.moe_renormalize
         # HF "gate". GPT-OSS's has a bias and takes the softmax over the top-k logits, which is this softmax over all
-        # renormalized over the top k (the same k win either way, and exp(l_i) / sum_k exp(l_j) = p_i / sum_k p_j)
-        self.router = nn.Linear(c.d_model, c.n_experts, bias=c.router_bias)
+        # renormalized over the top k (the same k win either way, and exp(l_i) / sum_k exp(l_j) = p_i / sum_k p_j).
+        # DeepSeek's routers (router.py) choose the experts themselves
+        self.router = (DeepSeekRouter(c) if c.moe_topk_method
+                       else nn.Linear(c.d_model, c.n_experts, bias=c.router_bias))
         self.experts = nn.ModuleList(MLP(c, c.expert_d_ff) for _ in range(c.n_experts))
         # DeepSeekMoE's shared experts: one MLP as wide as all of them, every token, unweighted
         self.shared = MLP(c, c.n_shared_experts * c.expert_d_ff) if c.n_shared_experts else None
@@ -30,6 +33,8 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
+        if isinstance(self.router, DeepSeekRouter):
+            return self.router.route(x)
         probs = self.router(x).softmax(-1, dtype=torch.float32)  # [N, E]
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:

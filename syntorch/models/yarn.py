@@ -1,10 +1,16 @@
 """YaRN rotary scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
-section 3), as HuggingFace's _compute_yarn_parameters computes it (rope_type "yarn": GPT-OSS, Qwen3 beyond 32k)."""
+§3.2-3.4), as transformers 4.57's modeling_rope_utils._compute_yarn_parameters computes it for every rope_type
+"yarn" model (GPT-OSS, Qwen3 beyond 32k, DeepSeek-V2/V3), DeepSeek's mscale form of the attention factor included."""
 import math
 
 import torch
 
 from syntorch.config import ModelConfig
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """The attention temperature factor 0.1 * mscale * ln(scale) + 1 (1 without scaling): HF's get_mscale."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _dim_turning(rotations: float, c: ModelConfig) -> float:
@@ -27,8 +33,11 @@ def yarn_frequencies(inv_freq: torch.Tensor, c: ModelConfig) -> torch.Tensor:
 
 
 def yarn_attention_factor(c: ModelConfig) -> float:
-    """What cos and sin are multiplied by (so each q.k logit by its square): the stated factor, else the paper's
-    0.1 ln(s) + 1 (1 for s <= 1)."""
+    """What cos and sin are multiplied by (so each q.k logit by its square), as HF infers its attention_factor:
+    the stated one; else, with both mscales set (DeepSeek), mscale(s, mscale) / mscale(s, mscale_all_dim);
+    else the paper's 0.1 ln(s) + 1 (1 for s <= 1)."""
     if c.rope_attention_factor:
         return c.rope_attention_factor
-    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
+    if c.rope_mscale and c.rope_mscale_all_dim:
+        return yarn_mscale(c.rope_factor, c.rope_mscale) / yarn_mscale(c.rope_factor, c.rope_mscale_all_dim)
+    return yarn_mscale(c.rope_factor)

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from syntorch.errors import UserError
 from syntorch.parallel import comm
-from syntorch.trace.attention import causal_pairs
+from syntorch.models.causal import causal_pairs
 
 
 def check_cp(cp: int, seq: int, tp: int = 1, sp: bool = False) -> None:

@@ -29,6 +29,8 @@ per token, for any family:
   output (2·d_ff, his 16 bytes), or for SwiGLU the fc1 output [gate; up] and fc2's input (3·d_ff: Megatron-
   Core's fused bias-SwiGLU keeps only its input and recomputes the rest; syntorch's eager model keeps the
   SiLU output too); K and V (2·kv_heads·d_head, a K/V head replicated when t exceeds them: GQA);
+- Multi-head Latent Attention (DeepSeek): Q and K of d_head, V and the output of v_head_dim per head; outside,
+  the latents (q_a's output and its norm's, kv_a's latent and rotary key, the latent's norm);
 - a mixture of experts (Mixtral): each token's k routed copies into and out of the experts (2·k·h, counted
   like the norms) and k experts' intermediates (k x the above with expert_d_ff), uniform load.
 Conventions, and why: flash attention, which the kernels run (and scaled_dot_product_attention, which
@@ -138,6 +140,11 @@ def token_activations(config: ModelConfig, plan) -> tuple[float, float]:
     else:
         inside += intermediates * config.d_ff
     kv = 2 * max(config.kv_heads, t) * config.d_head / t  # replicated K/V heads when t exceeds them
+    if config.mla:  # per head Q, K (d_head) and V, the output (v_head_dim); the latents, whole on every TP rank
+        qkv = config.n_head * (config.d_head + config.value_head_dim)
+        inside += qkv - 2 * config.n_head * config.d_head
+        outside += 2 * config.q_lora_rank + 2 * config.kv_lora_rank + config.rotary_dim
+        kv = qkv / t
     return outside / (t if plan.sp else 1) + inside / t, kv
 
 

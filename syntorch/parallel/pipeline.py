@@ -165,7 +165,7 @@ def build_stage_model(config: ModelConfig, stage: Stage, device="meta", dtype=to
     model = build_model(dataclasses.replace(config, n_layer=1), "meta", dtype)
     block = type(model.layers["0"])
     with on_meta():
-        model.layers = nn.ModuleDict({str(i): block(config) for i in stage.layers}).to(dtype)
+        model.layers = nn.ModuleDict({str(i): block(config, i) for i in stage.layers}).to(dtype)
     model.config = config
     return model
 

@@ -19,6 +19,13 @@ after it, none per expert, since every rank routes the same tokens and the weigh
 outputs is itself a partial sum. The router's gradients are then partial too; training sums them over TP
 (`partial_grads`). Expert parallelism, which splits the experts instead, is a plan of its own.
 
+Multi-head Latent Attention (DeepSeek) shards by heads as Megatron-Core's MLA does: the down-projections (q_a,
+kv_a) and the latent norms replicated, the up-projections (q_b, or q without q LoRA, and kv_b) column-parallel by
+heads, the output row-parallel; every rank caches the whole latent. The layer is one TP region like an MoE layer
+(f before, g after): the shared rotary key feeds every rank's heads, so its gradient, like the replicated
+down-projections', is partial per rank; `partial_grads` sums them (Megatron-Core instead puts f before each
+up-projection and reduces the rotary key's part on its own; the sums are the same).
+
 Sequence parallel (Korthikanti et al. 2022) keeps the residual stream and LayerNorms split along the sequence:
 each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) plus an all-gather (before a
 column-parallel layer). A forward whose length does not divide by the TP degree (a one-token decode step)
@@ -83,6 +90,8 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         raise UserError(f"--tp {tp} is larger than {c.name}'s {c.n_head} attention heads; "
                         f"use a --tp that divides {c.n_head}")
     ffn = {c.d_ff} if not c.n_experts else {c.expert_d_ff, c.expert_d_ff * c.n_shared_experts} - {0}
+    if c.n_experts and c.first_k_dense:  # DeepSeek's dense first layers
+        ffn.add(c.d_ff)
     for what, n in (("attention heads", c.n_head), *(("FFN size", d) for d in sorted(ffn))):
         if n % tp:
             fits = [d for d in range(1, c.n_head + 1) if all(x % d == 0 for x in (c.n_head, *ffn)) and _kv_fits(c, d)]
@@ -114,8 +123,11 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     """{module name: style} for this model: every module whose name ends with a plan key."""
     gated = {"fc1": "colwise_gated"} if model.config.gated_mlp else {}
-    moe = {"mlp": "moe_region"} if model.config.n_experts else {}  # every block's MLP is an MoE layer
-    rules = {**TP_PLAN, **gated, **moe, **(SP_PLAN if sequence_parallel else {})}
+    moe = {"mlp": "moe_region"} if model.config.n_experts else {}  # every block's MLP is an MoE layer (or a dense
+    # one as its own region: the same f and g)
+    mla = {"attn": "moe_region", "attn.q": "colwise", "attn.q_b": "colwise", "attn.kv_b": "colwise"} \
+        if model.config.mla else {}
+    rules = {**TP_PLAN, **gated, **moe, **mla, **(SP_PLAN if sequence_parallel else {})}
     plan = {}
     for name, _ in model.named_modules():
         for suffix, style in rules.items():
@@ -294,6 +306,8 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     check_tp(config, size)
     if sequence_parallel and config.n_experts:  # experts see tokens, not a sequence to split
         raise UserError(f"--sp is not supported for {config.name}'s mixture-of-experts layers; drop --sp")
+    if sequence_parallel and config.mla:
+        raise UserError(f"--sp is not supported for {config.name}'s latent attention (MLA); drop --sp")
     tp = TPGroup(group, rank, size, sequence_parallel)
     plan = TPPlan(size, rank, sequence_parallel, padded_vocab(config.vocab_size, size),
                   styles=plan_for(model, sequence_parallel))

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from syntorch.models.causal import causal_pairs
+
 SDPA = "aten.scaled_dot_product_attention"
 
 
@@ -59,21 +61,6 @@ class _FusedAttention(torch.autograd.Function):
         tracer.record_op(SDPA + "_backward", [grad, q, k, v], grads, executed(dense, ctx.kept, q, k),
                          duration_us=duration_us, dense_flops=dense)
         return None, None, None, *grads, None
-
-
-def causal_pairs(queries: int, keys: int, offset: int = 0, window: int = 0) -> int:
-    """(query, key) pairs a causal mask keeps, the diagonal included: query i, at slot offset + i, attends
-    keys j <= offset + i (only those with offset + i - j < window, given a sliding window). Plain integers: it
-    runs inside traced code, where tensor ops would be recorded."""
-    def seen(n: int) -> int:  # sum over x = 1..n of min(x, keys): keys up to slot x - 1
-        return n * (n + 1) // 2 if n <= keys else keys * (keys + 1) // 2 + (n - keys) * keys
-
-    def dropped(n: int) -> int:  # sum over x = 1..n of max(x - window, 0): keys the window left behind
-        m = max(n - window, 0) if window else 0
-        return m * (m + 1) // 2
-
-    end = offset + queries
-    return seen(end) - seen(offset) - (dropped(end) - dropped(offset))
 
 
 def attended_pairs(queries: int, keys: int, is_causal: bool, mask) -> int:

@@ -30,7 +30,8 @@ def trace_run(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_siz
     layers = getattr(model, "layers", None)
     symbolic = next(model.parameters()).is_meta
     if replicate is None:  # real MoE layers route tokens each their own way: expert shapes differ between layers
-        replicate = layers is not None and len(layers) > 1 and (symbolic or not model.config.n_experts)
+        replicate = (layers is not None and len(layers) > 1 and (symbolic or not model.config.n_experts)
+                     and model.config.uniform_layers)  # a copy of layer 0 would stand for unlike layers
     traced = first_layer_only(model) if replicate and symbolic else model
     with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None,
                 first_layer_only=replicate and not symbolic) as tracer:
