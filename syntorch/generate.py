@@ -19,6 +19,9 @@ from syntorch.models.mla import MLA
 log = logging.getLogger(__name__)
 
 
+MIN_TEMPERATURE = 1e-30
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen. temperature 0 or top_k 1 is greedy (argmax); top_k 0 and top_p 1 are off."""
@@ -37,7 +40,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below 1e-30, float32 logits / T overflow to infinity: such a temperature samples as its limit, greedy
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass
@@ -159,15 +163,21 @@ def choose_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
     (HuggingFace's order)."""
     if sampling.greedy:
         return logits.argmax(-1)
-    scaled = logits / sampling.temperature
-    if logits.device.type != "meta" and not torch.isfinite(scaled).all():
-        return logits.argmax(-1)  # a temperature so small that logits / T overflow: its limit, greedy
-    logits = scaled
+    logits = logits / sampling.temperature
     if sampling.top_k:
         logits = top_k_filter(logits, sampling.top_k)
     if sampling.top_p < 1:
         logits = top_p_filter(logits, sampling.top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    try:
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    except RuntimeError as e:  # checked by torch as it samples: no op of ours in the trace
+        if "probability tensor contains" in str(e):
+            raise NonFiniteLogits from None
+        raise
+
+
+class NonFiniteLogits(Exception):
+    """The model's logits hold NaN or infinity: nothing can be sampled from them."""
 
 
 def _no_scope(_phase: str):
@@ -296,10 +306,11 @@ def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[li
         generator.manual_seed(sampling.seed)
 
     def select(logits):
-        if logits.device.type != "meta" and not torch.isfinite(logits).all():
+        try:
+            return (choose_tokens(logits, sampling, generator),)
+        except NonFiniteLogits:
             raise UserError(f"the logits of generated token {len(new) + 1} are not finite (NaN or infinity): "
-                            "check the checkpoint's weights, or run in a wider --dtype")
-        return (choose_tokens(logits, sampling, generator),)
+                            "check the checkpoint's weights, or run in a wider --dtype") from None
 
     B, T = prompt.shape
     placeholder = torch.zeros(B, dtype=torch.long)  # meta's tokens

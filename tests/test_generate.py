@@ -268,3 +268,22 @@ def test_generate_leaves_the_callers_weights_alone():
         assert (p.data_ptr(), p.stride()) == (ptr, stride), name
         torch.testing.assert_close(p.detach(), value, rtol=0, atol=0)
     assert model.lm_head.weight is model.tok_emb.weight
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_stop_sampling_naming_the_step(value):
+    model = build_model(tiny_config("gpt2"))
+    calls = []
+
+    def spoil_second_step(_module, _args, out):
+        calls.append(1)
+        return out * value if len(calls) == 2 else out
+    model.lm_head.register_forward_hook(spoil_second_step)
+    with pytest.raises(UserError, match="the logits of generated token 2 are not finite"):
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 4, Sampling(temperature=0.7, seed=0))
+
+
+def test_a_temperature_below_float32s_reach_samples_greedily():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    tiny = Sampling(temperature=1e-300, seed=0)
+    assert tiny.greedy and choose_tokens(logits, tiny, torch.Generator()).tolist() == [1]
