@@ -31,7 +31,7 @@ def test_stages_send_one_tp_part_and_the_receiver_all_gathers_it(virtual):
     whole = dataclasses.replace(scattered, scatter_gather=False)
     stream = PLAN.micro_batch_size * PLAN.seq * CONFIG.d_model * 4  # [B, T, d] fp32
     for stage in range(PLAN.pp):
-        tp_group = PLAN.mesh.group_ranks("tp", PLAN.mesh.representative(stage))
+        tp_group = PLAN.mesh.group(PLAN.mesh.representative(stage), "tp")
         (p2p, gathers), (p2p_whole, gathers_whole) = (
             pipeline_comm(trace_stage(CONFIG, plan, stage, torch.float32), tp_group) for plan in (scattered, whole))
         assert [b for _, b, _ in p2p_whole] == [stream] * len(p2p_whole)
@@ -116,7 +116,7 @@ def test_real_tp2_pp2_steps_equal_one_process(tmp_path):
         for rank, r in enumerate(ranks):
             assert r[i]["grad_err"] < 1e-5, f"{plan} rank {rank}: {r[i]}"
             # the real run's collectives are the symbolic trace's (scattered sends and their all-gathers)
-            symbolic = trace_stage(CONFIG, plan, PLAN.mesh.coords(rank)[1], torch.float32, rank=rank)
+            symbolic = trace_stage(CONFIG, plan, PLAN.mesh.coordinate(rank).pp, torch.float32, rank=rank)
             assert r[i]["collectives"] == [[d["collective"], d["group"], d["bytes"], d["phase"]]
                                            for _, d in symbolic.collectives()]
 
