@@ -34,6 +34,9 @@ class HardwareConfig:
     collective_latency_us: float  # fixed cost of one NCCL collective (launch and synchronisation), beside its steps
     # fraction of peak the flash-attention kernel reaches (FLOPs as counted); None: gemm_efficiency
     attention_efficiency: float | None = None
+    # fixed cost of one NCCL send/recv beside its link step: NCCL src/graph/tuning.cc baseLat[Ring][Simple],
+    # 8.4 us, the protocol of pipeline-sized messages (not fitted)
+    p2p_latency_us: float = 8.4
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s for a dtype name ("bfloat16" or "torch.bfloat16"); unknown dtypes use float32's peak."""

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from syntorch.hardware import PRESETS
-from syntorch.trace.nccl import P2P_BASE_US, collective_us
+from syntorch.trace.nccl import collective_us
 
 H100, A100 = PRESETS["h100-sxm"], PRESETS["a100-80gb"]
 NO_LATENCY = dict(collective_latency_us=0.0, intra_node_latency_us=0.0, inter_node_latency_us=0.0)
@@ -95,8 +95,8 @@ def test_all_to_all_across_nodes_is_bounded_by_each_ranks_own_nic():
 def test_p2p_has_its_own_latency_and_is_cheaper_than_an_all_reduce_call():
     small, mb = 1024, 10**6
     assert collective_us("send", mb, [0, 1], H100) == pytest.approx(
-        P2P_BASE_US + H100.intra_node_latency_us + nvlink(H100, mb, 1))
+        H100.p2p_latency_us + H100.intra_node_latency_us + nvlink(H100, mb, 1))
     assert collective_us("recv", mb, [0, 8], H100) == pytest.approx(
-        P2P_BASE_US + H100.inter_node_latency_us + nic(H100, mb, 1))
+        H100.p2p_latency_us + H100.inter_node_latency_us + nic(H100, mb, 1))
     for peers in ([0, 1], [0, 8]):
         assert collective_us("send", small, peers, H100) < collective_us("all_reduce", small, peers, H100) / 3

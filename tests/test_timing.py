@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 H100 = load_hw_config("h100-sxm")
 # links that take no time: a pipeline of compute only
 NO_COMM = dataclasses.replace(H100, intra_node_bw_gb_s=1e12, inter_node_bw_gb_s=1e12, intra_node_latency_us=0.0,
-                              inter_node_latency_us=0.0, collective_latency_us=0.0)
+                              inter_node_latency_us=0.0, collective_latency_us=0.0, p2p_latency_us=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ An all-reduce across nodes takes NCCL's double binary tree instead when its late
 An all-to-all is point-to-point: each rank's share for its node's peers goes over NVLink and the rest,
 (n - local)/n of B, over its own NIC, at the same time; it cannot aggregate the node's NICs (S. Jeaugey,
 NVIDIA/nccl-tests#267: "the performance you should see is the performance of a single NIC").
-Send / recv: NCCL's base latency for its Simple protocol, P2P_BASE_US, plus one step of the link (NVLink,
+Send / recv: NCCL's base latency for its Simple protocol (hw.p2p_latency_us), plus one step of the link (NVLink,
 or the network between nodes), plus B at that link's bus bandwidth; not the fitted collective_latency_us,
 which is an all-reduce call's fixed cost.
 """
@@ -36,9 +36,6 @@ from collections import Counter
 
 from syntorch.hardware import HardwareConfig
 
-# NCCL src/graph/tuning.cc baseLat[Ring][Simple]: 8.4 us, the protocol of pipeline-sized messages (NCCL sends
-# messages under NCCL_P2P_LL_THRESHOLD, 16 KiB, with LL and larger ones with Simple)
-P2P_BASE_US = 8.4
 # collective -> (ring passes: passes * (n - 1) steps, fraction of B each rank moves) for n ranks
 RING = {
     "all_reduce": (2, lambda n: 2 * (n - 1) / n),
@@ -62,7 +59,7 @@ def collective_us(collective: str, nbytes: int, ranks: list[int], hw: HardwareCo
     nic = hw.inter_node_bw_gb_s * 1e3 * hw.inter_node_bus_efficiency
     if collective in ("send", "recv"):
         step, bandwidth = (hw.intra_node_latency_us, nvlink) if nodes == 1 else (hw.inter_node_latency_us, nic)
-        return P2P_BASE_US + step + nbytes / bandwidth
+        return hw.p2p_latency_us + step + nbytes / bandwidth
     passes, fraction = RING[collective]
     steps = passes * ((n - nodes) * hw.intra_node_latency_us + (nodes - 1) * hw.inter_node_latency_us)
     if nodes == 1:
