@@ -43,8 +43,9 @@ def test_ctrl_deps_chain_each_group_and_each_peer_apart(traces):
                 chains[channel(node)].append(node)
             else:
                 assert not node.ctrl_deps
-        # TP, DP (ZeRO-1's reduce-scatter and all-gather), the tied embedding, and the pipeline peer
-        assert len([c for c in chains if c[0] == "group"]) == 3 and len([c for c in chains if c[0] == "p2p"]) == 1
+        # TP, DP (ZeRO-1's reduce-scatter and all-gather), the tied embedding, the gradient norm's (the world,
+        # under ZeRO), and the pipeline peer
+        assert len([c for c in chains if c[0] == "group"]) == 4 and len([c for c in chains if c[0] == "p2p"]) == 1
         for chain in chains.values():
             # within a channel the traced order is kept: each node waits for the one before it
             assert [list(n.ctrl_deps) for n in chain] == [[]] + [[n.id] for n in chain[:-1]]
