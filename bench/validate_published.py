@@ -16,8 +16,8 @@ batched GEMMs, not a flash kernel.
    virtual stages = layers / (PP x that)) from the paper's own run script, Megatron-LM
    examples/sc21/run_table_1.sh. TFLOP/s per GPU is the paper's Eq. 3, F = 96 B s l h^2 (1 + s/6h + V/16lh)
    per iteration (it counts the recomputed forward: hardware-FLOPs-like), over the predicted step and GPUs.
-   Not modelled: rows 1-4 used torch DDP, which overlaps the gradient all-reduce with backward (syntorch
-   always overlaps it with the last backward), rows 5-10 Megatron's local DDP, which does not overlap it.
+   Rows 1-4 used torch DDP, which overlaps the gradient all-reduce with backward; rows 5-10 Megatron's local
+   DDP, which all-reduces after backward (--overlap_grad_reduce false): the software of each run, not a fit.
 2. Korthikanti et al. 2022 (MLSys'23, "Reducing Activation Recomputation in Large Transformer Models"),
    Table 5: whole-iteration seconds of 22B, 175B, 530B and 1T with full recomputation (no SP) and with
    selective recomputation + sequence parallelism. Layouts from its Table 3 (TP 8; PP 1/8/35/64; global batch
@@ -58,6 +58,7 @@ class Row:
     published: float  # TFLOP/s per GPU (Narayanan) or seconds per iteration (Korthikanti)
     recompute: str = "full"
     sp: bool = False
+    overlap: bool = True  # the gradient all-reduce overlaps backward (torch DDP) or follows it (Megatron's local DDP)
 
     @property
     def config(self) -> ModelConfig:
@@ -69,7 +70,7 @@ class Row:
         dp = self.gpus // (self.tp * self.pp)
         return TrainPlan(dp=dp, tp=self.tp, pp=self.pp, sp=self.sp, recompute=self.recompute, seq=SEQ,
                          micro_batch_size=self.micro_batch, microbatches=self.batch // (dp * self.micro_batch),
-                         virtual_stages=self.virtual)
+                         virtual_stages=self.virtual, overlap_grad_reduce=self.overlap)
 
     def params(self) -> float:
         """Narayanan et al. Eq. 2: P = 12 l h^2 (1 + 13/12h + (V + s)/12lh)."""
@@ -88,12 +89,12 @@ NARAYANAN = [
     Row("3.6B 64 GPUs t2 p1", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
     Row("7.5B 128 GPUs t4 p1", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142),
     Row("18.4B 256 GPUs t8 p1", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
-    Row("39.1B 512 GPUs t8 p2", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138),
-    Row("76.1B 1024 GPUs t8 p4 v3", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
-    Row("145.6B 1536 GPUs t8 p8 v2", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
-    Row("310.1B 1920 GPUs t8 p16 v2", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
-    Row("529.6B 2520 GPUs t8 p35 v3", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
-    Row("1008.0B 3072 GPUs t8 p64", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
+    Row("39.1B 512 GPUs t8 p2", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138, overlap=False),
+    Row("76.1B 1024 GPUs t8 p4 v3", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140, overlap=False),
+    Row("145.6B 1536 GPUs t8 p8 v2", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148, overlap=False),
+    Row("310.1B 1920 GPUs t8 p16 v2", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155, overlap=False),
+    Row("529.6B 2520 GPUs t8 p35 v3", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163, overlap=False),
+    Row("1008.0B 3072 GPUs t8 p64", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, overlap=False),
 ]
 
 
