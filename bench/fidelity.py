@@ -275,6 +275,8 @@ def report(title: str, rows, out: Path, filename: str, unit: str = "ms") -> None
 
 
 def plot(title: str, rows, path: Path, unit: str) -> None:
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -291,9 +293,10 @@ def plot(title: str, rows, path: Path, unit: str) -> None:
     for f, style in ((1.12, "r--"), (1 / 1.12, "r--")):
         ax.plot([low, high], [low * f, high * f], style, lw=0.6)
     ax.plot([], [], "r--", lw=0.6, label="±12%")
-    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel=f"published ({unit})",
+    scale = "log" if high / low > 10 else "linear"  # a narrow range reads better on plain axes
+    ax.set(xscale=scale, yscale=scale, xlim=(low, high), ylim=(low, high), xlabel=f"published ({unit})",
            ylabel=f"predicted ({unit})")
-    ax.set_title(f"{title}\nMAPE {mape(rows):.1f}%", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)) + f"\nMAPE {mape(rows):.1f}%", fontsize=9)
     ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
