@@ -1,0 +1,170 @@
+"""`syntorch train` on the parallel plans (parallel/plans.py): the mesh from the options, this rank's run,
+its micro-batches of SQuAD batches, the step and evaluation losses over the mesh, and checkpoints.
+
+One rank of a DP replica takes the replica's batch (every TP/PP/CP rank of it reads the same rows); a batch of
+--batch-size rows is cut into --microbatches micro-batches, and --gradient-accumulation-steps batches make one
+optimizer step. Sequences have a fixed length (the pipeline's messages and CP's chunks need one): GPT-2 reads
+--max-seq-length tokens and predicts the next --max-seq-length (items are cut and padded to one more token),
+BERT reads and predicts --max-seq-length positions."""
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from syntorch.errors import UserError
+from syntorch.train import data as D
+
+
+def plan_of(opts, world: int, seq: int):
+    """The TrainPlan of the options on `world` ranks for `seq`-token sequences: dp is what the mesh leaves."""
+    from syntorch.parallel.plans import TrainPlan
+
+    model_parallel = opts.tp * opts.pp * opts.cp
+    if world % model_parallel:
+        raise UserError(f"tp({opts.tp}) * pp({opts.pp}) * cp({opts.cp}) = {model_parallel} does not divide the "
+                        f"{world} ranks (--nproc, or torchrun's); the plan's mesh is dp * tp * pp * cp ranks")
+    if opts.batch_size % opts.microbatches:
+        raise UserError(f"--microbatches {opts.microbatches} must divide --batch-size {opts.batch_size}")
+    return TrainPlan(dp=world // model_parallel, tp=opts.tp, pp=opts.pp, cp=opts.cp, ep=opts.ep, sp=opts.sp,
+                     zero=3 if opts.fsdp else opts.zero, bucket_mb=opts.bucket_cap_mb, schedule=opts.pp_schedule,
+                     microbatches=opts.microbatches * opts.gradient_accumulation_steps,
+                     micro_batch_size=opts.batch_size // opts.microbatches, seq=seq, lr=opts.learning_rate,
+                     recompute=opts.recompute, virtual_stages=opts.virtual_stages, clip_grad=opts.max_grad_norm)
+
+
+def assemble(opts, plan, config, model, device):
+    """This rank's StageRun of the whole `model` (loaded on `device`) and its mesh groups."""
+    from syntorch.config import torch_dtype
+    from syntorch.parallel.mesh import MeshGroups, init_groups
+    from syntorch.parallel.plans import apply_plans
+
+    groups = init_groups(plan.mesh, config.tied_head) if dist.is_initialized() else MeshGroups(plan.mesh, 0)
+    dtype = torch_dtype(opts.dtype)
+    run = apply_plans(config, plan, groups, device, dtype, model.to(dtype))
+    for group in run.optimizer.param_groups:  # flat ZeRO/FSDP shards cannot tell biases from matrices
+        group["weight_decay"] = opts.weight_decay
+    return run
+
+
+def fixed(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """[B, T] cut or padded with `value` to [B, width]."""
+    return torch.nn.functional.pad(t[:, :width], (0, max(0, width - t.shape[1])), value=value)
+
+
+def micro_batches(batches: list, plan, family: str, device) -> list:
+    """train_step's micro-batches of loader batches: (tokens, targets[, the model's other inputs])."""
+    out, size, seq = [], plan.micro_batch_size, plan.seq
+    for batch in batches:
+        b = batch.to(device)
+        for i in range(0, b.tokens.shape[0], size):
+            rows = slice(i, i + size)
+            if family == "gpt2":  # the seed's loss: logits[:, :-1] against labels[:, 1:]
+                out.append((fixed(b.tokens[rows], seq + 1, 0)[:, :-1], fixed(b.labels[rows], seq + 1, D.IGNORE)[:, 1:]))
+            else:
+                out.append((fixed(b.tokens[rows], seq, 0), fixed(b.labels[rows], seq, D.IGNORE),
+                            {"token_type_ids": fixed(b.token_types[rows], seq, 0),
+                             "attention_mask": fixed(b.attention_mask[rows], seq, 0)}))
+    return out
+
+
+def mesh_mean(run, losses: list, device) -> list[float]:
+    """The global means of per-step losses: each is held by the last stage's ranks of every DP x CP replica
+    (every TP rank of it has the whole value: the first gives it)."""
+    held = run.stage.last and run.groups.tp_rank == 0
+    values = torch.tensor([float(v) if held else 0.0 for v in losses], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    return (values / run.plan.grad_ranks).tolist()
+
+
+class PlanSteps:
+    """The Trainer's steps on the plans: one optimizer step, an evaluation, a checkpoint."""
+
+    def __init__(self, opts, run, device):
+        self.opts, self.run, self.device = opts, run, device
+
+    def step(self, batches: list):
+        from syntorch.parallel.plans import train_step
+
+        loss = train_step(self.run, micro_batches(batches, self.run.plan, self.opts.family, self.device))
+        return loss.detach() if loss is not None else 0.0
+
+    def evaluate(self, loader) -> float | None:
+        """Mean loss over every replica's held-out batches (None without any)."""
+        from syntorch.parallel.plans import eval_step
+
+        self.run.model.eval()
+        losses = [eval_step(self.run, micro_batches([b], self.run.plan, self.opts.family, self.device)) or 0.0
+                  for b in loader]
+        self.run.model.train()
+        return sum(mesh_mean(self.run, losses, self.device)) / len(losses) if losses else None
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank holds the whole model (pure DP or ZeRO), so rank 0 saves one HuggingFace folder."""
+        return self.run.plan.tp == self.run.plan.pp == 1
+
+    def save(self, folder: Path, tokenizer, rank: int) -> None:
+        """One HuggingFace folder from rank 0 when it holds the whole model; else the model-parallel ranks of
+        the first replica write their parts as `syntorch shard` does (one safetensors file per rank)."""
+        from syntorch.checkpoints import save_checkpoint
+
+        full = getattr(self.run.grad_sync, "full_parameters", None)
+        if full is not None:  # FSDP: every rank takes part in the all-gather
+            full()
+        if self.whole:
+            if rank == 0:
+                save_checkpoint(self.run.model, folder, tokenizer, "--save-dir")
+            return
+        with shared_folder(folder, True, "--save-dir", rank) as tmp:
+            self._write_shard(tmp, rank)
+
+    def _write_shard(self, tmp: Path, rank: int) -> None:
+        from safetensors.torch import save_file
+
+        from syntorch.checkpoints import SHARD_INDEX, ShardIndex
+        from syntorch.parallel.mesh import Mesh
+        from syntorch.shard import rank_file_name, unique_state
+
+        plan, groups, stage = self.run.plan, self.run.groups, self.run.stage
+        coordinate = plan.mesh.coordinate(rank)
+        parts = [None] * (plan.tp * plan.pp)
+        if coordinate.dp == coordinate.cp == 0:
+            index = Mesh(pp=plan.pp, tp=plan.tp).rank_of(pp=stage.index, tp=groups.tp_rank)
+            state = {n: t.detach().contiguous().cpu() for n, t in unique_state(self.run.model).items()}
+            save_file(state, str(tmp / rank_file_name(index)), metadata={"format": "pt"})
+            parts[index] = (sorted(state), [min(stage.layers), max(stage.layers) + 1])
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, parts)
+            parts = [next(p[i] for p in everyone if p[i] is not None) for i in range(len(parts))]
+        if rank == 0:
+            index = ShardIndex(self.run.model.config, plan.tp, plan.pp, {r: rank_file_name(r) for r in range(len(parts))},
+                               {r: p[0] for r, p in enumerate(parts)}, {r: p[1] for r, p in enumerate(parts)})
+            (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def shared_folder(folder, force: bool, flag: str, rank: int):
+    """A temporary folder for all ranks that replaces `folder` whole once every rank wrote its files: rank 0
+    owns it (syntorch.outdir's policy) and tells the others where it is."""
+    from syntorch.outdir import atomic_output_dir
+
+    owner = atomic_output_dir(folder, force, flag) if rank == 0 else contextlib.nullcontext()
+    with owner as tmp:
+        where = [str(tmp)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(where, src=0)
+        yield Path(where[0])
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def world_size(nproc: int | None) -> int:
+    """The ranks the run will have: torchrun's, or --nproc."""
+    from syntorch.parallel.launch import under_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
