@@ -89,8 +89,10 @@ class PlanSteps:
     def step(self, batches: list):
         from syntorch.parallel.plans import train_step
 
-        # train_step accumulates into .grad (one step is what it models): the last step's gradients go first
+        # train_step accumulates into .grad (one step is what it models): the last step's gradients go first,
+        # the model's and those of what the optimizer updates (ZeRO/FSDP shards, FP32 masters)
         self.run.model.zero_grad(set_to_none=True)
+        self.run.optimizer.zero_grad(set_to_none=True)
         loss = train_step(self.run, micro_batches(batches, self.run.plan, self.opts.family, self.device))
         return loss.detach() if loss is not None else 0.0
 
