@@ -6,9 +6,12 @@ CP chunk and replica averages as many tokens: the mean of their means is the one
 import json
 
 import pytest
+import torch
 
-from syntorch.checkpoints import read_shard_index
+from conftest import tiny_config
+from syntorch.checkpoints import load_checkpoint, read_shard_index
 from syntorch.cli import main
+from syntorch.config import save_model_config
 from train_data import make_model, make_squad, make_tokenizer
 
 STEPS = 3
@@ -21,11 +24,13 @@ def workspace(tmp_path_factory):
             "gpt2": make_model(root / "gpt2", "gpt2"), "bert": make_model(root / "bert", "bert-base-uncased")}
 
 
-def losses(ws, name, *plan, family="gpt2", global_batch=4):
-    """The logged loss of each step of a run of `plan` whose replicas together take `global_batch` rows."""
+def losses(ws, name, *plan, family="gpt2", global_batch=4, model=None):
+    """The logged loss of each step of a run of `plan` whose replicas together take `global_batch` rows.
+    `model`: the --model-name and --model_config options (default: the family's tiny checkpoint)."""
     save = ws["root"] / name
     replicas = plan_replicas(plan)
-    code = main(["train", family, "--data", str(ws["data"]), "--model-name", str(ws[family]), "--tokenizer",
+    model = model or ["--model-name", str(ws[family])]
+    code = main(["train", family, "--data", str(ws["data"]), *model, "--tokenizer",
                  str(ws["tokenizer"]), "--device", "cpu", "--max-seq-length", "24", "--save-dir", str(save),
                  "--max-steps", str(STEPS), "--num-epochs", "1", "--logging-steps", "1", "--learning-rate", "1e-2",
                  "--eval-fraction", "0", "--batch-size", str(global_batch // replicas), *plan])
@@ -75,6 +80,21 @@ def test_bert_tp_pp_losses_equal_one_process_on_the_same_micro_batches(workspace
     got = losses(workspace, "bert_tp_pp", "--nproc", "4", "--tp", "2", "--pp", "2", "--microbatches", "2",
                  family="bert")
     assert got == pytest.approx(one, abs=1e-4), (got, one)
+
+
+def test_mixtral_expert_parallel_equals_one_process_and_saves_every_expert(workspace):
+    # full rotary (HuggingFace's Mixtral has no partial rotary), 4 experts: 2 per EP rank
+    config = workspace["root"] / "mixtral.json"
+    save_model_config(tiny_config("mixtral-8x7b", n_kv_head=2, n_experts=4, rotary_dim=0), config)
+    model = ["--model-name", "mixtral-8x7b", "--model_config", str(config)]
+    one = losses(workspace, "mixtral_one", model=model)
+    got = losses(workspace, "mixtral_ep", "--nproc", "2", "--ep", "2", model=model)
+    assert got == pytest.approx(one, abs=1e-4), (got, one)
+    # rank 0 gathered the other EP rank's experts: the saved model is the one process's
+    theirs = load_checkpoint(workspace["root"] / "mixtral_one" / "last_model")[1].state_dict()
+    ours = load_checkpoint(workspace["root"] / "mixtral_ep" / "last_model")[1].state_dict()
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
 
 
 def test_a_mesh_that_does_not_fill_the_ranks_is_one_line(workspace, capsys):

@@ -120,11 +120,32 @@ class PlanSteps:
         if full is not None:  # FSDP: every rank takes part in the all-gather
             full()
         if self.whole:
+            model = self._with_every_expert() if self.run.plan.ep > 1 else self.run.model
             if rank == 0:
-                save_checkpoint(self.run.model, folder, tokenizer, "--save-dir")
+                save_checkpoint(model, folder, tokenizer, "--save-dir")
             return
         with shared_folder(folder, True, "--save-dir", rank) as tmp:
             self._write_shard(tmp, rank)
+
+    def _with_every_expert(self):
+        """EP: the whole model on rank 0 (None elsewhere), each EP rank's experts under their global index."""
+        from syntorch.models import build_model
+        from syntorch.parallel.expert import ExpertParallelMoE, is_expert_param
+
+        model = self.run.model
+        mine = {f"{name}.experts.{moe.first_expert + i}.{key}": t.detach().cpu()
+                for name, moe in model.named_modules() if isinstance(moe, ExpertParallelMoE)
+                for i, expert in enumerate(moe.experts) for key, t in expert.state_dict().items()}
+        everyone = [None] * self.run.plan.ep
+        dist.all_gather_object(everyone, mine, group=self.run.groups.ep)
+        if dist.get_rank() != 0:
+            return None
+        state = {k: t for k, t in model.state_dict().items() if not is_expert_param(k)}
+        for part in everyone:
+            state.update(part)
+        whole = build_model(model.config, "cpu")
+        whole.load_state_dict(state)
+        return whole
 
     def _write_shard(self, tmp: Path, rank: int) -> None:
         from safetensors.torch import save_file
