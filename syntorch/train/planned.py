@@ -3,9 +3,9 @@ its micro-batches of SQuAD batches, the step and evaluation losses over the mesh
 
 One rank of a DP replica takes the replica's batch (every TP/PP/CP rank of it reads the same rows); a batch of
 --batch-size rows is cut into --microbatches micro-batches, and --gradient-accumulation-steps batches make one
-optimizer step. Sequences have a fixed length (the pipeline's messages and CP's chunks need one): GPT-2 reads
---max-seq-length tokens and predicts the next --max-seq-length (items are cut and padded to one more token),
-BERT reads and predicts --max-seq-length positions."""
+optimizer step. With PP, CP or SP sequences have a fixed length (the pipeline's messages and the splits need
+one): GPT-2 reads --max-seq-length tokens and predicts the next --max-seq-length (items are cut and padded to
+one more token), BERT reads and predicts --max-seq-length positions; other plans pad to the batch's longest."""
 import contextlib
 import json
 import os
@@ -56,9 +56,11 @@ def fixed(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
 
 def micro_batches(batches: list, plan, family: str, device) -> list:
     """train_step's micro-batches of loader batches: (tokens, targets[, the model's other inputs])."""
-    out, size, seq = [], plan.micro_batch_size, plan.seq
+    out, size = [], plan.micro_batch_size
     for batch in batches:
         b = batch.to(device)
+        # the pipeline's messages and CP's and SP's splits need the plan's length; else the batch's longest will do
+        seq = plan.seq if plan.pp > 1 or plan.cp > 1 or plan.sp else b.tokens.shape[1] - (family == "gpt2")
         for i in range(0, b.tokens.shape[0], size):
             rows = slice(i, i + size)
             if family == "gpt2":  # the seed's loss: logits[:, :-1] against labels[:, 1:]
@@ -93,7 +95,9 @@ class PlanSteps:
         # the model's and those of what the optimizer updates (ZeRO/FSDP shards, FP32 masters)
         self.run.model.zero_grad(set_to_none=True)
         self.run.optimizer.zero_grad(set_to_none=True)
-        loss = train_step(self.run, micro_batches(batches, self.run.plan, self.opts.family, self.device))
+        # the step's phases as the symbolic trace names them (Tracer.phase), as ranges in a profiler capture
+        loss = train_step(self.run, micro_batches(batches, self.run.plan, self.opts.family, self.device),
+                          torch.profiler.record_function)
         return loss.detach() if loss is not None else 0.0
 
     def evaluate(self, loader) -> float | None:
