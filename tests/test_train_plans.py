@@ -6,7 +6,6 @@ CP chunk and replica averages as many tokens: the mean of their means is the one
 import json
 
 import pytest
-import torch
 
 from conftest import tiny_config
 from syntorch.checkpoints import load_checkpoint, read_shard_index
@@ -25,7 +24,8 @@ def workspace(tmp_path_factory):
 
 
 def losses(ws, name, *plan, family="gpt2", global_batch=4, model=None):
-    """The logged loss of each step of a run of `plan` whose replicas together take `global_batch` rows.
+    """The logged loss of each step of a run of `plan` whose replicas together take `global_batch` rows, and
+    the held-out loss at the end (a fifth of the items, evaluated through the plan's stages).
     `model`: the --model-name and --model_config options (default: the family's tiny checkpoint)."""
     save = ws["root"] / name
     replicas = plan_replicas(plan)
@@ -33,9 +33,10 @@ def losses(ws, name, *plan, family="gpt2", global_batch=4, model=None):
     code = main(["train", family, "--data", str(ws["data"]), *model, "--tokenizer",
                  str(ws["tokenizer"]), "--device", "cpu", "--max-seq-length", "24", "--save-dir", str(save),
                  "--max-steps", str(STEPS), "--num-epochs", "1", "--logging-steps", "1", "--learning-rate", "1e-2",
-                 "--eval-fraction", "0", "--batch-size", str(global_batch // replicas), *plan])
+                 "--eval-fraction", "0.2", "--batch-size", str(global_batch // replicas), *plan])
     assert code == 0
-    return [h["loss"] for h in json.loads((save / "train_log.json").read_text()) if "loss" in h]
+    log = json.loads((save / "train_log.json").read_text())
+    return [h["loss"] for h in log if "loss" in h] + [log[-1]["eval_loss"]]
 
 
 def plan_replicas(plan) -> int:
@@ -58,9 +59,9 @@ def one_process(workspace):
 ], ids=["tp2-pp2", "zero1", "fsdp", "cp2"])
 def test_plan_losses_equal_one_process(workspace, one_process, plan):
     got = losses(workspace, "run_" + "_".join(plan).replace("-", ""), *plan)
-    assert len(got) == len(one_process) == STEPS
+    assert len(got) == len(one_process) == STEPS + 1
     assert got == pytest.approx(one_process, abs=1e-4), (got, one_process)
-    assert one_process[-1] < one_process[0]  # the steps update the model: later losses test the updates
+    assert one_process[STEPS - 1] < one_process[0]  # the steps update the model: later losses test the updates
 
 
 def test_tp_pp_checkpoint_is_a_shard_folder(workspace):

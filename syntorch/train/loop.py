@@ -31,7 +31,7 @@ class TrainOptions:
     tokenizer: str | None = None
     model_config: str | None = None
     device: str = "cpu"
-    batch_size: int = 4  # per rank
+    batch_size: int = 4  # per DP replica (its TP/PP/CP ranks read the same rows) and accumulation step
     learning_rate: float = 5e-5
     num_epochs: int = 3
     max_seq_length: int | None = None  # None: min(512, the model's positions)

@@ -105,9 +105,10 @@ class PlanSteps:
         from syntorch.parallel.plans import eval_step
 
         self.run.model.eval()
-        losses = [eval_step(self.run, micro_batches([b], self.run.plan, self.opts.family, self.device)) or 0.0
+        losses = [eval_step(self.run, micro_batches([b], self.run.plan, self.opts.family, self.device))
                   for b in loader]
         self.run.model.train()
+        losses = [0.0 if loss is None else loss for loss in losses]  # None off the last stage
         return sum(mesh_mean(self.run, losses, self.device)) / len(losses) if losses else None
 
     @property
