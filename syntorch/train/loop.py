@@ -110,7 +110,8 @@ def build_datasets(opts: TrainOptions, config, tokenizer, replica: int):
         # one token more than the model reads: its last position's target (planned.py)
         items, collate = D.encode_causal(pairs, tokenizer, length + 1, ids["eos"]), D.CausalCollate(ids["pad"])
     else:
-        items, collate = D.encode_masked(pairs, tokenizer, length, ids), D.MaskedCollate(ids, len(tokenizer), opts.seed + replica)
+        items = D.encode_masked(pairs, tokenizer, length, ids)
+        collate = D.MaskedCollate(ids, len(tokenizer), opts.seed + replica)
     n_eval = int(len(items) * opts.eval_fraction) if len(items) > 1 else 0
     return items[:len(items) - n_eval], items[len(items) - n_eval:], collate
 
@@ -148,7 +149,8 @@ class Trainer:
         # every rank of a DP replica reads the replica's rows; the BERT masks are the replica's too
         replica, replicas = run.plan.mesh.coordinate(rank).dp, run.plan.dp
         train_items, eval_items, collate = build_datasets(opts, run.model.config, tokenizer, replica)
-        self.sampler = DistributedSampler(train_items, num_replicas=replicas, rank=replica, shuffle=True, seed=opts.seed)
+        self.sampler = DistributedSampler(train_items, num_replicas=replicas, rank=replica, shuffle=True,
+                                          seed=opts.seed)
         # whole batches only: the plan's micro-batches have one size
         self.loader = DataLoader(train_items, batch_size=opts.batch_size, sampler=self.sampler, collate_fn=collate,
                                  drop_last=True)
@@ -166,7 +168,8 @@ class Trainer:
         total = min(total, opts.max_steps) if opts.max_steps else total
         if total < 1:
             raise UserError(f"{n_items} training sequences make no optimizer step with batch size {opts.batch_size} x "
-                            f"{self.world} ranks x {opts.gradient_accumulation_steps} accumulation steps; give more data")
+                            f"{self.steps.run.plan.dp} replicas x {opts.gradient_accumulation_steps} accumulation "
+                            "steps; give more data")
         if opts.tracing and total < opts.schedule.steps:
             raise UserError(f"--enable-tracing needs {opts.schedule.steps} optimizer steps (wait + warmup + active) "
                             f"but this run has {total}; give more data or epochs, or fewer trace steps")

@@ -25,7 +25,8 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--max-seq-length", type=int, at_least=1, help="default: min(512, the model's positions)")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1, at_least=1)
     p.add_argument("--warmup-steps", type=int, default=0, at_least=0)
-    p.add_argument("--weight-decay", type=float, default=0.0, at_least=0)
+    p.add_argument("--weight-decay", type=float, default=0.0, at_least=0,
+                   help="AdamW decay of every parameter (ZeRO/FSDP shards are flat: biases decay too)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, at_least=0, help="0 turns clipping off")
     p.add_argument("--logging-steps", type=int, default=10, at_least=1)
     p.add_argument("--save-steps", type=int, default=0, at_least=0, help="also save last_model every N steps (0: at the end)")

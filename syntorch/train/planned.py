@@ -172,8 +172,9 @@ class PlanSteps:
             dist.all_gather_object(everyone, parts)
             parts = [next(p[i] for p in everyone if p[i] is not None) for i in range(len(parts))]
         if rank == 0:
-            index = ShardIndex(self.run.model.config, plan.tp, plan.pp, {r: rank_file_name(r) for r in range(len(parts))},
-                               {r: p[0] for r, p in enumerate(parts)}, {r: p[1] for r, p in enumerate(parts)})
+            files = {r: rank_file_name(r) for r in range(len(parts))}
+            index = ShardIndex(self.run.model.config, plan.tp, plan.pp, files, {r: p[0] for r, p in enumerate(parts)},
+                               {r: p[1] for r, p in enumerate(parts)})
             (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")
 
 
