@@ -1,5 +1,5 @@
 """`syntorch train` on the parallel plans: each plan's real run (spawned gloo ranks) gives the losses of one
-process on the same global batch, with the same seed; checkpoints of model-parallel runs are shard folders.
+process on the same global batch, with the same seed, and saves the one process's model as one HuggingFace folder.
 
 Sequences are cut to 24 tokens (the tiny SQuAD items are 31), so no position is padding and every micro-batch,
 CP chunk and replica averages as many tokens: the mean of their means is the one process's mean."""
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import tiny_config
-from syntorch.checkpoints import load_checkpoint, read_shard_index
+from syntorch.checkpoints import load_checkpoint
 from syntorch.cli import main
 from syntorch.config import save_model_config
 from train_data import make_model, make_squad, make_tokenizer
@@ -64,14 +64,18 @@ def test_plan_losses_equal_one_process(workspace, one_process, plan):
     assert one_process[STEPS - 1] < one_process[0]  # the steps update the model: later losses test the updates
 
 
-def test_tp_pp_checkpoint_is_a_shard_folder(workspace):
-    """The TP2 x PP2 run above saved one file per model-parallel rank, as `syntorch shard` writes them."""
+def test_tp_pp_checkpoint_is_the_one_process_model(workspace, one_process):
+    """The TP2 x PP2 run above put its ranks' parts together into one HuggingFace folder: the one process's."""
     folder = workspace["root"] / "run_nproc_4_tp_2_pp_2_microbatches_2" / "last_model"
     if not folder.is_dir():
         pytest.skip("needs the tp2-pp2 run of test_plan_losses_equal_one_process")
-    index = read_shard_index(folder)
-    assert (index.tp, index.pp) == (2, 2) and sorted(index.files) == [0, 1, 2, 3]
-    assert all((folder / name).is_file() for name in index.files.values())
+    same_weights(folder, workspace["root"] / "one" / "last_model")
+
+
+def same_weights(ours, theirs) -> None:
+    ours, theirs = load_checkpoint(ours)[1].state_dict(), load_checkpoint(theirs)[1].state_dict()
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
 
 
 def test_bert_tp_pp_losses_equal_one_process_on_the_same_micro_batches(workspace):
@@ -92,10 +96,7 @@ def test_mixtral_expert_parallel_equals_one_process_and_saves_every_expert(works
     got = losses(workspace, "mixtral_ep", "--nproc", "2", "--ep", "2", model=model)
     assert got == pytest.approx(one, abs=1e-4), (got, one)
     # rank 0 gathered the other EP rank's experts: the saved model is the one process's
-    theirs = load_checkpoint(workspace["root"] / "mixtral_one" / "last_model")[1].state_dict()
-    ours = load_checkpoint(workspace["root"] / "mixtral_ep" / "last_model")[1].state_dict()
-    assert ours.keys() == theirs.keys()
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
+    same_weights(workspace["root"] / "mixtral_ep" / "last_model", workspace["root"] / "mixtral_one" / "last_model")
 
 
 def test_a_mesh_that_does_not_fill_the_ranks_is_one_line(workspace, capsys):

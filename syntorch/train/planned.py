@@ -7,7 +7,6 @@ optimizer step. With PP, CP or SP sequences have a fixed length (the pipeline's 
 one): GPT-2 reads --max-seq-length tokens and predicts the next --max-seq-length (items are cut and padded to
 one more token), BERT reads and predicts --max-seq-length positions; other plans pad to the batch's longest."""
 import contextlib
-import json
 import os
 from pathlib import Path
 
@@ -111,35 +110,38 @@ class PlanSteps:
         losses = [0.0 if loss is None else loss for loss in losses]  # None off the last stage
         return sum(mesh_mean(self.run, losses, self.device)) / len(losses) if losses else None
 
-    @property
-    def whole(self) -> bool:
-        """Whether every rank holds the whole model (pure DP or ZeRO), so rank 0 saves one HuggingFace folder."""
-        return self.run.plan.tp == self.run.plan.pp == 1
-
     def save(self, folder: Path, tokenizer, rank: int) -> None:
-        """One HuggingFace folder from rank 0 when it holds the whole model; else the model-parallel ranks of
-        the first replica write their parts as `syntorch shard` does (one safetensors file per rank)."""
+        """One HuggingFace folder from rank 0: its own model under pure DP/ZeRO/FSDP, else the whole model
+        put together from the first replica's TP/PP ranks (and EP ranks' experts)."""
         from syntorch.checkpoints import save_checkpoint
 
         full = getattr(self.run.grad_sync, "full_parameters", None)
         if full is not None:  # FSDP: every rank takes part in the all-gather
             full()
-        if self.whole:
-            model = self._with_every_expert() if self.run.plan.ep > 1 else self.run.model
-            if rank == 0:
-                save_checkpoint(model, folder, tokenizer, "--save-dir")
-            return
-        with shared_folder(folder, True, "--save-dir", rank) as tmp:
-            self._write_shard(tmp, rank)
+        plan = self.run.plan
+        model = self.run.model if plan.tp == plan.pp == 1 else self._from_model_parallel_ranks(rank)
+        model = self._with_every_expert(model) if plan.ep > 1 else model
+        if rank == 0:
+            save_checkpoint(model, folder, tokenizer, "--save-dir")
 
-    def _with_every_expert(self):
+    def _from_model_parallel_ranks(self, rank: int):
+        """The whole model on rank 0 (None elsewhere) from the TP/PP ranks of DP x CP replica 0."""
+        from syntorch.shard import unique_state
+
+        coordinate, groups = self.run.plan.mesh.coordinate(rank), self.run.groups
+        mine = None
+        if coordinate.dp == coordinate.cp == 0:
+            mine = (groups.tp_rank, {n: t.detach().cpu() for n, t in unique_state(self.run.model).items()})
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return whole_model(self.run.model.config, self.run.plan.tp, [p for p in everyone if p]) if rank == 0 else None
+
+    def _with_every_expert(self, model):
         """EP: the whole model on rank 0 (None elsewhere), each EP rank's experts under their global index."""
-        from syntorch.models import build_model
         from syntorch.parallel.expert import ExpertParallelMoE, is_expert_param
 
-        model = self.run.model
         mine = {f"{name}.experts.{moe.first_expert + i}.{key}": t.detach().cpu()
-                for name, moe in model.named_modules() if isinstance(moe, ExpertParallelMoE)
+                for name, moe in self.run.model.named_modules() if isinstance(moe, ExpertParallelMoE)
                 for i, expert in enumerate(moe.experts) for key, t in expert.state_dict().items()}
         everyone = [None] * self.run.plan.ep
         dist.all_gather_object(everyone, mine, group=self.run.groups.ep)
@@ -148,34 +150,45 @@ class PlanSteps:
         state = {k: t for k, t in model.state_dict().items() if not is_expert_param(k)}
         for part in everyone:
             state.update(part)
-        whole = build_model(model.config, "cpu")
-        whole.load_state_dict(state)
-        return whole
+        return loaded(model.config, state)
 
-    def _write_shard(self, tmp: Path, rank: int) -> None:
-        from safetensors.torch import save_file
 
-        from syntorch.checkpoints import SHARD_INDEX, ShardIndex
-        from syntorch.parallel.mesh import Mesh
-        from syntorch.shard import rank_file_name, unique_state
+def whole_model(config, tp: int, parts: list):
+    """The whole model from (tp_rank, state) parts of every stage. Where each element of a TP rank's tensor
+    came from is found by cutting a tensor of element numbers as the plan cut the weights (tensor.take_shard),
+    so every style, and the padded vocabulary, is undone without an inverse of its own."""
+    from syntorch.models import build_model
+    from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
 
-        plan, groups, stage = self.run.plan, self.run.groups, self.run.stage
-        coordinate = plan.mesh.coordinate(rank)
-        parts = [None] * (plan.tp * plan.pp)
-        if coordinate.dp == coordinate.cp == 0:
-            index = Mesh(pp=plan.pp, tp=plan.tp).rank_of(pp=stage.index, tp=groups.tp_rank)
-            state = {n: t.detach().contiguous().cpu() for n, t in unique_state(self.run.model).items()}
-            save_file(state, str(tmp / rank_file_name(index)), metadata={"format": "pt"})
-            parts[index] = (sorted(state), [min(stage.layers), max(stage.layers) + 1])
-        if dist.is_initialized():
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, parts)
-            parts = [next(p[i] for p in everyone if p[i] is not None) for i in range(len(parts))]
-        if rank == 0:
-            files = {r: rank_file_name(r) for r in range(len(parts))}
-            index = ShardIndex(self.run.model.config, plan.tp, plan.pp, files, {r: p[0] for r, p in enumerate(parts)},
-                               {r: p[1] for r, p in enumerate(parts)})
-            (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")
+    meta = build_model(config, "meta")
+    styles, shapes = plan_for(meta, sequence_parallel=False) if tp > 1 else {}, meta.state_dict()
+    state = {}
+    for tp_rank, part in parts:
+        for name, shard in part.items():
+            module, _, param = name.rpartition(".")
+            style = styles.get(module, "replicated")
+            if style == "replicated":
+                state.setdefault(name, shard)
+                continue
+            full = state.setdefault(name, torch.zeros(shapes[name].shape, dtype=shard.dtype))
+            numbers = torch.arange(1, full.numel() + 1, dtype=torch.float64).view(full.shape)  # 0: vocab padding
+            where = take_shard(style, param, numbers, tp_rank, tp, padded_vocab(config.vocab_size, tp), config.d_head,
+                               config.kv_heads)
+            kept = where > 0
+            full.view(-1)[where[kept].long() - 1] = shard[kept]
+    return loaded(config, state)
+
+
+def loaded(config, state: dict):
+    """A whole model on the CPU holding `state`; only aliases (a tied head) may be left out of it."""
+    from syntorch.models import build_model
+    from syntorch.shard import unique_state
+
+    model = build_model(config, "cpu")
+    unset = set(model.load_state_dict(state, strict=False).missing_keys) & set(unique_state(model))
+    if unset:
+        raise RuntimeError(f"the ranks' parts leave {sorted(unset)} unset")
+    return model
 
 
 @contextlib.contextmanager
