@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from syntorch.capture.profile import Schedule, TraceFiles
 from syntorch.errors import UserError
 from syntorch.train import data as D
-from syntorch.train.planned import PlanSteps, assemble, mesh_mean, plan_of, shared_folder, world_size
+from syntorch.train.planned import PlanSteps, assemble, mesh_mean, plan_of, world_size
 
 FAMILIES = {"gpt2": "gpt", "bert": "bert"}  # command-line family -> ModelConfig.arch
 DEFAULT_MODEL = {"gpt2": "gpt2", "bert": "bert-base-uncased"}
@@ -267,7 +268,7 @@ def capture(trainer: Trainer, opts: TrainOptions) -> dict:
     from syntorch.capture.profile import make_profiler
 
     name = opts.trace_name or f"{opts.family}_{trainer.world}rank"
-    with shared_folder(opts.trace_output_dir, opts.force, TRACE_FLAG, trainer.rank) as tmp:
+    with trace_folder(opts, trainer.rank, trainer.world) as tmp:
         files = TraceFiles(tmp, name, trainer.rank)
         with make_profiler(files, opts.schedule, opts.device) as profiler:
             trainer.fit(profiler)
@@ -276,6 +277,22 @@ def capture(trainer: Trainer, opts: TrainOptions) -> dict:
             write_comm_groups(result["groups"], tmp / "comm_groups.json")
     prefix = Path(opts.trace_output_dir) / name
     return {**{k: result[k] for k in ("nodes", "collectives", "comm_bytes", "repairs", "notes")}, "prefix": str(prefix)}
+
+
+@contextlib.contextmanager
+def trace_folder(opts: TrainOptions, rank: int, world: int):
+    """--trace-output-dir's temporary folder, one for all ranks: rank 0 owns it (syntorch.outdir's policy),
+    every rank writes its files into it, and rank 0 moves them into place once every rank is done."""
+    from syntorch.outdir import atomic_output_dir
+
+    owner = atomic_output_dir(opts.trace_output_dir, opts.force, TRACE_FLAG) if rank == 0 else contextlib.nullcontext()
+    with owner as tmp:
+        where = [str(tmp)]
+        if world > 1:
+            dist.broadcast_object_list(where, src=0)
+        yield Path(where[0])
+        if world > 1:
+            dist.barrier()
 
 
 def train_rank(opts: TrainOptions) -> dict:

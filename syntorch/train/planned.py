@@ -6,7 +6,6 @@ One rank of a DP replica takes the replica's batch (every TP/PP/CP rank of it re
 optimizer step. With PP, CP or SP sequences have a fixed length (the pipeline's messages and the splits need
 one): GPT-2 reads --max-seq-length tokens and predicts the next --max-seq-length (items are cut and padded to
 one more token), BERT reads and predicts --max-seq-length positions; other plans pad to the batch's longest."""
-import contextlib
 import os
 from pathlib import Path
 
@@ -189,22 +188,6 @@ def loaded(config, state: dict):
     if unset:
         raise RuntimeError(f"the ranks' parts leave {sorted(unset)} unset")
     return model
-
-
-@contextlib.contextmanager
-def shared_folder(folder, force: bool, flag: str, rank: int):
-    """A temporary folder for all ranks that replaces `folder` whole once every rank wrote its files: rank 0
-    owns it (syntorch.outdir's policy) and tells the others where it is."""
-    from syntorch.outdir import atomic_output_dir
-
-    owner = atomic_output_dir(folder, force, flag) if rank == 0 else contextlib.nullcontext()
-    with owner as tmp:
-        where = [str(tmp)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(where, src=0)
-        yield Path(where[0])
-        if dist.is_initialized():
-            dist.barrier()
 
 
 def world_size(nproc: int | None) -> int:
