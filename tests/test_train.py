@@ -104,7 +104,7 @@ def test_mlm_masks_15_percent_as_80_10_10_and_never_special_tokens():
 
 @pytest.fixture(scope="module")
 def trained(workspace):
-    """One-rank runs of both families (DDP over 2 ranks is in test_capture.py)."""
+    """One-rank runs of both families (DP over 2 ranks is in test_capture.py, other plans in test_train_plans.py)."""
     out = {}
     for family in ("gpt2", "bert"):
         save = workspace["root"] / f"ckpt_{family}"
@@ -140,7 +140,7 @@ def test_best_and_last_checkpoints_load_with_transformers(trained, workspace, fa
     assert not torch.equal(trained_weights["tok_emb.weight"], initial["tok_emb.weight"])
 
 
-# ---- DDP ------------------------------------------------------------------------------------------------
+# ---- DP -------------------------------------------------------------------------------------------------
 
 def test_four_ranks_train_and_save(workspace, tmp_path, capfd):
     save = tmp_path / "ckpt"
@@ -152,7 +152,7 @@ def test_four_ranks_train_and_save(workspace, tmp_path, capfd):
 
 
 def faulty_train_rank(opts):
-    """Rank 1 fails after joining the group; rank 0 trains and would wait for it in DDP's first broadcast."""
+    """Rank 1 fails after joining the group; rank 0 trains and would wait for it in the mesh's groups."""
     rank, _ = init_distributed("cpu")
     if rank == 1:
         raise RuntimeError("injected fault")

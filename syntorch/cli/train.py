@@ -1,12 +1,12 @@
-"""`syntorch train gpt2|bert --data squad.json --nproc 2 [--enable-tracing ...]`: DDP pretraining on SQuAD,
-optionally captured with the profiler and converted to Chakra traces (see syntorch/train, syntorch/capture).
+"""`syntorch train gpt2|bert --data squad.json --nproc 2 [--tp 2 --pp 2 --zero 1 ...] [--enable-tracing ...]`:
+pretraining on SQuAD on a parallel plan (plain DP by default), optionally captured with the profiler and converted to Chakra traces (see syntorch/train, syntorch/capture).
 A rank that fails, dies or stops responding ends the run with one line naming it (cli.main, exit code 2)."""
 
 
 def add_parser(subparsers) -> None:
     from syntorch.train.options import add_arguments
 
-    p = subparsers.add_parser("train", help="DDP pretraining of GPT-2/BERT on SQuAD, with Chakra capture")
+    p = subparsers.add_parser("train", help="pretraining of GPT-2/BERT on SQuAD on a parallel plan, with Chakra capture")
     add_arguments(p)
     p.set_defaults(func=run)
 

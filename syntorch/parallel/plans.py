@@ -189,11 +189,12 @@ class StageRun:
 
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
-                dtype=torch.float32) -> StageRun:
+                dtype=torch.float32, model: nn.Module | None = None) -> StageRun:
     """Build this rank's stage of `config` and apply TP, EP, PP, recomputation, CP, DP/ZeRO/FSDP and the
-    optimizer in that order (the module docstring says why)."""
+    optimizer in that order (the module docstring says why). `model`: the whole model already built on
+    `device` in `dtype` (`syntorch train` loads a checkpoint's weights), instead of a fresh one."""
     stage = plan.stage(config, groups.stage)
-    model = pp_.build_stage_model(config, stage, device, dtype)
+    model = pp_.build_stage_model(config, stage, device, dtype) if model is None else model
     tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
     replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
     if plan.ep > 1:
@@ -265,7 +266,8 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], phase=None, on_step=None):
-    """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch) in the stage's schedule.
+    """One optimizer step over `batches` (a (tokens, targets) pair per micro-batch, or (tokens, targets,
+    inputs) with the model's other arguments, such as BERT's attention_mask) in the stage's schedule.
 
     `phase(name)` labels what runs inside (Tracer.phase when traced); `on_step(kind, microbatch, chunk)` is
     called before each schedule step and once with ("optimizer", None, None). Returns the summed loss on the last stage (else None).
@@ -287,8 +289,8 @@ def train_step(run: StageRun, batches: list[tuple[torch.Tensor, torch.Tensor]], 
         if on_step:
             on_step(kind, m, c)
         if kind == "F":
-            tokens, targets = batches[m]
-            inputs[m, c], outputs[m, c] = _forward(run, tokens, m, phase, sends, targets, c)
+            tokens, targets, *extra = batches[m]
+            inputs[m, c], outputs[m, c] = _forward(run, tokens, m, phase, sends, targets, c, *extra)
             if stage.holds_loss(c):
                 outputs[m, c] = outputs[m, c] / len(batches)  # gradients accumulate to the mean over micro-batches
                 losses.append(outputs[m, c].detach())
@@ -326,9 +328,9 @@ def _optimizer_step(run: StageRun) -> None:
     run.optimizer.step()
 
 
-def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, chunk: int = 0):
+def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, chunk: int = 0, extra=None):
     """Micro-batch m through one chunk of this stage: receive (or take the tokens), run, send on.
-    Returns (input, output)."""
+    `extra`: the model's other arguments for this micro-batch. Returns (input, output)."""
     plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
         if stage.holds_input(chunk):
@@ -342,9 +344,22 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
         if stage.holds_loss(chunk) and context is not None:
             targets = context.local(targets)
         y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
-                              **(context.inputs() if context else {}))
+                              **(context.inputs() if context else {}), **(extra or {}))
         if not stage.holds_loss(chunk):
             sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages, run.split))
     return x, y
 
 
+@torch.no_grad()
+def eval_step(run: StageRun, batches: list) -> torch.Tensor | None:
+    """The loss of `batches` (as train_step takes them) without gradients or an update: each micro-batch
+    through every chunk in turn (sends do not block, so no schedule is needed). Returns the mean over the
+    micro-batches on the last stage, else None."""
+    sends, losses = [], []
+    for m, (tokens, targets, *extra) in enumerate(batches):
+        for c in range(run.plan.virtual_stages):
+            _, y = _forward(run, tokens, m, lambda name: nullcontext(), sends, targets, c, *extra)
+            if run.stage.holds_loss(c):
+                losses.append(y)
+    pp_.wait_sends(sends)
+    return sum(losses) / len(losses) if losses else None

@@ -1,6 +1,7 @@
-"""DDP pretraining of GPT-2 (causal LM) or BERT (masked LM) on SQuAD text, with an optional profiler
-capture turned into Chakra traces at the end. One function per rank: `train_rank(opts)`; it runs the
-same under `torchrun` and under `syntorch train --nproc N` (which spawns the ranks)."""
+"""Pretraining of GPT-2 (causal LM) or BERT (masked LM) on SQuAD text on a parallel plan (DP by default;
+TP, PP, SP, CP, EP, ZeRO/FSDP, recomputation, mixed precision: planned.py, parallel/plans.py), with an optional
+profiler capture turned into Chakra traces at the end. One function per rank: `train_rank(opts)`; it runs
+the same under `torchrun` and under `syntorch train --nproc N` (which spawns the ranks)."""
 import contextlib
 import json
 import math
@@ -10,13 +11,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from syntorch.capture.profile import Schedule, TraceFiles
 from syntorch.errors import UserError
 from syntorch.train import data as D
+from syntorch.train.planned import PlanSteps, assemble, mesh_mean, plan_of, world_size
 
 FAMILIES = {"gpt2": "gpt", "bert": "bert"}  # command-line family -> ModelConfig.arch
 DEFAULT_MODEL = {"gpt2": "gpt2", "bert": "bert-base-uncased"}
@@ -32,7 +32,7 @@ class TrainOptions:
     tokenizer: str | None = None
     model_config: str | None = None
     device: str = "cpu"
-    batch_size: int = 4  # per rank
+    batch_size: int = 4  # per DP replica (its TP/PP/CP ranks read the same rows) and accumulation step
     learning_rate: float = 5e-5
     num_epochs: int = 3
     max_seq_length: int | None = None  # None: min(512, the model's positions)
@@ -47,7 +47,19 @@ class TrainOptions:
     eval_fraction: float = 0.1  # held out from --data for evaluation and the best checkpoint
     save_dir: str | None = None
     seed: int = 42
-    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size
+    bucket_cap_mb: float = 25.0  # the gradient buckets' size (parallel/data.py)
+    tp: int = 1  # the plan (parallel/plans.py); dp is what tp * pp * cp leave of the ranks
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero: int = 0
+    fsdp: bool = False  # --zero 3
+    recompute: str = "none"
+    dtype: str = "fp32"
+    virtual_stages: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1  # per batch of --batch-size rows
     tracing: bool = False
     trace_output_dir: str = "outputs"
     trace_name: str | None = None  # default: <family>_<world>rank
@@ -88,42 +100,32 @@ def sequence_length(opts: TrainOptions, config) -> int:
     return length
 
 
-def build_datasets(opts: TrainOptions, config, tokenizer, rank: int):
-    """(train items, eval items, collate) for the family's objective."""
+def build_datasets(opts: TrainOptions, config, tokenizer, replica: int):
+    """(train items, eval items, collate) for the family's objective; `replica` seeds BERT's masks."""
     if len(tokenizer) > config.vocab_size:
         raise UserError(f"tokenizer has {len(tokenizer)} tokens but model '{config.name}' only {config.vocab_size}; "
                         "give a matching --tokenizer or a larger vocab_size in --model_config")
     pairs = D.load_squad(opts.data)
     length, ids = sequence_length(opts, config), D.special_ids(tokenizer, opts.family)
     if opts.family == "gpt2":
-        items, collate = D.encode_causal(pairs, tokenizer, length, ids["eos"]), D.CausalCollate(ids["pad"])
+        # one token more than the model reads: its last position's target (planned.py)
+        items, collate = D.encode_causal(pairs, tokenizer, length + 1, ids["eos"]), D.CausalCollate(ids["pad"])
     else:
-        items, collate = D.encode_masked(pairs, tokenizer, length, ids), D.MaskedCollate(ids, len(tokenizer), opts.seed + rank)
+        items = D.encode_masked(pairs, tokenizer, length, ids)
+        collate = D.MaskedCollate(ids, len(tokenizer), opts.seed + replica)
     n_eval = int(len(items) * opts.eval_fraction) if len(items) > 1 else 0
     return items[:len(items) - n_eval], items[len(items) - n_eval:], collate
 
 
-def loss_of(model, batch: D.Batch, family: str) -> torch.Tensor:
-    if family == "gpt2":
-        logits = model(batch.tokens)  # [B, T, V]; position t predicts token t+1
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=D.IGNORE)
-    logits = model(batch.tokens, batch.token_types, batch.attention_mask)
-    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=D.IGNORE)
-
-
-def make_optimizer(model, opts: TrainOptions, total_steps: int):
-    """AdamW without decay on biases and LayerNorms; linear warmup then linear decay to 0."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=opts.learning_rate)
+def lr_schedule(optimizer, opts: TrainOptions, total_steps: int):
+    """Linear warmup then linear decay to 0, on the plan's AdamW."""
 
     def factor(step):
         if step < opts.warmup_steps:
             return (step + 1) / opts.warmup_steps
         return max(0.0, (total_steps - step) / max(1, total_steps - opts.warmup_steps))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def join_ranks(device: str) -> tuple[int, int, torch.device]:
@@ -139,20 +141,26 @@ def join_ranks(device: str) -> tuple[int, int, torch.device]:
 
 
 class Trainer:
-    """The loop over optimizer steps: gradient accumulation, clipping, evaluation, checkpoints, progress."""
+    """The loop over optimizer steps: gradient accumulation, evaluation, checkpoints, progress. The steps
+    themselves (schedule, gradient sync, clipping, update) are the plan's (PlanSteps)."""
 
-    def __init__(self, opts: TrainOptions, rank: int, world: int, device, model, tokenizer):
+    def __init__(self, opts: TrainOptions, rank: int, world: int, device, run, tokenizer):
         self.opts, self.rank, self.world, self.device = opts, rank, world, device
-        self.model, self.tokenizer = model, tokenizer  # unwrapped: what checkpoints save
-        config = model.config
-        train_items, eval_items, collate = build_datasets(opts, config, tokenizer, rank)
-        self.sampler = DistributedSampler(train_items, num_replicas=world, rank=rank, shuffle=True, seed=opts.seed)
-        self.loader = DataLoader(train_items, batch_size=opts.batch_size, sampler=self.sampler, collate_fn=collate)
-        self.eval_loader = DataLoader(eval_items[rank::world], batch_size=opts.batch_size, collate_fn=collate)
-        self.has_eval = len(eval_items) > 0
+        self.steps, self.tokenizer = PlanSteps(opts, run, device), tokenizer
+        # every rank of a DP replica reads the replica's rows; the BERT masks are the replica's too
+        replica, replicas = run.plan.mesh.coordinate(rank).dp, run.plan.dp
+        train_items, eval_items, collate = build_datasets(opts, run.model.config, tokenizer, replica)
+        self.sampler = DistributedSampler(train_items, num_replicas=replicas, rank=replica, shuffle=True,
+                                          seed=opts.seed)
+        # whole batches only: the plan's micro-batches have one size
+        self.loader = DataLoader(train_items, batch_size=opts.batch_size, sampler=self.sampler, collate_fn=collate,
+                                 drop_last=True)
+        eval_sampler = DistributedSampler(eval_items, num_replicas=replicas, rank=replica, shuffle=False) \
+            if eval_items else None
+        self.eval_loader = DataLoader(eval_items, batch_size=opts.batch_size, sampler=eval_sampler,
+                                      collate_fn=collate, drop_last=True)
         self.total = self._count_steps(len(train_items))
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=opts.bucket_cap_mb) if world > 1 else model
-        self.optimizer, self.scheduler = make_optimizer(self.ddp, opts, self.total)
+        self.scheduler = lr_schedule(run.optimizer, opts, self.total)
         self.history, self.best = [], math.inf
 
     def _count_steps(self, n_items: int) -> int:
@@ -161,7 +169,8 @@ class Trainer:
         total = min(total, opts.max_steps) if opts.max_steps else total
         if total < 1:
             raise UserError(f"{n_items} training sequences make no optimizer step with batch size {opts.batch_size} x "
-                            f"{self.world} ranks x {opts.gradient_accumulation_steps} accumulation steps; give more data")
+                            f"{self.steps.run.plan.dp} replicas x {opts.gradient_accumulation_steps} accumulation "
+                            "steps; give more data")
         if opts.tracing and total < opts.schedule.steps:
             raise UserError(f"--enable-tracing needs {opts.schedule.steps} optimizer steps (wait + warmup + active) "
                             f"but this run has {total}; give more data or epochs, or fewer trace steps")
@@ -183,24 +192,27 @@ class Trainer:
     def fit(self, profiler=None) -> None:
         """Trains `total` optimizer steps; `profiler.step()` after each. Evaluation and checkpoints wait
         until the profiler's window is over, so the trace holds training steps only."""
-        opts, step, losses, epoch_seen = self.opts, 0, [], 0
+        opts, step, losses, pending, epoch_seen = self.opts, 0, [], [], 0
         with progress_bar(self.rank == 0, self.total, opts.family) as advance:
             for epoch, batch, last in self.micro_batches():
                 if epoch != epoch_seen and not opts.eval_steps and not self._recording(profiler, step):
                     self.evaluate_and_keep(step)
                 epoch_seen = epoch
-                losses.append(self.backward(batch, sync=last))
+                pending.append(batch)
                 if not last:
                     continue
-                self.optimizer_step()
-                step += 1
+                losses.append(self.steps.step(pending))
+                self.scheduler.step()
+                pending, step = [], step + 1
                 if profiler is not None:
                     profiler.step()
-                advance(sum(losses) / len(losses))
                 if step % opts.logging_steps == 0 or step == self.total:
-                    self.history.append({"step": step, "epoch": epoch, "loss": sum(losses) / len(losses),
+                    # the losses live on the last stages: one all-reduce per logged step, not per step
+                    loss = sum(mesh_mean(self.steps.run, losses, self.device)) / len(losses)
+                    self.history.append({"step": step, "epoch": epoch, "loss": loss,
                                          "lr": self.scheduler.get_last_lr()[0]})
                     losses = []
+                advance(self.history[-1]["loss"] if self.history and "loss" in self.history[-1] else math.nan)
                 if not self._recording(profiler, step):
                     self.periodic(step)
         self.evaluate_and_keep(step)
@@ -215,26 +227,10 @@ class Trainer:
         if self.opts.save_steps and step % self.opts.save_steps == 0 and step < self.total:
             self.save("last_model")
 
-    def backward(self, batch: D.Batch, sync: bool) -> float:
-        # DDP all-reduces gradients only on the last micro-batch of an optimizer step
-        skip_sync = self.world > 1 and not sync
-        with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
-            loss = loss_of(self.ddp, batch.to(self.device), self.opts.family)
-            (loss / self.opts.gradient_accumulation_steps).backward()
-        return loss.item()
-
-    def optimizer_step(self) -> None:
-        if self.opts.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.opts.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def evaluate_and_keep(self, step: int) -> None:
         """Held-out loss (train loss when nothing is held out); the best so far is saved as best_model."""
-        if self.has_eval:
-            loss = evaluate(self.ddp, self.eval_loader, self.device, self.opts.family, self.world)
-        else:
+        loss = self.steps.evaluate(self.eval_loader)
+        if loss is None:
             loss = next((h["loss"] for h in reversed(self.history) if "loss" in h), math.inf)
         self.history.append({"step": step, "eval_loss": loss})
         if loss < self.best:
@@ -242,12 +238,8 @@ class Trainer:
             self.save("best_model")
 
     def save(self, kind: str) -> None:
-        from syntorch.checkpoints import save_checkpoint
-
-        if self.rank != 0 or not self.opts.save_dir:
-            return
-        # the tokenizer too, so `--model-name <save-dir>/<kind>` finds it
-        save_checkpoint(self.model, Path(self.opts.save_dir) / kind, self.tokenizer, "--save-dir")
+        if self.opts.save_dir:  # the tokenizer too, so `--model-name <save-dir>/<kind>` finds it
+            self.steps.save(Path(self.opts.save_dir) / kind, self.tokenizer, self.rank)
 
     def summary(self) -> dict:
         train = [h["loss"] for h in self.history if "loss" in h]
@@ -255,19 +247,6 @@ class Trainer:
         return {"steps": self.total, "world": self.world, "first_loss": train[0], "last_loss": train[-1],
                 "best_eval_loss": self.best, "last_eval_loss": evals[-1], "history": self.history,
                 "save_dir": self.opts.save_dir}
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, family: str, world: int) -> float:
-    """Mean loss over every rank's share of the held-out items."""
-    model.eval()
-    total = torch.zeros(2, device=device)  # sum of batch losses, batches
-    for batch in loader:
-        total += torch.stack([loss_of(model, batch.to(device), family), torch.ones((), device=device)])
-    if world > 1:
-        dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item() if total[1] > 0 else math.inf
 
 
 @contextlib.contextmanager
@@ -320,10 +299,12 @@ def train_rank(opts: TrainOptions) -> dict:
     """Train on this rank (and capture, with opts.tracing). Rank 0 writes train_log.json into --save-dir
     and prints the summary; every rank returns it."""
     rank, world, device = join_ranks(opts.device)
-    torch.manual_seed(opts.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(opts.seed)  # the same initial weights on every rank, which the plan then cuts
     config, model = load_model(opts, device)
+    plan = plan_of(opts, world, sequence_length(opts, config))
+    plan.check(config, world)
     tokenizer = D.LocalTokenizer(tokenizer_dir(opts))
-    trainer = Trainer(opts, rank, world, device, model, tokenizer)
+    trainer = Trainer(opts, rank, world, device, assemble(opts, plan, config, model, device), tokenizer)
     if opts.tracing:
         trace = capture(trainer, opts)
     else:
@@ -358,14 +339,19 @@ def report(summary: dict, opts: TrainOptions) -> None:
             console.print(f"  note: {note}")
 
 
-def preflight(opts: TrainOptions) -> None:
+def preflight(opts: TrainOptions, world: int) -> None:
     """Checks the inputs before ranks are spawned, so a user's mistake is one line, not a rank failure."""
     from syntorch.checkpoints import resolve_model_config
 
+    from syntorch.checkpoints import checkpoint_config
+
     D.load_squad(opts.data)
     D.LocalTokenizer(tokenizer_dir(opts))
-    if not Path(opts.model_name).is_dir():
-        resolve_model_config(opts.model_name, opts.model_config)
+    if Path(opts.model_name).is_dir():
+        config = checkpoint_config(opts.model_name)
+    else:
+        config = resolve_model_config(opts.model_name, opts.model_config)
+    plan_of(opts, world, sequence_length(opts, config)).check(config, world)
     check_outputs(opts)
 
 
@@ -394,10 +380,10 @@ def launch(opts: TrainOptions, nproc: int | None) -> None:
         world = int(os.environ["WORLD_SIZE"])
         if nproc not in (None, world):
             raise UserError(f"--nproc {nproc} but torchrun started {world} ranks; drop --nproc under torchrun")
-        check_outputs(opts)
+        preflight(opts, world)
         train_rank(opts)
         return
-    preflight(opts)
+    preflight(opts, world_size(nproc))
     if opts.tracing:
         from syntorch.capture.profile import quiet_profiler
         quiet_profiler()  # before the ranks start and import torch

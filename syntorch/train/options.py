@@ -17,14 +17,16 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--nproc", "--num-gpus", dest="nproc", type=int, at_least=1,
                    help="ranks to spawn (default 1); under torchrun the ranks are torchrun's")
-    p.add_argument("--batch-size", type=int, default=4, at_least=1, help="per rank")
+    p.add_argument("--batch-size", type=int, default=4, at_least=1,
+                   help="rows per data-parallel replica and accumulation step (every TP/PP/CP rank of it reads them)")
     p.add_argument("--learning-rate", type=float, default=5e-5, above=0)
     p.add_argument("--num-epochs", type=int, default=3, at_least=1)
     p.add_argument("--max-steps", type=int, default=0, at_least=0, help="stop after this many optimizer steps (0: all epochs)")
     p.add_argument("--max-seq-length", type=int, at_least=1, help="default: min(512, the model's positions)")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1, at_least=1)
     p.add_argument("--warmup-steps", type=int, default=0, at_least=0)
-    p.add_argument("--weight-decay", type=float, default=0.0, at_least=0)
+    p.add_argument("--weight-decay", type=float, default=0.0, at_least=0,
+                   help="AdamW decay of every parameter (ZeRO/FSDP shards are flat: biases decay too)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, at_least=0, help="0 turns clipping off")
     p.add_argument("--logging-steps", type=int, default=10, at_least=1)
     p.add_argument("--save-steps", type=int, default=0, at_least=0, help="also save last_model every N steps (0: at the end)")
@@ -32,7 +34,23 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.1, at_least=0, help="share of --data held out for evaluation")
     p.add_argument("--save-dir", help="best_model/ and last_model/ in HuggingFace format (default checkpoints/<family>)")
     p.add_argument("--seed", type=int, default=42, at_least=0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="DDP gradient bucket size")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="gradient bucket size (parallel/data.py)")
+    # the parallel plan (parallel/plans.py): data parallel over what tp * pp * cp leave of the ranks
+    p.add_argument("--tp", type=int, default=1, at_least=1, help="tensor parallel degree")
+    p.add_argument("--pp", type=int, default=1, at_least=1, help="pipeline stages")
+    p.add_argument("--cp", type=int, default=1, at_least=1, help="context parallel degree (causal models)")
+    p.add_argument("--ep", type=int, default=1, at_least=1, help="expert parallel degree, within DP (MoE models)")
+    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (3: FSDP)")
+    p.add_argument("--fsdp", action="store_true", help="fully sharded data parallel, as --zero 3")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
+                   help="model dtype; fp16/bf16 train with FP32 master weights")
+    p.add_argument("--virtual_stages", "--virtual-stages", type=int, default=1, at_least=1,
+                   help="interleaved 1F1B: chunks per pipeline stage")
+    p.add_argument("--schedule", dest="pp_schedule", default="1f1b", help="pipeline schedule (1f1b, gpipe)")
+    p.add_argument("--microbatches", type=int, default=1, at_least=1,
+                   help="micro-batches per batch (they flow through the pipeline; --batch-size must divide by it)")
     p.add_argument("--enable-tracing", action="store_true", help="profile and write Chakra traces per rank")
     p.add_argument("--trace-output-dir", default="outputs")
     p.add_argument("--trace-name", help="file prefix (default <family>_<N>rank)")
