@@ -338,3 +338,24 @@ def test_a_file_output_replaces_the_named_file_refuses_a_folder_and_joins_a_run(
     assert "g.json" in recorded(tmp_path / "run")["files"]  # so the run's --force replaces it, as syntorch's
     assert main(EXPORT.argv(ws, tmp_path / "run", "--force")) == 0
     assert not (tmp_path / "run" / "g.json").exists()
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(ws, tmp_path, monkeypatch, capsys):
+    """ENOSPC while a run writes (patched into the graph export: no size-limited filesystem needed)."""
+    import errno
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr("syntorch.export.networkx_json.export", full)
+    out = tmp_path / "run"
+    assert main([*INFER.argv(ws, out), "--visualize_trace"]) == 2
+    assert f"cannot write --out {out}: No space left on device" in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_size_limited_mount_fills_and_says_so(ws, mount_point, capsys):
+    """A real ENOSPC: a 64 KiB tmpfs cannot hold an SVG of the graph; the file output is refused whole."""
+    subprocess.run(["mount", "-o", "remount,size=64k", str(mount_point)], check=True)
+    assert main(["export", "--input", str(ws / "graph.json"), "--output", str(mount_point / "g.svg")]) == 2
+    assert f"cannot write --output {mount_point / 'g.svg'}: No space left on device" in one_line_error(capsys)
+    assert list(mount_point.iterdir()) == []
