@@ -77,6 +77,14 @@ def _weight_files(path: Path) -> list[Path]:
     raise UserError(f"no weights in {path}: expected model.safetensors or pytorch_model.bin (or a sharded index.json)")
 
 
+def _file_rank(f: Path) -> str | None:
+    """The rank `syntorch shard` wrote into a rank file's metadata (None in files of earlier versions)."""
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as handle:
+        return (handle.metadata() or {}).get(RANK_KEY)
+
+
 def _open_weights(files: list[Path], slices: bool = False) -> dict:
     """name -> zero-argument function that reads that tensor (with `slices`: an object read only where indexed,
     safetensors' get_slice, or the memory-mapped tensor of a .bin)."""
@@ -249,6 +257,7 @@ def lazy_checkpoint(path, device="cpu", dtype=torch.float32) -> tuple[ModelConfi
     return config, out
 
 
+RANK_KEY = "syntorch_rank"  # in each rank file's safetensors metadata: the rank it was cut for
 SHARD_INDEX = "syntorch_shards.json"  # what makes a folder a `syntorch shard` folder
 SHARD_FORMAT = "syntorch-shards"
 SHARD_VERSION = 1
@@ -321,4 +330,8 @@ def rank_file(path, index: ShardIndex, rank: int) -> dict:
     getters = _open_weights([f])
     if sorted(getters) != sorted(index.tensors[rank]):
         raise UserError(f"{f} does not hold the tensors {SHARD_INDEX} lists for rank {rank}; re-run syntorch shard")
+    written_for = _file_rank(f)
+    if written_for is not None and written_for != str(rank):
+        raise UserError(f"{f} was cut for rank {written_for}, not rank {rank} (files swapped or linked); "
+                        "re-run syntorch shard into a new folder")
     return {name: (lambda name=name, read=read: checked_weight(name, read(), f)) for name, read in getters.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from syntorch.checkpoints import SHARD_INDEX, ShardIndex, check_shard_layout, lazy_checkpoint, rank_file
+from syntorch.checkpoints import RANK_KEY, SHARD_INDEX, ShardIndex, check_shard_layout, lazy_checkpoint, rank_file
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model
@@ -97,7 +97,8 @@ def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> 
                 part = rank_tensors(unique_state(model), full, styles, tp_rank, tp, config)
                 files[rank], tensors[rank] = rank_file_name(rank), sorted(part)
                 layers[rank] = [stage.layers.start, stage.layers.stop]
-                save_file(part, str(tmp / files[rank]), metadata={"format": "pt"})
+                # the rank it was cut for, inside the file: a file swapped with or linked to another rank's shows it
+                save_file(part, str(tmp / files[rank]), metadata={"format": "pt", RANK_KEY: str(rank)})
                 del part
         index = ShardIndex(config, tp, pp, files, tensors, layers)
         (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")

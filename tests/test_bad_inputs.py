@@ -97,6 +97,9 @@ def ws(tmp_path_factory):
     (root / "outside_index" / "model.safetensors").unlink()
     (root / "outside_index" / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"transformer.wte.weight": "/etc/hostname"}}))
+    shutil.copytree(root / "sharded", root / "swapped")  # two ranks' files swapped (was: loaded, other tokens)
+    for a, b in (("rank00000", "tmp"), ("rank00001", "rank00000"), ("tmp", "rank00001")):
+        (root / "swapped" / f"{a}.safetensors").rename(root / "swapped" / f"{b}.safetensors")
     for broken in ("norank", "truncated"):
         shutil.copytree(root / "sharded", root / broken)
     (root / "norank" / "rank00001.safetensors").unlink()
@@ -450,6 +453,7 @@ CASES = [
     *cases(INFER, "out/", [
         ("--checkpoint {ws}/sharded", "is sharded for --tp 2 --pp 1 but this run has --tp 1 --pp 1"),
         ("--checkpoint {ws}/norank --tp 2", "rank 1's file"),
+        ("--checkpoint {ws}/swapped --tp 2", "rank00000.safetensors was cut for rank 1, not rank 0 (files swapped"),
         ("--hw_config ''", "argument --hw_config: must name something, got an empty string"),
         ("--profile fused", "give --hw_config too"),
         ("--checkpoint {ws}/huge_tp --tp 2", "lists ranks 0, 1 but tp 1000000000000000000 x pp 1 needs ranks"),
