@@ -9,6 +9,7 @@ and `syntorch shard` folders. The format itself (families, config fields, tensor
 """
 import json
 import os
+import pickle
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,6 +95,11 @@ def _open_weights(files: list[Path], slices: bool = False) -> dict:
             getters.update(_open_safetensors(f, slices) if f.suffix == ".safetensors" else _open_bin(f, slices))
         except UserError:
             raise
+        except pickle.UnpicklingError as e:
+            if "Weights only load failed" not in str(e):
+                raise UserError(f"cannot read weights file {f} ({e}); it is corrupt or truncated") from None
+            raise UserError(f"weights file {f} holds objects other than tensors (a pickle that could run code), "
+                            "which syntorch never loads; save it as safetensors from a copy you trust") from None
         except Exception as e:  # any parse failure of a stranger's file: truncated, corrupt, not a state dict
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot read weights file {f} ({first}); it is corrupt or truncated, re-download or "

@@ -56,6 +56,8 @@ def ws(tmp_path_factory):
         "no_sm_hw.json": json.dumps({k: v for k, v in PRESETS["a100-80gb"].to_dict().items() if k != "sm_count"}),
         "negative_hw.json": json.dumps({**PRESETS["a100-80gb"].to_dict(), "gemm_efficiency": -0.8}),
         "nodes_only.json": json.dumps({"nodes": [{"id": 0}], "edges": []}),
+        "dangling.json": json.dumps({"nodes": [{"id": 0, "kind": "op", "name": "aten.mm"}],
+                                     "edges": [{"source": 0, "target": 7}]}),
         "no_kind.json": json.dumps({"directed": True, "multigraph": False, "graph": {}, "edges": [],
                                     "nodes": [{"id": 0, "kind": "collective", "name": "allreduce"}]}),
         "squad_bad.json": '{"data": 3}',
@@ -93,6 +95,9 @@ def ws(tmp_path_factory):
     make_model(root / "gpt2", "gpt2")  # tiny HF folder (2 layers, 4 heads) to shard
     write_shards(root / "gpt2", root / "sharded", tp=2, pp=1)
     damaged_weights(root)
+    (root / "pickled").mkdir()  # a .bin whose pickle would run a command: refused, never run
+    shutil.copy(root / "gpt2" / "config.json", root / "pickled" / "config.json")
+    torch.save({"w": RunsCode()}, root / "pickled" / "pytorch_model.bin")
     shutil.copytree(root / "gpt2", root / "outside_index")  # an HF index pointing outside its folder
     (root / "outside_index" / "model.safetensors").unlink()
     (root / "outside_index" / "model.safetensors.index.json").write_text(
@@ -108,6 +113,11 @@ def ws(tmp_path_factory):
     (root / "huge_tp" / "syntorch_shards.json").write_text(json.dumps({**index, "tp": 10**18}))
     (root / "truncated" / "rank00001.safetensors").write_bytes((root / "sharded" / "rank00001.safetensors").read_bytes()[:999])
     return root
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/syntorch-pickle-ran",))
 
 
 def damaged_weights(root: Path) -> None:
@@ -225,6 +235,7 @@ CASES = [
         ("--checkpoint {ws}/int_weights", "tensor transformer.h.0.attn.c_attn.weight is int32, not floating point"),
         ("--checkpoint {ws}/int_weights --tp 2", "tensor transformer.h.0.attn.c_attn.weight is int32"),
         ("--checkpoint {ws}/nan_weights", "tensor transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
+        ("--checkpoint {ws}/pickled", "holds objects other than tensors (a pickle that could run code)"),
         ("--checkpoint {ws}/nan_weights --tp 2", "transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
         ("--checkpoint {ws}/nan_shards --tp 2", "holds NaN or infinity"),
         ("--batch_size 100000000000", "lower --batch_size"),
@@ -323,6 +334,7 @@ CASES = [
     Case("export --input {ws}/notjson.json --output {out}", "is not valid JSON", "g.svg"),
     Case("export --input {ws}/list.json --output {out}", "list.json", "g.svg"),
     Case("export --input {ws}/nodes_only.json --output {out}", "nodes_only.json", "g.svg"),
+    Case("export --input {ws}/dangling.json --output {out}", "names a node it does not have", "g.svg"),
     *cases(EXPORT, "g.svg", [
         ("--format dot", "unknown --format 'dot'; use one of json, png, svg, graphml, perfetto, chakra"),
         ("--trace_level bogus", "argument --trace_level: invalid choice: 'bogus'"),

@@ -37,6 +37,11 @@ def from_node_link(data, source="input") -> TraceGraph:
         raise UserError(f"{source} is not a syntorch trace graph: node {str(bad)[:80]} lacks id, name "
                         f"or a kind in {sorted(KINDS)}")
     edges = "edges" if "edges" in data else "links"
+    ids = {n["id"] for n in data["nodes"] if isinstance(n["id"], (int, str))}
+    dangling = next((e for e in data[edges] if not isinstance(e, dict) or e.get("source") not in ids
+                     or e.get("target") not in ids), None)
+    if dangling is not None:  # networkx would add the missing end as a node without a kind
+        raise UserError(f"{source} is not a valid trace graph: edge {str(dangling)[:80]} names a node it does not have")
     try:
         graph = nx.node_link_graph({**data, "directed": True, "multigraph": False}, edges=edges)
     except (KeyError, TypeError, nx.NetworkXError) as e:
