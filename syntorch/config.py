@@ -162,12 +162,18 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+MAX_ELEMENTS = 2**60  # a tensor's bytes must fit int64 (8-byte elements): torch's storage size limit
+
+
 def check_config(c: ModelConfig) -> None:
     def need(ok, what):
         if not ok:
             raise UserError(f"model config '{c.name}': {what}")
 
     need(c.arch in ("gpt", "bert"), f"arch must be 'gpt' or 'bert', got {c.arch!r}")
+    widest = max(c.vocab_size, c.d_ff, c.n_head * c.d_head, c.expert_d_ff) * c.d_model
+    need(widest < MAX_ELEMENTS, f"a weight of {widest:.3g} elements is past what any device can index "
+                                f"({MAX_ELEMENTS:.3g}); check d_model, d_ff, n_head and vocab_size")
     need(c.pos in ("learned", "rotary"), f"pos must be 'learned' or 'rotary', got {c.pos!r}")
     need(c.rotary_style in ("interleaved", "half"), f"rotary_style must be 'interleaved' or 'half', got {c.rotary_style!r}")
     need(c.rope_scaling in ("", "llama3", "yarn"),

@@ -56,6 +56,7 @@ def ws(tmp_path_factory):
         "no_sm_hw.json": json.dumps({k: v for k, v in PRESETS["a100-80gb"].to_dict().items() if k != "sm_count"}),
         "negative_hw.json": json.dumps({**PRESETS["a100-80gb"].to_dict(), "gemm_efficiency": -0.8}),
         "nodes_only.json": json.dumps({"nodes": [{"id": 0}], "edges": []}),
+        "huge.json": json.dumps({"base": "gpt2", "d_model": 10**15, "n_head": 1}),  # was: storage overflow
         "dangling.json": json.dumps({"nodes": [{"id": 0, "kind": "op", "name": "aten.mm"}],
                                      "edges": [{"source": 0, "target": 7}]}),
         "no_kind.json": json.dumps({"directed": True, "multigraph": False, "graph": {}, "edges": [],
@@ -235,6 +236,7 @@ CASES = [
         ("--checkpoint {ws}/int_weights", "tensor transformer.h.0.attn.c_attn.weight is int32, not floating point"),
         ("--checkpoint {ws}/int_weights --tp 2", "tensor transformer.h.0.attn.c_attn.weight is int32"),
         ("--checkpoint {ws}/nan_weights", "tensor transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
+        ("--model_config {ws}/huge.json --device meta", "past what any device can index (1.15e+18); check d_model"),
         ("--checkpoint {ws}/pickled", "holds objects other than tensors (a pickle that could run code)"),
         ("--checkpoint {ws}/nan_weights --tp 2", "transformer.h.0.attn.c_attn.weight holds NaN or infinity"),
         ("--checkpoint {ws}/nan_shards --tp 2", "holds NaN or infinity"),
@@ -457,6 +459,7 @@ CASES = [
         ("--hw_config {ws}/negative_hw.json", "gemm_efficiency must be > 0, got -0.8"),
         ("--dp 1000000000", "= 1,000,000,000 ranks; syntorch models up to 1,048,576: lower the degrees"),
         ("--dp 2 --fsdp --zero 1", "--fsdp is --zero 3; drop --zero 1 or --fsdp"),
+        ("--micro_batch_size 1000000000000", "makes activations of 1.6e+13 elements"),
         ("--hw_config ''", "argument --hw_config: must name something, got an empty string"),
         ("--profile fused", "--profile fused chooses how predicted durations group ops into kernels; give --hw_config"),
         ("--mode infer --recompute selective", "--recompute selective recomputes activations in backward"),

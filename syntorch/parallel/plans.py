@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from syntorch.config import ModelConfig
+from syntorch.config import MAX_ELEMENTS, ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
@@ -139,6 +139,10 @@ class TrainPlan:
             self.mesh.check_world_size(world_size)
         if self.seq > config.n_positions:
             raise UserError(f"--seq {self.seq} must be in 1..{config.n_positions} ({config.name}'s context)")
+        activation = self.micro_batch_size * self.seq * max(config.d_model, config.d_ff, config.vocab_size)
+        if activation >= MAX_ELEMENTS:
+            raise UserError(f"--micro_batch_size {self.micro_batch_size} x --seq {self.seq} makes activations of "
+                            f"{activation:.3g} elements, past what any device can index; lower them")
         if self.cp > 1 and not config.causal:
             raise UserError(f"--cp splits causal (decoder) attention; {config.name} attends both ways, drop --cp")
         if global_batch is not None and global_batch < 1:
