@@ -459,7 +459,7 @@ CASES = [
         ("--hw_config {ws}/negative_hw.json", "gemm_efficiency must be > 0, got -0.8"),
         ("--dp 1000000000", "= 1,000,000,000 ranks; syntorch models up to 1,048,576: lower the degrees"),
         ("--dp 2 --fsdp --zero 1", "--fsdp is --zero 3; drop --zero 1 or --fsdp"),
-        ("--micro_batch_size 1000000000000", "makes activations of 1.6e+13 elements"),
+        ("--micro_batch_size 100000000000000000", "past what any device can index; lower them"),
         ("--hw_config ''", "argument --hw_config: must name something, got an empty string"),
         ("--profile fused", "--profile fused chooses how predicted durations group ops into kernels; give --hw_config"),
         ("--mode infer --recompute selective", "--recompute selective recomputes activations in backward"),
