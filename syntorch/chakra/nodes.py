@@ -13,7 +13,7 @@ Graph -> Chakra:
   channel, as NCCL runs one stream per communicator: a process group's collectives are ordered among
   themselves (every member issues them in one order, or the run hangs), never behind another group's, so a
   DP bucket's all-reduce can run beside TP and pipeline traffic. Send/recv between one pair of ranks are a
-  channel of their own, in traced order. ASTRA-sim (mlcommons) runs one communication at a time per NPU,
+  channel of their own, in traced order, shared with a group of the same two ranks. ASTRA-sim (mlcommons) runs one communication at a time per NPU,
   the ready one with the lowest id (traced order); the members of a TP, DP or CP group run one stage's
   program and come to their ready nodes alike, so none holds its slot for a collective its peers put off.
 """
@@ -189,11 +189,13 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
 
 
 def _channel(data: dict) -> tuple:
-    """What a communication node is ordered within: its group's collectives, or the sends and recvs
-    between its two ranks."""
+    """What a communication node is ordered within: the ranks it involves, a group's or a p2p pair's. A pair
+    whose two ranks also form a group (the first and last stage that share a tied embedding) is one channel
+    with it: ASTRA-sim matches both under the pair's pg_name, in issue order, and hangs if one rank runs the
+    embedding's all-reduce before a recv that its peer's send precedes."""
     if data["collective"] in P2P:
-        return "p2p", min(data["src"], data["dst"]), max(data["src"], data["dst"])
-    return "group", *sorted(data["group"])
+        return tuple(sorted((data["src"], data["dst"])))
+    return tuple(sorted(data["group"]))
 
 
 def _node_name(data: dict) -> str:
