@@ -19,7 +19,7 @@ from syntorch.config import get_config
 from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
 from syntorch.trace.generation import trace_tp_symbolic
-from syntorch.simulate.predict import predict_inference
+from syntorch.simulate.prediction import predict_inference
 from syntorch.trace.cost import fill_rank_durations
 from syntorch.chakra.validate import check_traces
 

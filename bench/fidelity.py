@@ -50,7 +50,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
-from syntorch.simulate.predict import predict_inference, predict_training
+from syntorch.simulate.prediction import predict_inference, predict_training
 from syntorch.trace.cost import fill_durations, fill_rank_durations
 from syntorch.trace.generation import trace_tp_run
 from syntorch.trace.graph import RankTraces

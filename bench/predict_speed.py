@@ -58,7 +58,7 @@ def timed(module, name: str, spent: dict) -> None:
 
 def run_case(case: str) -> dict:
     import syntorch.simulate.chakra_files
-    import syntorch.simulate.predict
+    import syntorch.simulate.prediction
     import syntorch.workload
     from syntorch.cli import main
 
@@ -76,7 +76,7 @@ def run_case(case: str) -> dict:
             name = "summary.json"
         spent = {}  # CPU seconds: tracing the probes, simulating (from files: reading them too)
         timed(syntorch.workload, "trace_workload", spent)
-        timed(syntorch.simulate.predict, "predict_training", spent)
+        timed(syntorch.simulate.prediction, "predict_training", spent)
         timed(syntorch.simulate.chakra_files, "predict_traces", spent)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         rss0, cpu0 = usage.ru_maxrss, usage.ru_utime + usage.ru_stime

@@ -6,14 +6,14 @@
     print(comm_mode.generate_comm_debug_tracing_table(noise_level=0))
 
 Inside the context a syntorch Tracer records the run; everything after is read from its TraceGraph
-(trace/comm_report.py's CommReport), so the same report comes from a live run (real gloo/NCCL ranks or the
+(trace/comm_view.py's CommReport), so the same report comes from a live run (real gloo/NCCL ranks or the
 symbolic fake backend) and from a saved trace (`syntorch comm`). Meanings and noise levels: see CommReport.
 """
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from syntorch.export.comm_report import tracing_table, write_html, write_json, write_table
-from syntorch.trace.comm_report import CommReport
+from syntorch.trace.comm_view import CommReport
 from syntorch.trace.tracer import Tracer
 
 

@@ -26,7 +26,7 @@ from syntorch.parallel import memory
 from syntorch.parallel.mesh import ORDER
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
-from syntorch.simulate.predict import TIMELINE, Prediction
+from syntorch.simulate.prediction import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.levels import level_view

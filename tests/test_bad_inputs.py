@@ -33,7 +33,7 @@ from syntorch.options import Parser
 from syntorch.outdir import MANIFEST
 from syntorch.shard import write_shards
 from syntorch.train.__main__ import main as train_module_main
-from syntorch.train.options import add_arguments as train_arguments
+from syntorch.train.arguments import add_arguments as train_arguments
 
 USER_BYTES = b"a user's file\n"
 

@@ -10,7 +10,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.models import build_model
 from syntorch.parallel.context import ContextSplit
 from syntorch.parallel.plans import TrainPlan
-from syntorch.simulate.predict import predict_training
+from syntorch.simulate.prediction import predict_training
 from syntorch.trace import Tracer
 from syntorch.trace.attention import SDPA
 from syntorch.trace.cost import kernel_of, kernel_us

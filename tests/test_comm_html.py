@@ -176,7 +176,7 @@ def test_tree_text_and_folding_in_chromium(report_page, browser, tmp_path):
 def test_decode_steps_fold_in_the_browser(browser, tmp_path):
     """A 20-token generation under TP 2: the 19 decode steps are one row per collective, with their count."""
     from syntorch.export.comm_report import write_html
-    from syntorch.trace.comm_report import CommReport
+    from syntorch.trace.comm_view import CommReport
     from syntorch.trace.generation import trace_tp_rank
 
     graph = trace_tp_rank(tiny_config("gpt2", n_layer=2), torch.zeros(1, 4, dtype=torch.long), 20, tp=2, rank=0)[0]

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_config
 from syntorch.export.comm_report import json_tree, render_html, tracing_table
-from syntorch.trace.comm_report import CommReport
+from syntorch.trace.comm_view import CommReport
 from syntorch.trace.generation import trace_tp_rank
 
 PROMPT, NEW_TOKENS, LAYERS = 4, 20, 2

@@ -145,7 +145,7 @@ def test_microbatches_replicated_from_a_probe_equal_running_them_all():
 def test_ranks_json_records_cp_and_ep_and_predictions_count_every_rank(tmp_path):
     from syntorch.hardware import load_hw_config
     from syntorch.simulate.chakra_files import RANK_KINDS
-    from syntorch.simulate.predict import predict_training
+    from syntorch.simulate.prediction import predict_training
 
     hw, plan = load_hw_config("h100-sxm"), TrainPlan(dp=2, cp=2, tp=2, pp=2, microbatches=2, seq=16)
     workload = trace_workload(CONFIG, plan, torch.float32, hw)

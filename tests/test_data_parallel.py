@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 
-from syntorch.parallel.data import make_buckets
+from syntorch.parallel.buckets import make_buckets
 from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import padded_vocab
 from syntorch.trace.training import trace_stage

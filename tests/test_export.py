@@ -68,7 +68,7 @@ def test_perfetto_is_the_simulated_timeline(graph, tmp_path):
     """The export runs the graph through the simulator with the cost model's durations: the predicted run
     (syntorch infer's run.json), one process for the two TP ranks that run the graph, a track per stream."""
     from syntorch.hardware import load_hw_config
-    from syntorch.simulate.predict import predict_inference
+    from syntorch.simulate.prediction import predict_inference
     from syntorch.trace.cost import fill_durations
 
     costed = graph.copy()  # the export sets the cost model's durations on the graph it is given

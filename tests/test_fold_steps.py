@@ -12,7 +12,7 @@ from syntorch.export.image import _label, draw, fold
 from syntorch.export.comm_report import tracing_table
 from syntorch.generate import Sampling, generate
 from syntorch.parallel.mesh import Mesh
-from syntorch.trace.comm_report import CommReport
+from syntorch.trace.comm_view import CommReport
 from syntorch.trace.generation import trace_pp_stage, trace_tp_rank
 from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, grown_entries
 

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from syntorch.cli import main
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
-from syntorch.simulate.predict import predict_training
+from syntorch.simulate.prediction import predict_training
 from syntorch.trace.training import trace_stage
 from syntorch.workload import trace_workload
 

@@ -15,7 +15,7 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import predict_traces
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program, kind_programs
-from syntorch.simulate.predict import predict_inference, predict_training, run_summary
+from syntorch.simulate.prediction import predict_inference, predict_training, run_summary
 from syntorch.simulate.steps import StepCost, pipeline_programs, step_costs
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import RankTraces, TraceGraph

@@ -17,7 +17,7 @@ from syntorch.parallel.pipeline import schedule
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, kind_programs
-from syntorch.simulate.predict import predict_training, run_summary
+from syntorch.simulate.prediction import predict_training, run_summary
 from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
 from syntorch.workload import trace_workload
 

@@ -15,9 +15,9 @@ from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.parallel.launch import RankFailed, init_distributed, spawn
 from syntorch.options import Parser
-from syntorch.train import data as D
+from syntorch.train import squad as D
 from syntorch.train.loop import train_rank
-from syntorch.train.options import add_arguments, options_from_args
+from syntorch.train.arguments import add_arguments, options_from_args
 from train_data import WORDS, make_model, make_squad, make_tokenizer
 
 @pytest.fixture(scope="module")

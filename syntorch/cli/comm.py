@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from syntorch.trace.comm_report import CommReport, check_noise_level
+    from syntorch.trace.comm_view import CommReport, check_noise_level
     from syntorch.export import comm_report
     from syntorch.export.networkx_json import load
 

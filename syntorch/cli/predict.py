@@ -33,7 +33,7 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.simulate.chakra_files import predict_traces
-    from syntorch.simulate.predict import write_prediction
+    from syntorch.simulate.prediction import write_prediction
 
     if args.profile and not args.hw_config:
         raise UserError("--profile chooses how the performance model groups ops into kernels; give --hw_config too")

@@ -97,7 +97,7 @@ def run(args) -> int:
     from syntorch.parallel.plans import TrainPlan
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
-    from syntorch.simulate.predict import predict_training, write_prediction
+    from syntorch.simulate.prediction import predict_training, write_prediction
     from syntorch.trace.cost import check_profile, check_profile_needs_hw
     from syntorch.workload import trace_workload, write_workload
 

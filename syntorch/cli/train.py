@@ -4,7 +4,7 @@ A rank that fails, dies or stops responding ends the run with one line naming it
 
 
 def add_parser(subparsers) -> None:
-    from syntorch.train.options import add_arguments
+    from syntorch.train.arguments import add_arguments
 
     p = subparsers.add_parser("train", help="pretraining of GPT-2/BERT on SQuAD on a parallel plan, with Chakra capture")
     add_arguments(p)
@@ -13,7 +13,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from syntorch.train.loop import launch
-    from syntorch.train.options import options_from_args
+    from syntorch.train.arguments import options_from_args
 
     launch(*options_from_args(args))
     return 0

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from syntorch.trace.comm_report import (GLOBAL, RUNNING, SECTIONS, CommReport, ModuleInfo, OpRecord,
+from syntorch.trace.comm_view import (GLOBAL, RUNNING, SECTIONS, CommReport, ModuleInfo, OpRecord,
                                         check_noise_level, fold_steps)
 from syntorch.trace.levels import step_span
 from syntorch.outdir import atomic_output_file

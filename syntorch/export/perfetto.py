@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from syntorch.errors import UserError
 from syntorch.hardware import load_hw_config
 from syntorch.simulate.engine import simulate
-from syntorch.simulate.predict import rank_programs
+from syntorch.simulate.prediction import rank_programs
 from syntorch.simulate.timeline import timeline_events, write_events
 from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations, shared_key
 

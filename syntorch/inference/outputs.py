@@ -8,8 +8,8 @@ from pathlib import Path
 from syntorch.export import write_trace_outputs
 from syntorch.export.comm_report import write_comm_outputs
 from syntorch.hardware import load_hw_config
-from syntorch.simulate.predict import TIMELINE, predict_inference
-from syntorch.trace.comm_report import check_noise_level
+from syntorch.simulate.prediction import TIMELINE, predict_inference
+from syntorch.trace.comm_view import check_noise_level
 from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations
 
 

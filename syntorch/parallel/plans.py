@@ -33,7 +33,7 @@ from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
 from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
-from syntorch.parallel.data import GradSync, GradSyncs
+from syntorch.parallel.buckets import GradSync, GradSyncs
 from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
 from syntorch.parallel.fp8 import apply_fp8
 from syntorch.parallel.fsdp import FullyShard, check_grad_options

@@ -31,7 +31,7 @@ from syntorch.hardware import HardwareConfig, config_from_dict
 from syntorch.parallel.mesh import Mesh
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program
-from syntorch.simulate.predict import Prediction, run_summary
+from syntorch.simulate.prediction import Prediction, run_summary
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.userfiles import read_json

@@ -5,7 +5,7 @@ import sys
 from syntorch.errors import run_command
 from syntorch.options import Parser
 from syntorch.train.loop import launch
-from syntorch.train.options import add_arguments, options_from_args
+from syntorch.train.arguments import add_arguments, options_from_args
 
 
 def main(argv=None) -> int:

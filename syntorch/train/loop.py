@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from syntorch.capture.profile import Schedule, TraceFiles
 from syntorch.errors import UserError
-from syntorch.train import data as D
+from syntorch.train import squad as D
 from syntorch.train.planned import PlanSteps, assemble, mesh_mean, plan_of, world_size
 
 FAMILIES = {"gpt2": "gpt", "bert": "bert"}  # command-line family -> ModelConfig.arch
@@ -47,7 +47,7 @@ class TrainOptions:
     eval_fraction: float = 0.1  # held out from --data for evaluation and the best checkpoint
     save_dir: str | None = None
     seed: int = 42
-    bucket_cap_mb: float = 25.0  # the gradient buckets' size (parallel/data.py)
+    bucket_cap_mb: float = 25.0  # the gradient buckets' size (parallel/buckets.py)
     tp: int = 1  # the plan (parallel/plans.py); dp is what tp * pp * cp leave of the ranks
     pp: int = 1
     cp: int = 1

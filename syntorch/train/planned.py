@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from syntorch.errors import UserError
-from syntorch.train import data as D
+from syntorch.train import squad as D
 
 
 def plan_of(opts, world: int, seq: int):

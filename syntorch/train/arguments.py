@@ -34,7 +34,7 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.1, at_least=0, help="share of --data held out for evaluation")
     p.add_argument("--save-dir", help="best_model/ and last_model/ in HuggingFace format (default checkpoints/<family>)")
     p.add_argument("--seed", type=int, default=42, at_least=0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="gradient bucket size (parallel/data.py)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="gradient bucket size (parallel/buckets.py)")
     # the parallel plan (parallel/plans.py): data parallel over what tp * pp * cp leave of the ranks
     p.add_argument("--tp", type=int, default=1, at_least=1, help="tensor parallel degree")
     p.add_argument("--pp", type=int, default=1, at_least=1, help="pipeline stages")
