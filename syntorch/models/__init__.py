@@ -4,6 +4,7 @@ Every family keeps its transformer blocks in a ModuleDict named `layers`, so blo
 `layers.{i}.…` in every model, stage, trace and checkpoint map; LAYER_PATH and layer_path say so once.
 """
 import contextlib
+import copy
 import re
 
 import torch
@@ -42,6 +43,14 @@ def on_meta():
     skip_dynamo_until_loaded()  # what runs on meta next needs no compiler
     with torch.device("meta"), _SkipInit():
         yield
+
+
+def module_view(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose own children may be replaced without touching `model`: every submodule,
+    parameter and buffer is shared (deepcopy is told they are copied already), only the top module's tables
+    are its own. Pipeline chunks and first-layer traces are such views."""
+    shared = {id(t): t for t in (*model.modules(), *model.parameters(), *model.buffers()) if t is not model}
+    return copy.deepcopy(model, shared)
 
 
 def build_model(config: ModelConfig, device="cpu", dtype=torch.float32):

@@ -23,7 +23,6 @@ and the receiving stage all-gathers the parts over TP (Narayanan et al. 2021, se
 `split_tensor_into_1d_equal_chunks` and `gather_split_1d_tensor`). Without TP, under sequence parallel (the
 stream is split already) or when t does not divide the tensor, the whole tensor is sent.
 """
-import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
-from syntorch.models import build_model, on_meta
+from syntorch.models import build_model, module_view, on_meta
 from syntorch.parallel import comm
 from syntorch.parallel.layout import Layout, chunk_ranges, chunk_sizes
 from syntorch.parallel.loss import loss_module, sharded_logits
@@ -191,8 +190,7 @@ def chunk_view(model: nn.Module, stage: Stage, chunk: int) -> nn.Module:
     the embeddings only on the input chunk and the head only on the loss chunk. Without interleaving, the model."""
     if stage.virtual == 1:
         return model
-    view = copy.copy(model)
-    view._modules = dict(model._modules)  # its own table of children; the children themselves are shared
+    view = module_view(model)
     view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in stage.chunks[chunk]})
     for name in FIRST_STAGE if not stage.holds_input(chunk) else ():
         if hasattr(view, name):

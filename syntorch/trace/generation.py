@@ -11,7 +11,7 @@ from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, stage_of
 from syntorch.parallel.tensor import apply_tp, check_tp
-from syntorch.trace.graph import RankTraces, TraceGraph
+from syntorch.trace.graph import RankTraces, TraceGraph, with_node_attrs
 from syntorch.trace.replicate import first_layer_only, replicate_layers
 from syntorch.trace.tracer import Tracer
 
@@ -127,7 +127,6 @@ def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
     peers moved by Mesh.translate; the other nodes and all edges shared with `graph`, not copied."""
     if graph.graph["rank"] == rank:
         return graph
-    out = TraceGraph(**{**graph.graph, "rank": rank})
 
     def moved(d: dict) -> dict:
         if d["kind"] != "collective":
@@ -136,10 +135,8 @@ def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
                 "src": None if d["src"] is None else mesh.translate(d["src"], rank),
                 "dst": None if d["dst"] is None else mesh.translate(d["dst"], rank)}
 
-    out._node = {n: moved(d) for n, d in graph.node_attrs.items()}
-    if out._node:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
-        first = next(iter(out._node))
-        out._node[first] = dict(out._node[first])
-    out._adj = out._succ = graph.succs  # read-only: networkx's DiGraph keeps _adj as _succ
-    out._pred = graph.preds
-    return out
+    nodes = {n: moved(d) for n, d in graph.node_attrs.items()}
+    if nodes:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
+        first = next(iter(nodes))
+        nodes[first] = dict(nodes[first])
+    return with_node_attrs(graph, nodes, rank=rank)

@@ -199,6 +199,16 @@ class RankTraces(Mapping):
         return len(set(self._graphs) | set(self._pending))
 
 
+def with_node_attrs(graph: TraceGraph, node_attrs: dict, **attr) -> TraceGraph:
+    """A graph with these node attribute dicts and `graph`'s edges, shared, not copied (read-only): a rank's
+    translation of its stage representative's trace. The one place outside networkx that sets its tables."""
+    out = TraceGraph(**{**graph.graph, **attr})
+    out._node = node_attrs
+    out._adj = out._succ = graph._succ  # networkx's DiGraph keeps _adj as _succ
+    out._pred = graph._pred
+    return out
+
+
 def _rank_view(graph: TraceGraph, rank: int) -> TraceGraph:
     view = nx.graphviews.generic_graph_view(graph)
     view.graph = {**graph.graph, "rank": rank}

@@ -8,11 +8,11 @@ across passes (parameters, KV-cache versions) linked to the same copy of earlier
 out in the order a full trace creates them, and `order` of collectives is renumbered, so the result
 equals a full trace (tests/test_tracer.py checks it).
 """
-import copy
 from dataclasses import dataclass
 
 import torch.nn as nn
 
+from syntorch.models import module_view
 from syntorch.trace.graph import TraceGraph, no_gc
 
 
@@ -28,9 +28,8 @@ class LayerCall:
 
 def first_layer_only(model: nn.Module) -> nn.Module:
     """A shallow copy of `model` whose `layers` hold only the first one (all modules shared, none copied)."""
-    shallow = copy.copy(model)
-    first = next(iter(model.layers.items()))
-    shallow._modules = {**model._modules, "layers": nn.ModuleDict(dict([first]))}
+    shallow = module_view(model)
+    shallow.layers = nn.ModuleDict(dict([next(iter(model.layers.items()))]))
     return shallow
 
 
