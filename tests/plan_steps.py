@@ -13,6 +13,13 @@ def global_batch(config, plan):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def microbatches(config, plan):
+    """The global batch (one data-parallel replica's) cut into the plan's micro-batches of (tokens, targets)."""
+    x, y = global_batch(config, plan)
+    b = plan.micro_batch_size
+    return [(x[i:i + b], y[i:i + b]) for i in range(0, len(x), b)]
+
+
 def reference_step(config, plan):
     """The same step in one process: mean loss over the global batch, its (clipped) gradients, one AdamW step.
     Returns (loss, gradients, updated parameters) by name."""

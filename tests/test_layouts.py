@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
+from plan_steps import microbatches
 
 from syntorch.errors import UserError
 from syntorch.parallel.layout import Layout
@@ -133,10 +134,7 @@ REAL = {"interleaved_accounted": TrainPlan(pp=2, virtual_stages=2, microbatches=
 
 
 def batches(plan):
-    tokens = torch.randint(0, CONFIG.vocab_size, (plan.microbatches * plan.micro_batch_size, plan.seq + 1),
-                           generator=torch.Generator().manual_seed(1))
-    x, y, b = tokens[:, :-1], tokens[:, 1:], plan.micro_batch_size
-    return [(x[i:i + b], y[i:i + b]) for i in range(0, len(x), b)]
+    return microbatches(CONFIG, plan)
 
 
 def real_rank(out_dir: str) -> None:
