@@ -107,6 +107,28 @@ def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: st
     return kernels * hw.kernel_overhead_us + math_us(dense, dtype, hw) + memory_us(nbytes + score_bytes, hw)
 
 
+# Sorting and selecting along rows (the vocabulary, when sampling) are radix passes over them, each reading the
+# data again, not the one pass their inputs and outputs suggest:
+# - aten.sort: cub's segmented radix sort, which PyTorch's CUDA sort of a batch of rows and FasterTransformer's
+#   top-p sampling (sampling_topp_kernels.cu: cub::DeviceSegmentedRadixSort::SortPairsDescending) both run:
+#   ceil(key bits / SORT_RADIX_BITS) passes (cub device/dispatch/dispatch_radix_sort.cuh, Policy800:
+#   SEGMENTED_RADIX_BITS 6 for keys wider than a byte), each reading the keys twice (its digit counts, then the
+#   scatter) and their indices once, and writing both.
+# - aten.topk: PyTorch's radix select (aten/src/ATen/native/cuda/TensorTopK.cu, mbtopk: RADIX_BITS 8): a pass
+#   reading the input per SELECT_RADIX_BITS key bits, then gatherTopK reads it once more and writes the results.
+SORT_RADIX_BITS = 6
+SELECT_RADIX_BITS = 8
+RADIX_OPS = frozenset({"aten.sort", "aten.topk"})
+
+
+def radix_bytes(name: str, keys: int, key_bytes: int, index_bytes: int, written: int) -> int:
+    """Memory traffic of aten.sort (keys with their int indices) or aten.topk (`written`: its outputs' bytes) over
+    `keys` keys of `key_bytes` each (the comment above)."""
+    if name == "aten.sort":
+        return -(-8 * key_bytes // SORT_RADIX_BITS) * keys * (3 * key_bytes + 2 * index_bytes)
+    return (-(-8 * key_bytes // SELECT_RADIX_BITS) + 1) * keys * key_bytes + written
+
+
 def launches_kernel(data: dict) -> bool:
     return data["kind"] == "collective" or not (data.get("is_view") or data["name"] in NO_KERNEL)
 
