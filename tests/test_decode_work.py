@@ -12,8 +12,9 @@ from conftest import tiny_config
 
 from syntorch.generate import Sampling, generate
 from syntorch.hardware import config_from_dict, load_hw_config
+from syntorch.parallel.mesh import Mesh
 from syntorch.trace.cost import fill_durations, kernel_of, kernel_plan
-from syntorch.trace.generation import trace_tp_run
+from syntorch.trace.generation import trace_pp_stage, trace_tp_run
 
 A100 = load_hw_config("a100-80gb")
 B, VOCAB, TP = 3, 1000, 2
@@ -45,6 +46,22 @@ def test_a_top_p_step_gathers_the_logits_and_sorts_the_whole_vocabulary_in_cub_p
     kernel = kernel_of(graph, sort, kernel_plan(graph, "eager"))
     assert kernel.nbytes == 6 * B * VOCAB * (3 * 4 + 2 * 8)
     assert len(step_ops(graph, "aten._softmax")) >= 1
+
+
+def test_tensor_parallel_ranks_share_no_ids_and_pipeline_stages_broadcast_one_per_row():
+    """FasterTransformer's ParallelGpt samples on every TP rank from the gathered logits with one seed (no
+    broadcast among them); its last pipeline stage sends the chosen ids on. Ours the same: B int64 ids a step."""
+    graph = decode_trace(Sampling(top_p=0.9, seed=0))
+    step = {graph.node_attrs[n]["collective"] for n, d in graph.node_attrs.items()
+            if d["kind"] == "collective" and d["phase"] == "decode[0]"}
+    assert step == {"all_reduce", "all_gather"}  # the layers', the embedding's, the logits'
+    prompt = torch.zeros(B, 5, dtype=torch.long, device="meta")
+    last, _ = trace_pp_stage(tiny_config(n_layer=2, vocab_size=VOCAB), lambda m, scope, forward: generate(
+        m, prompt, 3, Sampling(top_p=0.9, seed=0), phase_scope=scope, forward=forward), Mesh(pp=2), 1,
+        dtype=torch.float16)
+    ids = [d for d in last.node_attrs.values() if d["kind"] == "collective" and d["phase"] == "decode[0]"
+           and d["collective"] == "broadcast"]
+    assert [d["bytes"] for d in ids] == [B * 8]
 
 
 def test_a_top_k_step_radix_selects_over_the_vocabulary():
