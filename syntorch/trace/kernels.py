@@ -25,7 +25,8 @@ Kernel time = kernel_overhead_us + one of
 
 Profiles (the same trace, other kernels):
 - eager: one kernel per aten op, as PyTorch runs our traces; views and ops that only make metadata
-  (NO_KERNEL) launch nothing.
+  (NO_KERNEL) launch nothing. The host issues each kernel of a generation step (hw.host_overhead_us apiece),
+  and a kernel starts no earlier than it is issued (cost.add_host_waits): short kernels run at the host's rate.
 - fused: elementwise ops (FUSIBLE: bias and residual adds, activations, casts, copies) launch nothing of
   their own. Each joins a neighbouring kernel, as FasterTransformer and Megatron-LM fuse them: the kernel
   that just produced its input (a GEMM's epilogue: bias, GeLU, the KV-cache write), or else the next
