@@ -46,6 +46,11 @@ def test_a_top_p_step_gathers_the_logits_and_sorts_the_whole_vocabulary_in_cub_p
     kernel = kernel_of(graph, sort, kernel_plan(graph, "eager"))
     assert kernel.nbytes == 6 * B * VOCAB * (3 * 4 + 2 * 8)
     assert len(step_ops(graph, "aten._softmax")) >= 1
+    # the gathered [tp, B, V/tp] chunks copied into rows: a kernel even under the fused profile (Megatron's
+    # torch.cat along the last dimension, FasterTransformer's transpose after its all-gather); the FP32 cast
+    # for sampling joins it (its output written as FP32: 2 more bytes a logit)
+    cat, = [n for n in step_ops(graph, "aten.cat") if nodes[n]["module"] == "lm_head"]
+    assert kernel_of(graph, cat, kernel_plan(graph, "fused")).nbytes == 2 * B * padded * 2 + B * VOCAB * 2
 
 
 def test_tensor_parallel_ranks_share_no_ids_and_pipeline_stages_broadcast_one_per_row():

@@ -265,8 +265,11 @@ class _FusedPlan:
 
     def layout_only(self, node, data, inputs) -> bool:
         """A cat that only arranges the chunks of an all-gather, or the chunks for a reduce-scatter, along
-        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place."""
-        if data["name"] != "aten.cat":
+        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place. Not one along
+        the last dimension (the vocabulary-parallel logits gathered for sampling): Megatron's
+        _gather_along_last_dim copies them into rows (torch.cat), FasterTransformer's ParallelGpt too
+        (invokeTransposeAxis01 after the all-gather)."""
+        if data["name"] != "aten.cat" or self.along_last_dim(node, inputs):
             return False
         nodes, graph = self.graph.node_attrs, self.graph
         hosts = {self.host_of.get(t) for t in inputs}
@@ -275,6 +278,13 @@ class _FusedPlan:
         consumers = [c for t in graph.succs[node] for c in graph.succs[t]]
         to_collective = bool(consumers) and all(nodes[c]["kind"] == "collective" for c in consumers)
         return from_collective or to_collective
+
+    def along_last_dim(self, node, inputs) -> bool:
+        """Does the cat join its chunks along their last dimension?"""
+        nodes = self.graph.node_attrs
+        out = next((nodes[t]["shape"] for t in self.graph.succs[node]), [])
+        first = nodes[inputs[0]]["shape"] if inputs else []
+        return len(out) == len(first) >= 2 and out[:-1] == first[:-1] and out[-1] != first[-1]
 
     def flush(self):
         """Pending ops no kernel read: one kernel of their own, hosted by the first."""
