@@ -9,12 +9,14 @@ nor let backward overlap with the gradient all-reduce. Here, on the converted no
    on one depends on what it depended on.
 2. gloo collectives become COMM_COLL_NODEs written as syntorch writes a traced collective (chakra/nodes.py's
    one table: comm_type, comm_size, pg_name; broadcast, reduce and barrier as collectives ASTRA-sim
-   simulates), from the bytes of the op's input tensors; is_cpu_op false. Every other field the official
-   tools wrote is kept.
+   simulates), from the bytes of the op's input tensors; is_cpu_op false. The type is the collective the
+   program called (the c10d op: gloo runs a reduce-scatter as an all-reduce), the group the one torch's
+   flight recorder logged (flight_recorder.py). Sends and recvs become COMM_SEND/RECV_NODEs with their global
+   peer (peers.py), tag and bytes. Every other field the official tools wrote is kept.
 3. Dependencies: a collective depends on the op that launched it and on the group's previous
-   collective (one queue per process group, as gloo and NCCL run them). It leaves the main thread's
-   serial chain; the first later op that touches its tensors' storage (DDP's copy of the bucket back
-   into the gradients) depends on it. So backward compute after a bucket's launch overlaps its
+   collective (one queue per process group, as gloo and NCCL run them; a send or recv on its pair's). It
+   leaves the main thread's serial chain; the first later op that touches its tensors' storage (DDP's copy
+   of the bucket back into the gradients) depends on it. So backward compute after a bucket's launch overlaps its
    all-reduce, as it did in the run.
 4. Dependencies on nodes the converter dropped (it removes "dangling" nodes that others still name in
    ctrl_deps) are removed: ASTRA-sim stops on a dependency it cannot find.
@@ -37,6 +39,12 @@ from syntorch.capture.peers import point_to_point
 from syntorch.capture.traces import tensor_refs
 from syntorch.chakra.nodes import COLLECTIVE_TYPES, P2P, collective_attrs
 
+# c10d ops (what the program called) -> the graph's collective kinds
+C10D_COLLECTIVES = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
+                    "c10d::allgather_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
+                    "c10d::reduce_scatter_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
+                    "c10d::alltoall_": "all_to_all", "c10d::broadcast_": "broadcast", "c10d::barrier": "barrier",
+                    "c10d::reduce_": "reduce", "c10d::gather_": "gather", "c10d::scatter_": "scatter"}
 THREAD_ROOTS = ("[pytorch|profiler|execution_graph|thread]", "[pytorch|profiler|execution_trace|thread]")
 
 
@@ -130,7 +138,7 @@ def _make_communication(by_id: dict, host_nodes: dict, comm: Communication) -> t
     gloo = [i for i in sorted(by_id) if by_id[i].type == et.COMP_NODE and by_id[i].name.startswith("gloo:")]
     p2p = [i for i in gloo if by_id[i].name.removeprefix("gloo:") in P2P]
     collectives = [i for i in gloo if i not in set(p2p)]
-    channels, notes = {}, set()
+    channels, notes, called = {}, set(), called_collectives(host_nodes)
     recorded = comm.collectives
     if recorded is not None and [name for name, _ in recorded] != [by_id[i].name for i in collectives]:
         notes.add(f"the flight recorder's {len(recorded)} collectives are not the trace's {len(collectives)}; "
@@ -142,7 +150,8 @@ def _make_communication(by_id: dict, host_nodes: dict, comm: Communication) -> t
     for k, node_id in enumerate(collectives):
         pg_name = recorded[k][1] if recorded else comm.default_group()
         members = comm.groups.get(pg_name) or [comm.rank]
-        if _make_collective(by_id[node_id], host_nodes.get(node_id, {}), pg_name, len(members), notes):
+        kind = called.get(node_id) or by_id[node_id].name.removeprefix("gloo:")
+        if _make_collective(by_id[node_id], kind, host_nodes.get(node_id, {}), pg_name, len(members), notes):
             channels[node_id] = tuple(sorted(members))
     for node_id in p2p:
         launcher = host_nodes.get(node_id, {}).get("ctrl_deps")  # the c10d op, which holds the peer and tag
@@ -159,8 +168,25 @@ def _make_communication(by_id: dict, host_nodes: dict, comm: Communication) -> t
     return dict(sorted(channels.items())), notes
 
 
-def _make_collective(node, host_node: dict, pg_name: str, group_size: int, notes: set) -> bool:
-    kind = node.name.removeprefix("gloo:")
+def called_collectives(host_nodes: dict) -> dict[int, str]:
+    """gloo op id -> the collective the program called for it: its c10d op's (the op's parent, or the c10d op
+    launched last before it under the same parent). gloo runs some as others: a reduce-scatter is an all_reduce
+    of the whole buffer there, as its profiler name says, but NCCL runs the reduce-scatter."""
+    called, last_c10d = {}, {}  # parent id -> the latest c10d op under it
+    for node_id in sorted(host_nodes):
+        node = host_nodes[node_id]
+        name, parent = node["name"], node.get("ctrl_deps")
+        if name.startswith("c10d::"):
+            last_c10d[parent] = name
+        elif name.startswith("gloo:"):
+            launcher = host_nodes.get(parent, {}).get("name", "")
+            kind = C10D_COLLECTIVES.get(launcher if launcher.startswith("c10d::") else last_c10d.get(parent, ""))
+            if kind:
+                called[node_id] = kind
+    return called
+
+
+def _make_collective(node, kind: str, host_node: dict, pg_name: str, group_size: int, notes: set) -> bool:
     if kind not in COLLECTIVE_TYPES:
         notes.add(f"{node.name} left as a compute node (no ASTRA-sim collective for it)")
         return False
