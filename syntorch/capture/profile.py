@@ -52,8 +52,9 @@ class Schedule:
     active: int = 1
 
     def __post_init__(self):
-        if self.wait < 0 or self.warmup < 0 or self.active < 1:
-            raise UserError(f"the trace schedule needs --trace-wait-steps >= 0, --trace-warmup-steps >= 0 and "
+        # without a warmup step torch 2.13's profiler records events whose names it cannot decode when exported
+        if self.wait < 0 or self.warmup < 1 or self.active < 1:
+            raise UserError(f"the trace schedule needs --trace-wait-steps >= 0, --trace-warmup-steps >= 1 and "
                             f"--trace-active-steps >= 1; got {self.wait}, {self.warmup} and {self.active}")
 
     @property
