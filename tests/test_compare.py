@@ -121,8 +121,8 @@ def test_a_changed_size_is_one_line(ws, capsys, altered):
 
     rewrite(altered / "gpt2.1.et", grow_third)
     code, out = compare(capsys, altered, ws / "traced" / "dp2-tp2")
-    assert code == 1 and out[:-1] == [line for line in out[:-1] if line.startswith("rank 1 #2: ")] and len(out) == 2
-    assert "bytes 12345 in real, " in out[0], out
+    assert code == 1 and len(out) == 2 and out[0].startswith("rank 1 #2: "), out
+    assert "bytes 12345 in real, 8192 in traced" in out[0] and out[1] == "1 difference", out
 
 
 def test_a_dropped_collective_is_reported_where_it_went_missing(ws, capsys, altered):
@@ -175,3 +175,16 @@ def test_bad_input_is_one_line_and_exit_2(ws, capsys, tmp_path, problem):
     code = main(["compare", str(real), str(ws / "traced" / "dp2-tp2")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("syntorch compare: error: "), err
+
+
+def test_a_peer_is_the_candidate_that_posted_the_matching_op():
+    from syntorch.capture.peers import PointToPoint, find_peers
+
+    # rank 0 is in a TP pair [0, 1] and a pipeline link [0, 2]: group rank 1 of either could be its peer
+    groups = {0: {"1": [0, 1], "7": [0, 2]}, 1: {"1": [0, 1]}, 2: {"7": [0, 2]}}
+    ops = {0: [PointToPoint("send", 1, 0, 64), PointToPoint("send", 1, 1, 64)],
+           1: [PointToPoint("recv", 0, 1, 64)], 2: [PointToPoint("recv", 0, 0, 64)]}
+    found = find_peers(ops, groups)
+    assert found[0] == [(2, "7"), (1, "1")] and found[2] == [(0, "7")] and found[1] == [(0, "1")]
+    ops[1].append(PointToPoint("recv", 0, 0, 64))  # now both candidates hold a matching recv: not guessed
+    assert find_peers(ops, groups)[0][0] is None

@@ -60,7 +60,7 @@ def find_peers(ops: dict[int, list[PointToPoint]], groups: dict[int, dict[str, l
             seen[op] += 1
             matches = {}
             for name, members in groups.get(rank, {}).items():
-                if op.local_peer >= len(members) or members[op.local_peer] == rank or rank not in members:
+                if rank not in members or op.local_peer >= len(members) or members[op.local_peer] == rank:
                     continue
                 peer = members[op.local_peer]
                 wanted = PointToPoint(OPPOSITE[op.kind], members.index(rank), op.tag, op.nbytes)
