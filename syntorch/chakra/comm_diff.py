@@ -42,7 +42,8 @@ class Comm(NamedTuple):
         return (self.kind, None if self.kind == ROUTED else self.nbytes, self.group, self.peer)
 
     def __str__(self) -> str:
-        where = f"to/from rank {self.peer}" if self.peer is not None else f"over {list(self.group)}"
+        where = f"over {list(self.group)}" if self.peer is None else \
+            f"{'to' if self.kind == 'send' else 'from'} rank {self.peer}"
         return f"{self.kind} of {self.nbytes} B {where}"
 
 
