@@ -56,7 +56,9 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--trace-name", help="file prefix (default <family>_<N>rank)")
     p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's traces in --trace-output-dir")
     p.add_argument("--trace-wait-steps", type=int, default=1, at_least=0)
-    p.add_argument("--trace-warmup-steps", type=int, default=1, at_least=0)
+    p.add_argument("--trace-warmup-steps", type=int, default=1, at_least=1,
+                   help="profiled steps before the recorded ones (torch 2.13's profiler cannot read back a window "
+                        "without one: it fails decoding the events' names)")
     p.add_argument("--trace-active-steps", type=int, default=1, at_least=1)
 
 
