@@ -71,7 +71,7 @@ def check_etp(config: ModelConfig, etp: int, tp: int, ep: int, tokens: int) -> N
 def experts_aside(model: nn.Module, aside: bool = True):
     """The MoE layers' experts out of `model` while TP shards the rest (with --etp they are sharded over the
     expert-TP ranks instead: shard_experts), back in place after."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)] if aside else []
+    moes = [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))] if aside else []
     kept = [m.experts for m in moes]
     for m in moes:
         m.experts = nn.ModuleList()
@@ -89,7 +89,7 @@ def shard_experts(model: nn.Module, etp: int, etp_rank: int) -> None:
     if etp == 1:
         return
     shards = TPGroup(None, etp_rank, etp)
-    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+    for moe in [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))]:
         for mlp in moe.experts:
             gated = "colwise_gated" if mlp.gated else "colwise"
             for name, style, parallel in (("fc1", gated, ColumnParallelLinear), ("fc2", "rowwise", RowParallelLinear)):
@@ -118,9 +118,9 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         whole = x = x.reshape(B * T, d)
-        rows = B * T // self.slices
+        mine = B * T // self.slices  # tokens this rank routes
         if self.slices > 1:
-            x = x.narrow(0, self.slice * rows, rows)
+            x = x.narrow(0, self.slice * mine, mine)
         weights, experts = self.route(x)
         order = experts.flatten().argsort(stable=True)
         token = order // self.top_k
@@ -139,7 +139,7 @@ class ExpertParallelMoE(nn.Module):
         y = y * weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, token, y)
         if self.slices > 1:  # this slice's rows; the other slices' ranks add theirs in the region's all-reduce
-            out = F.pad(out, (0, 0, self.slice * rows, (self.slices - 1 - self.slice) * rows))
+            out = F.pad(out, (0, 0, self.slice * mine, (self.slices - 1 - self.slice) * mine))
         if self.shared is not None:
             out = out + self.shared(whole)
         return out.view(B, T, d)

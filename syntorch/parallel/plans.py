@@ -6,11 +6,12 @@
     train_step(run, batches)
 
 `apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
-1. TP (+SP) on a model holding the stage's layers and still both ends: the vocab-parallel head is tied to the
-   vocab-parallel embedding while both exist, so the last stage's copy of a tied embedding is sharded alike.
-   EP (expert parallel) then keeps each MoE layer's share of the experts, TP-sharded, or with --etp other
-   than --tp set aside while TP runs and sharded over their own expert-TP ranks (expert.py); the EP groups
-   are carved out of the stage's TP x CP x DP ranks as Megatron-Core's (mesh.py).
+1. EP (expert parallel) keeps each MoE layer's share of the experts (expert.py; the EP groups are carved out
+   of the stage's TP x CP x DP ranks as Megatron-Core's, mesh.py), before TP, so TP's region around each MoE
+   layer wraps the layer that runs. TP (+SP) on a model holding the stage's layers and still both ends: the
+   vocab-parallel head is tied to the vocab-parallel embedding while both exist, so the last stage's copy of a
+   tied embedding is sharded alike. TP shards the experts too, unless --etp differs from --tp: then they are
+   set aside while TP runs and sharded over their own expert-TP ranks (whole for etp 1).
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
 3. FP8 (`fp8`, fp8.py) sends the stage's Linear GEMMs through FP8 casts and `_scaled_mm`.
@@ -209,19 +210,19 @@ class StageRun:
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32, model: nn.Module | None = None) -> StageRun:
-    """Build this rank's stage of `config` and apply TP, EP, PP, recomputation, CP, DP/ZeRO/FSDP and the
+    """Build this rank's stage of `config` and apply EP, TP, PP, recomputation, CP, DP/ZeRO/FSDP and the
     optimizer in that order (the module docstring says why). `model`: the whole model already built on
     `device` in `dtype` (`syntorch train` loads a checkpoint's weights), instead of a fresh one."""
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype) if model is None else model
     set_load(model, plan.moe_load)
+    if plan.ep > 1:
+        apply_ep(model, groups.ep, plan.tp // plan.etp, groups.tp_rank // plan.etp)
     with experts_aside(model, plan.etp != plan.tp):
         tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
         replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
     if plan.etp != plan.tp:
         shard_experts(model, plan.etp, plan.mesh.index(groups.rank, "etp"))
-    if plan.ep > 1:
-        apply_ep(model, groups.ep, plan.tp // plan.etp, groups.tp_rank // plan.etp)
     pp_.split_stage(model, stage)
     if plan.fp8:
         apply_fp8(model)
