@@ -91,6 +91,16 @@ def set_load(model, load: Load | None) -> None:
             module.symbolic_load = list(load[int(LAYER_PATH.match(name).group(1)) - first])
 
 
+def check_one_kind(load: Load | None, ep: int) -> None:
+    """`syntorch trace` writes one program per pipeline stage (workload.py): a load under which EP ranks
+    differ is refused there (trace/training.py's trace_stage traces any one rank)."""
+    kinds = ep_kinds(load, ep)
+    if len(kinds) > 1:
+        raise UserError(f"--moe_load makes the {ep} EP ranks differ ({len(kinds)} kinds: EP ranks "
+                        f"{'; '.join(','.join(map(str, k)) for k in kinds)}), and syntorch trace writes one program "
+                        "per pipeline stage; give a load under which every EP rank's experts get equal shares")
+
+
 def ep_kinds(load: Load | None, ep: int) -> list[list[int]]:
     """EP indices grouped by the shares of the experts each holds, layer by layer, in order of their first
     index: ranks of one group receive and compute alike (module docstring)."""
