@@ -92,21 +92,19 @@ def test_real_step_equals_one_process(tmp_path, name):
     assert seen == set(ref_grads)  # every expert lives somewhere
 
 
-def trace(tmp_path, *args) -> dict:
+def test_traces_of_ep_with_fsdp_cp_and_etp_validate_and_predict(tmp_path):
     config = tmp_path / "moe.json"
     save_model_config(MOE, config)
     out = tmp_path / "run"
     assert main(["trace", "--model_config", str(config), "--seq", "16", "--microbatches", "2", "--out", str(out),
-                 "--no_progress", *args]) == 0
+                 "--no_progress", "--dp", "2", "--cp", "2", "--tp", "2", "--etp", "1", "--ep", "4", "--pp", "2",
+                 "--zero", "3", "--hw_config", "h100-sxm"]) == 0
     assert check_traces(out)[0] == []
-    return json.loads((out / "comm_groups.json").read_text())
-
-
-def test_traces_of_ep_with_fsdp_cp_and_etp_validate(tmp_path):
-    groups = {tuple(g) for g in trace(tmp_path, "--dp", "2", "--cp", "2", "--tp", "2", "--etp", "1", "--ep", "4",
-                                      "--pp", "2", "--zero", "3").values()}
+    groups = {tuple(g) for g in json.loads((out / "comm_groups.json").read_text()).values()}
     # stage 0's ranks 0-3 and 8-11 (dp 1): EP groups of tp/etp x cp = 4, expert-DP along dp
     assert (0, 1, 2, 3) in groups and (0, 8) in groups
+    predicted = json.loads((out / "summary.json").read_text())["predicted"]
+    assert predicted["step_s"] > 0 and predicted["ranks"] == 16
 
 
 @pytest.mark.parametrize("bad, words", [(dict(tp=4, etp=3, ep=2, dp=2), "--etp 3 must divide --tp 4"),
@@ -115,3 +113,28 @@ def test_traces_of_ep_with_fsdp_cp_and_etp_validate(tmp_path):
 def test_bad_expert_layouts(bad, words):
     with pytest.raises(UserError, match=words):
         TrainPlan(**{"seq": 16, **bad}).check(tiny_config("llama-2-7b", n_kv_head=4, n_experts=8, moe_top_k=2))
+
+
+def test_fsdp_experts_on_one_replica_hold_them_whole():
+    """EP over all of DP (expert-DP of one rank): each layer's experts are a unit of their own that moves
+    nothing; the dense units still all-gather and reduce-scatter over DP."""
+    from syntorch.models import build_model
+    from syntorch.trace.training import trace_stage
+
+    plan = TrainPlan(dp=2, ep=2, zero=3, seq=16)
+    assert plan.expert_dp == 1
+    graph = trace_stage(MOE, plan, 0)
+    sharded = [d for _, d in graph.collectives() if d["collective"] in ("all_gather", "reduce_scatter")]
+    assert sharded and all(d["group"] == [0, 1] for d in sharded)
+    dense = sum(p.numel() for n, p in build_model(MOE, "meta").named_parameters() if ".experts." not in n)
+    scattered = sum(d["bytes"] for d in sharded if d["collective"] == "reduce_scatter")
+    assert dense * 4 <= scattered < (dense + 2 * 3) * 4  # the dense units only (each padded to even)
+
+
+def test_an_etp_that_does_not_divide_is_one_line(tmp_path, capsys):
+    config = tmp_path / "moe.json"
+    save_model_config(MOE, config)
+    assert main(["trace", "--model_config", str(config), "--tp", "4", "--etp", "3", "--dp", "2", "--ep", "2",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--etp 3 must divide --tp 4" in err[0]
