@@ -24,6 +24,9 @@ gradients and over which FSDP shards it) the rest. With cp = 1 and etp = tp, EP 
 expert-DP strides by ep along dp. The two factorings must nest: every boundary of one (tp, tp x cp; etp,
 etp x ep) divides the next larger of the other, so each name is a run of "atoms" (size, stride) of one
 common mixed radix, and `group`, `groups`, `index` and `translate` work on atoms alike for every name.
+(Megatron-Core re-factors the whole world in its default order "tp-cp-ep-dp-pp", PP outermost, which is this
+per-stage re-factoring; in a PP-inner order it requires expert-DP = DP. syntorch's DP is outside PP, so it
+re-factors each stage's ranks.)
 
 The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), with cp > 1 CP
