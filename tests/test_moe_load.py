@@ -92,6 +92,7 @@ def test_trace_refuses_a_load_that_makes_ep_ranks_differ_until_kinds_are_written
     config = tmp_path / "moe.json"
     save_model_config(MOE, config)
     args = ["trace", "--model_config", str(config), "--seq", "16", "--dp", "2", "--ep", "2", "--no_progress"]
-    assert main([*args, "--moe_load", load_file(tmp_path, {"tokens_per_expert": ROWS}), "--out", str(tmp_path / "a")]) == 2
-    assert main([*args, "--moe_load", load_file(tmp_path, {"tokens_per_expert": [[1, 1, 1, 1], [3, 1, 3, 1]]}, "even.json"),
-                 "--out", str(tmp_path / "b")]) == 0  # each EP rank's experts get half: one kind
+    skewed = load_file(tmp_path, {"tokens_per_expert": ROWS})
+    even = load_file(tmp_path, {"tokens_per_expert": [[1, 1, 1, 1], [3, 1, 3, 1]]}, "even.json")
+    assert main([*args, "--moe_load", skewed, "--out", str(tmp_path / "a")]) == 2
+    assert main([*args, "--moe_load", even, "--out", str(tmp_path / "b")]) == 0  # each EP rank's experts get half

@@ -56,7 +56,8 @@ def check_etp(config: ModelConfig, etp: int, tp: int, ep: int, tokens: int) -> N
     if etp == tp:
         return
     if ep == 1:
-        raise UserError(f"--etp {etp} differs from --tp {tp}: the ranks it frees hold other experts, which needs --ep > 1")
+        raise UserError(f"--etp {etp} differs from --tp {tp}: the ranks it frees hold other experts, which needs "
+                        "--ep > 1")
     if config.expert_d_ff % etp:
         raise UserError(f"--etp {etp} must divide {config.name}'s expert FFN size ({config.expert_d_ff})")
     if 1 < etp and config.mlp_bias:

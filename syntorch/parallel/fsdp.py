@@ -4,8 +4,8 @@ group (DP, or DP x CP) and are whole only around their layer's forward and backw
 Units: each transformer layer is one (with expert parallelism two: its experts are a unit of their own over
 the expert-data-parallel group, the ranks holding the same experts, as torchtitan shards them on its
 dp_mod_ep mesh; their gradients are still averaged over the grad group's size, torchtitan's gradient divide
-factor, since each already sums the tokens of a whole EP group); the stage's other parameters (embeddings, final norm, head) another,
-and a weight tied across the first and last stage one of its own (so its shard lines up on both stages and
+factor, since each already sums the tokens of a whole EP group); the stage's other parameters (embeddings,
+final norm, head) another, and a weight tied across the first and last stage one of its own (so its shard lines up on both stages and
 Megatron's embedding group can sum its gradient). Each unit's parameters are one flat buffer padded to a
 multiple of the group size, of which this rank keeps 1/n (FSDP1's flat parameter; one all-gather and one
 reduce-scatter per unit, as FSDP2 also issues per layer); the optimizer updates the shards.

@@ -7,8 +7,8 @@ replicated over EP), each expert's 1/etp shard (--etp, the experts' own TP size;
 stage model built on meta. With mixed precision a rank keeps 2Ψ of
 weights, 2Ψ of gradients and KΨ of optimizer states, K = 12 (FP32 master weights, Adam's two FP32 moments);
 in FP32, 4Ψ + 4Ψ + 8Ψ. ZeRO divides over N_d, the ranks gradients are averaged over (DP x CP; for the
-experts their expert-DP group, the replicas of one expert shard: TP x CP x DP / (etp x ep), mesh.py): stage 1 the optimizer states, stage 2 the gradients too, stage 3
-the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
+experts their expert-DP group, the replicas of one expert shard: TP x CP x DP / (etp x ep), mesh.py):
+stage 1 the optimizer states, stage 2 the gradients too, stage 3 the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
 - ZeRO-2: one gradient bucket (--bucket_mb) before its reduce-scatter;
 - ZeRO-3 (FSDP, fsdp.py): the unit being computed and the one prefetched (two of the largest unit, whole
   over DP: a layer, or the stage's embeddings and head; with EP a layer's dense part and its experts are

@@ -56,7 +56,8 @@ def parse_load(spec: str | None, config: ModelConfig) -> Load | None:
 
 
 def _row(row: list, layer: int, where: str) -> tuple[float, ...]:
-    if not all(isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < math.inf for n in row) or not any(row):
+    numbers = all(isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < math.inf for n in row)
+    if not numbers or not any(row):
         raise UserError(f"--moe_load {where}: MoE layer {layer}'s row must be non-negative numbers, not all zero")
     return _shares(row)
 
