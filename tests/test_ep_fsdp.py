@@ -21,6 +21,7 @@ PLANS = {
     "ep_cp_fsdp": TrainPlan(dp=2, cp=2, ep=2, zero=3, **BASE),  # experts sharded over the DP pair (expert-DP)
     "etp1": TrainPlan(tp=2, etp=1, ep=2, **BASE),  # whole experts; the EP group is the TP pair, tokens halved
     "ep_tp": TrainPlan(tp=2, dp=2, ep=2, **BASE),  # experts TP-sharded (etp = tp), EP over the DP pair
+    "ep_tp_fsdp": TrainPlan(tp=2, dp=4, ep=2, zero=3, **BASE),  # and FSDP: experts over expert-DP (2 ranks)
 }
 
 
@@ -46,11 +47,13 @@ def rank_step(out_dir: str, name: str) -> None:
     rows, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
     d = plan.mesh.coordinate(rank).dp
     loss = plans.train_step(run, [(x[i:i + b], y[i:i + b]) for i in range(d * rows, (d + 1) * rows, b)])
-    names = {id(p): global_name(run.model, n) for n, p in run.model.named_parameters()}
     styles = run.tp_plan.styles if run.tp_plan else {}
+    # id -> (name in the whole model, TP style of its module)
+    names = {id(p): (global_name(run.model, n), styles.get(n.rpartition(".")[0]))
+             for n, p in run.model.named_parameters()}
     out = {"loss": loss.item(), "tp_rank": run.groups.tp_rank,
-           "grads": {names[id(p)]: (styles.get(n.rpartition(".")[0]), p.grad.tolist())
-                     for n, p in run.model.named_parameters() if p.grad is not None},
+           "grads": {names[id(p)][0]: (names[id(p)][1], p.grad.tolist())
+                     for p in run.model.parameters() if p.grad is not None},
            "shards": [{"names": [names[id(p)] for p in u.params], "grad": u.shard.grad.tolist(),
                        "index": comm.rank_in(u.group) if u.size > 1 else 0, "size": u.size}
                       for u in getattr(run.grad_sync, "units", [])]}
@@ -84,11 +87,12 @@ def test_real_step_equals_one_process(tmp_path, name):
             torch.testing.assert_close(torch.tensor(g), want, atol=1e-5, rtol=1e-4, msg=n)
             seen.add(n)
         for unit in r["shards"]:  # fsdp.py's layout: the unit's gradients flattened, padded, this rank's part
-            flat = torch.cat([ref_grads[n].flatten() for n in unit["names"]])
+            flat = torch.cat([expected(ref_grads[n], n, style, plan.tp, r["tp_rank"]).flatten()
+                              for n, style in unit["names"]])
             flat = torch.cat([flat, flat.new_zeros(-flat.numel() % unit["size"])])
             torch.testing.assert_close(torch.tensor(unit["grad"]), flat.chunk(unit["size"])[unit["index"]],
                                        atol=1e-5, rtol=1e-4, msg=str(unit["names"][:2]))
-            seen.update(unit["names"])
+            seen.update(n for n, _ in unit["names"])
     assert seen == set(ref_grads)  # every expert lives somewhere
 
 
