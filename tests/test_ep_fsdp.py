@@ -15,6 +15,9 @@ from syntorch.errors import UserError
 from syntorch.parallel.plans import TrainPlan
 
 MOE = tiny_config("gpt2", n_layer=2, vocab_size=200, n_experts=4, moe_top_k=2)
+# SwiGLU experts without biases and a shared expert (DeepSeekMoE's), which --etp between 1 and --tp needs
+GATED = tiny_config("llama-2-7b", n_kv_head=4, vocab_size=200, n_experts=4, moe_top_k=2, n_shared_experts=1,
+                    d_ff_expert=64)
 BASE = dict(microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
 PLANS = {
     "ep_cp": TrainPlan(cp=2, ep=2, **BASE),  # the EP group is the CP pair
@@ -22,7 +25,9 @@ PLANS = {
     "etp1": TrainPlan(tp=2, etp=1, ep=2, **BASE),  # whole experts; the EP group is the TP pair, tokens halved
     "ep_tp": TrainPlan(tp=2, dp=2, ep=2, **BASE),  # experts TP-sharded (etp = tp), EP over the DP pair
     "ep_tp_fsdp": TrainPlan(tp=2, dp=4, ep=2, zero=3, **BASE),  # and FSDP: experts over expert-DP (2 ranks)
+    "etp2_of_tp4": TrainPlan(tp=4, etp=2, ep=2, **BASE),  # experts halved over 2 ranks; EP: the 2 TP halves
 }
+CONFIGS = {"etp2_of_tp4": GATED}
 
 
 def global_name(model, name: str) -> str:
@@ -40,10 +45,10 @@ def rank_step(out_dir: str, name: str) -> None:
     from syntorch.parallel.mesh import init_groups
 
     rank, _ = init_distributed("cpu")
-    plan = PLANS[name]
+    plan, config = PLANS[name], CONFIGS.get(name, MOE)
     torch.manual_seed(0)
-    run = plans.apply_plans(MOE, plan, init_groups(plan.mesh, MOE.tied_head), "cpu")
-    x, y = global_batch(MOE, plan)
+    run = plans.apply_plans(config, plan, init_groups(plan.mesh, config.tied_head), "cpu")
+    x, y = global_batch(config, plan)
     rows, b = plan.microbatches * plan.micro_batch_size, plan.micro_batch_size
     d = plan.mesh.coordinate(rank).dp
     loss = plans.train_step(run, [(x[i:i + b], y[i:i + b]) for i in range(d * rows, (d + 1) * rows, b)])
@@ -61,33 +66,38 @@ def rank_step(out_dir: str, name: str) -> None:
         json.dump(out, f)
 
 
-def expected(ref: torch.Tensor, name: str, style: str | None, tp: int, tp_rank: int) -> torch.Tensor:
-    """The reference gradient as this rank holds it: its TP shard (tensor.py's `style`), or whole."""
+def expected(ref: torch.Tensor, name: str, style: str | None, plan: TrainPlan, tp_rank: int, config) -> torch.Tensor:
+    """The reference gradient as this rank holds it: its TP shard (tensor.py's `style`), its ETP shard for
+    an expert when --etp is not --tp (expert.py), or whole."""
     from syntorch.parallel.tensor import padded_vocab, take_shard
 
     param = name.rpartition(".")[2]
-    if tp == 1 or style is None:
+    if ".experts." in name and plan.etp not in (1, plan.tp):
+        style = "rowwise" if ".fc2." in name else "colwise_gated"
+        return take_shard(style, param, ref, tp_rank % plan.etp, plan.etp, 0, 0)
+    if plan.tp == 1 or style is None:
         return ref
-    return take_shard(style, param, ref, tp_rank, tp, padded_vocab(MOE.vocab_size, tp), MOE.d_head, MOE.kv_heads)
+    return take_shard(style, param, ref, tp_rank, plan.tp, padded_vocab(config.vocab_size, plan.tp), config.d_head,
+                      config.kv_heads)
 
 
 @pytest.mark.parametrize("name", PLANS)
 def test_real_step_equals_one_process(tmp_path, name):
     from syntorch.parallel.launch import spawn
 
-    plan = PLANS[name]
+    plan, config = PLANS[name], CONFIGS.get(name, MOE)
     spawn(rank_step, plan.mesh.world_size, (str(tmp_path), name))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(plan.mesh.world_size)]
-    ref_loss, ref_grads, _ = reference_step(MOE, plan)
+    ref_loss, ref_grads, _ = reference_step(config, plan)
     assert sum(r["loss"] for r in ranks) / len(ranks) == pytest.approx(ref_loss, abs=1e-5)
     seen = set()
     for r in ranks:
         for n, (style, g) in r["grads"].items():
-            want = expected(ref_grads[n], n, style, plan.tp, r["tp_rank"])
+            want = expected(ref_grads[n], n, style, plan, r["tp_rank"], config)
             torch.testing.assert_close(torch.tensor(g), want, atol=1e-5, rtol=1e-4, msg=n)
             seen.add(n)
         for unit in r["shards"]:  # fsdp.py's layout: the unit's gradients flattened, padded, this rank's part
-            flat = torch.cat([expected(ref_grads[n], n, style, plan.tp, r["tp_rank"]).flatten()
+            flat = torch.cat([expected(ref_grads[n], n, style, plan, r["tp_rank"], config).flatten()
                               for n, style in unit["names"]])
             flat = torch.cat([flat, flat.new_zeros(-flat.numel() % unit["size"])])
             torch.testing.assert_close(torch.tensor(unit["grad"]), flat.chunk(unit["size"])[unit["index"]],
