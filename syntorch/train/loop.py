@@ -52,6 +52,7 @@ class TrainOptions:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # the experts' own TP size; None: tp
     sp: bool = False
     zero: int = 0
     fsdp: bool = False  # --zero 3
