@@ -250,12 +250,18 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
     tensor names, global ranks (groups, peers) moved by the stage difference along pp (around the chain: a
     group holding every stage, the gradient norm's, is itself moved)."""
-    steps = to_stage - graph.graph["stage"]
-    renamed = {}
+    shift = (to_stage - graph.graph["stage"]) * mesh.stride("pp")
+    span = mesh.pp * mesh.stride("pp")
+    renamed, groups = {}, {}
 
-    def move(rank: int) -> int:
-        index = mesh.coordinate(rank)._asdict()
-        return mesh.rank_of(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
+    def move(rank: int) -> int:  # pp is one digit of the rank: moved around the chain, the others kept
+        return rank - rank % span + (rank + shift) % span
+
+    def move_group(group: list) -> list:  # a group is moved once, however many nodes it is on
+        key = tuple(group)
+        if key not in groups:
+            groups[key] = sorted(map(move, group))
+        return groups[key]
 
     def rename(name: str) -> str:
         if name not in renamed:
@@ -267,7 +273,7 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
             return {**d, "name": rename(d["name"])}
         if d["kind"] == "op":
             return {**d, "module": rename(d["module"])}
-        return {**d, "module": rename(d["module"]), "group": sorted(map(move, d["group"])),
+        return {**d, "module": rename(d["module"]), "group": move_group(d["group"]),
                 "src": None if d["src"] is None else move(d["src"]),
                 "dst": None if d["dst"] is None else move(d["dst"])}
 
