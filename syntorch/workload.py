@@ -29,6 +29,7 @@ from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.prediction import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import TraceGraph, no_gc
+from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
 from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, schedule_stage, shift_stage,
                                      traced_stage_for)
@@ -41,7 +42,7 @@ class Workload:
     stages: list[TraceGraph]  # one per pipeline stage: its representative rank's training step
     hw: HardwareConfig | None = None  # what the durations are from
     traced_stages: int = 0  # stages actually run under the tracer (the others are shifted copies)
-    probes: dict = field(default_factory=dict)  # traced stage -> (probe graph, its steps): what predictions use
+    probes: dict = field(default_factory=dict)  # traced stage -> its StageProbe (graph, steps): what predictions use
     source: list[int] = field(default_factory=list)  # stage -> the traced stage it is a copy of
     profile: str = "eager"  # software profile of the durations, when hw is set
     attention: str = "flash"  # the attention kernel of the durations (trace/kernels.py), when hw is set
@@ -50,25 +51,30 @@ class Workload:
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager",
-                   attention: str = "flash") -> Workload:
-    """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step.
-    `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
+                   attention: str = "flash", layer_probes: bool = True) -> Workload:
+    """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
+    `layer_probes` each probe keeps one and two layers of each run of alike layers (trace/layer_probe.py),
+    else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
-        return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention))
+        return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
 
 
-def _trace_workload(config, plan, dtype, hw, schedule, software) -> Workload:
+def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -> Workload:
     estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
     if hw:  # before the work: a plan that does not fit is refused, not traced
         memory.check_fits(estimates, hw.memory_gb, hw.name)
     source = traced_stage_for(config, plan)
-    probed = PROBE_MICROBATCHES if schedule else COST_MICROBATCHES  # copies need one more than costs do
-    probes = {s: probe_stage(config, plan, s, dtype, microbatches=probed) for s in sorted(set(source))}
-    made = (config, plan, hw, len(probes))
     if not schedule:  # a prediction needs only the probes, costed
-        for graph, _ in probes.values() if hw else ():
-            fill_durations(graph, hw, *software)
-        return Workload(*made[:2], [], *made[2:], probes, source, *software, estimates)
+        probe = layer_probe if layer_probes else whole_probe
+        probes = {s: probe(config, plan, s, dtype, COST_MICROBATCHES) for s in sorted(set(source))}
+        for p in probes.values() if hw else ():
+            for graph, _ in (p, p.optimizer) if p.optimizer else (p,):
+                fill_durations(graph, hw, *software)
+        return Workload(config, plan, [], hw, len(probes), probes, source, *software, estimates)
+    # copies need one more micro-batch than costs do
+    probes = {s: StageProbe(*probe_stage(config, plan, s, dtype, microbatches=PROBE_MICROBATCHES))
+              for s in sorted(set(source))}
+    made = (config, plan, hw, len(probes))
     stages = {}
     # shifted copies first: schedule_stage may finish a probe in place (see there); each copy is scheduled
     # before the next is made, so only one unscheduled copy is alive at a time (peak RSS)

@@ -63,7 +63,18 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
     return _run_stage(config, probe, stage, dtype, rank)
 
 
-def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
+def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
+                    rank: int | None = None) -> tuple[TraceGraph, dict]:
+    """The stage's optimizer step on its own, as probe_stage's ("optimizer", None, None) block: no micro-batch
+    runs; every parameter the step reads holds a gradient first (the end of backward, which the DP buckets
+    then reduce, is traced but not the optimizer's)."""
+    # no micro-batch: every bucket is launched by the end of backward itself, which overlap would have done
+    alone = dataclasses.replace(plan, overlap_grad_reduce=False, schedule="gpipe")
+    return _run_stage(config, alone, stage, dtype, rank, microbatches=0)
+
+
+def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None) -> tuple[TraceGraph, dict]:
+    """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
@@ -73,7 +84,11 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
         groups = init_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
         batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
-                   for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data
+                   for _ in range(plan.microbatches if microbatches is None else microbatches)]
+        # (each micro-batch its own tensors, like its own data)
+        if not batches:
+            for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
+                p.grad = torch.zeros_like(p)
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
