@@ -162,10 +162,11 @@ def _repeat(graph: TraceGraph, before: int, first: int, second: int, copies: int
     def moved(u: int, by: int) -> int:  # u as read `by` periods later
         return u + by * size if u > before else u
 
+    period, after = range(first + 1, second + 1), range(second + 1, len(graph))
     edges = [(u, v, e) for v in range(second + 1) for u, e in pred[v].items()]
     for copy in range(1, copies + 1):
-        edges += [(moved(u, copy), v + copy * size, e) for v in range(first + 1, second + 1) for u, e in pred[v].items()]
-    edges += [(moved(u, copies), v + copies * size, e) for v in range(second + 1, len(graph)) for u, e in pred[v].items()]
-    out.append([*(nodes[n] for n in range(second + 1)), *(nodes[n] for _ in range(copies) for n in range(first + 1, second + 1)),
-                *(nodes[n] for n in range(second + 1, len(graph)))], edges)
+        edges += [(moved(u, copy), v + copy * size, e) for v in period for u, e in pred[v].items()]
+    edges += [(moved(u, copies), v + copies * size, e) for v in after for u, e in pred[v].items()]
+    out.append([*(nodes[n] for n in range(second + 1)), *(nodes[n] for _ in range(copies) for n in period),
+                *(nodes[n] for n in after)], edges)
     return out

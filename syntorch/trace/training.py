@@ -126,13 +126,13 @@ def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
     return probed - 1 if kind == "F" or m == microbatches - 1 else probed - 2
 
 
-def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> TraceGraph:
+def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False) -> TraceGraph:
     """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
     each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
     play the same part (the same micro-batch's forward, the previous backward).
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
-    the probe itself: then `probe` is finished in place and returned."""
+    the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
     stage, M = probe.graph["stage"], plan.microbatches
 
     def source(kind, m, c):
@@ -145,8 +145,9 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     order = [*steps, *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
-        _renumber_orders(probe)
-        return _finish(probe, plan, order, [start for start, _, _ in found])
+        finished = copy_graph(probe) if keep else probe
+        _renumber_orders(finished)
+        return _finish(finished, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
     out.append((probe.node_attrs[n] for n in range(prefix)),
@@ -228,6 +229,15 @@ class _Step:
             written[data["name"]] = (base + off, data["version"])
         self.written = written
         return nodes
+
+
+def copy_graph(graph: TraceGraph) -> TraceGraph:
+    """A copy whose node, edge and graph attributes can change without changing `graph`'s. Edges go in by
+    target, each one's inputs in their order, as the tracer added them (which level views keep)."""
+    out = TraceGraph(**graph.graph)
+    out.append((dict(d) for d in graph.node_attrs.values()),
+               ((u, v, dict(e)) for v, sources in graph.preds.items() for u, e in sources.items()))
+    return out
 
 
 def _state(n: int, d: dict) -> bool:
