@@ -27,6 +27,7 @@ import torch
 
 from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
+from syntorch.nodynamo import plain_step
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
@@ -83,6 +84,7 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
     with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
         groups = init_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
+        run.optimizer.step = plain_step(run.optimizer)  # the same ops, without importing torch._dynamo
         batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
                    for _ in range(plan.microbatches if microbatches is None else microbatches)]
         # (each micro-batch its own tensors, like its own data)
