@@ -11,7 +11,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.prediction import predict_training
 from syntorch.trace.layer_probe import KeptLayers, expand_step, reduced
-from syntorch.trace.training import probe_stage
+from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
 from syntorch.workload import trace_workload
 
 HW = load_hw_config("a100-80gb")
@@ -92,3 +92,15 @@ def test_an_expanded_step_has_the_whole_stages_ops():
         assert [d["name"] for d in step.node_attrs.values() if d["kind"] != "tensor"] == \
             [d["name"] for d in whole if d["kind"] != "tensor"]
         assert sum(d.get("flops", 0) for d in step.node_attrs.values()) == sum(d.get("flops", 0) for d in whole)
+
+
+def test_a_middle_stage_is_derived_only_from_one_with_layers_of_its_kinds():
+    """DeepSeek over 8 stages: stage 1 holds the last dense layer and an MoE one, so it is traced itself;
+    stage 3 (MoE only) derived from stage 2 by shifting equals tracing it."""
+    plan = TrainPlan(pp=8, microbatches=8, seq=16)
+    assert traced_stage_for(MOE, plan) == [0, 1, 2, 2, 2, 2, 2, 7]
+    probe, blocks = probe_stage(MOE, plan, 2)
+    derived = schedule_stage(shift_stage(probe, plan.mesh, 3, 2), blocks, plan)
+    traced = trace_stage(MOE, plan, 3, replicate=False)
+    assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+    assert list(derived.edges(data=True)) == list(traced.edges(data=True))

@@ -22,7 +22,7 @@ from syntorch.models import LAYER_PATH
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import TraceGraph
-from syntorch.trace.training import probe_optimizer, probe_stage
+from syntorch.trace.training import layer_kind, probe_optimizer, probe_stage
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,6 @@ class StageProbe(tuple):
         probe = super().__new__(cls, (graph, blocks))
         probe.runs, probe.optimizer = runs or [], optimizer
         return probe
-
-
-def layer_kind(config: ModelConfig, layer: int) -> tuple:
-    """What makes one layer's ops differ from another's: its MLP (DeepSeek's dense first layers) and window."""
-    return bool(config.n_experts) and layer >= config.first_k_dense, config.layer_window(layer)
 
 
 def runs(config: ModelConfig, layers) -> list[list[int]]:

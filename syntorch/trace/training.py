@@ -265,12 +265,21 @@ def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
 
 def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
     """For each stage, the stage whose probe it is derived from (itself when it must be traced): middle
-    stages with as many layers (probes run GPipe's order, the same on every stage)."""
+    stages whose chunks hold layers of the same kinds, as far apart (probes run GPipe's order, the same on
+    every stage; shift_stage moves every chunk's layers by one offset)."""
     source, first_middle = [], {}
     for s in range(plan.pp):
-        size = len(plan.stage(config, s).layers)
-        source.append(first_middle.setdefault(size, s) if 0 < s < plan.pp - 1 else s)
+        stage = plan.stage(config, s)
+        chunks = stage.chunks or (stage.layers,)
+        key = (tuple(tuple(layer_kind(config, i) for i in chunk) for chunk in chunks),
+               tuple(chunk[0] - stage.layers[0] for chunk in chunks))
+        source.append(first_middle.setdefault(key, s) if 0 < s < plan.pp - 1 else s)
     return source
+
+
+def layer_kind(config: ModelConfig, layer: int) -> tuple:
+    """What makes one layer's ops differ from another's: its MLP (DeepSeek's dense first layers) and window."""
+    return bool(config.n_experts) and layer >= config.first_k_dense, config.layer_window(layer)
 
 
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
