@@ -62,11 +62,11 @@ def trace_lazily(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_
             result = run(traced, scope)
         except StepsTraced:
             result = generation.result()
-    graph, starts = tracer.graph, scope.starts if derive else []
+    graph = tracer.graph
+    starts = scope.starts + [len(graph)] if derive else []  # decode[i]'s first node, then the end
     if replicate:
-        n = len(layers)
         graph = replicate_layers(graph, tracer.layer_calls, [layer_path(k) for k in layers])
-        starts = replicated_ids(starts + [len(tracer.graph)], tracer.layer_calls, n)
+        starts = replicated_ids(starts, tracer.layer_calls, len(layers))
     if not derive:
         return lambda: graph, result
     rule = DecodeRule(graph, starts[:-1], starts[-1], base)
@@ -127,13 +127,13 @@ def trace_tp_ranks(config, run: Callable, tp: int, sequence_parallel: bool = Fal
 
 def trace_tp_rank(config, prompt: torch.Tensor, max_new_tokens: int, tp: int, rank: int,
                   sequence_parallel: bool = False, device: str = "meta", dtype=torch.float32,
-                  sampling=None, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
+                  sampling=None, derive: bool = True, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
     """The trace (and generation result) of one TP rank's generation (trace_tp_run). `prompt` is [B, T]
-    token ids."""
+    token ids. On meta (with `derive`) the later decode steps are derived."""
     def run(m, phase_scope):
         return gen.generate(m, prompt.to(device), max_new_tokens, sampling or gen.Sampling(),
                             phase_scope=phase_scope, **generate_kwargs)
-    generation = symbolic_generation(prompt.to(device), max_new_tokens, generate_kwargs.get("pads"))
+    generation = symbolic_generation(prompt.to(device), max_new_tokens, generate_kwargs.get("pads")) if derive else None
     return trace_tp_run(config, run, tp, rank, sequence_parallel, device, dtype, generation)
 
 
