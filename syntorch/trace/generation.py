@@ -151,21 +151,35 @@ def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int
 
 
 def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1, dtype=torch.float32,
-                      generation: SymbolicGeneration | None = None) -> tuple[RankTraces, object]:
+                      generation: SymbolicGeneration | None = None) -> tuple["StageTraces", object]:
     """Every rank's graph of a TP x PP generation on meta, and stage 0's result. `run(model, phase_scope,
     forward)` runs the generation with a pipeline stage's forward. Each stage is traced once, as its
     representative (tp rank 0); its other TP ranks run the same ops over groups and peers translated along
-    tp (Mesh.translate), so their graphs are the representative's with the collectives' ranks moved. A stage's
-    graph is built when one of its ranks' is first read."""
+    tp (Mesh.translate), so their graphs are the representative's with the collectives' ranks moved."""
     check_tp(config, mesh.tp)
-    traces, result = RankTraces(mesh.world_size), None
+    builds, result = [], None
     for stage in range(mesh.pp):
         build, out = _stage_traced(config, run, mesh, stage, beam_width, dtype, generation)
         result = out if stage == 0 else result
-        build = functools.cache(build)  # once for all the stage's ranks
-        for rank in mesh.stage_ranks(stage):
-            traces.put_shared([rank], lambda build=build, rank=rank: translated(build(), mesh, rank))
-    return traces, result
+        builds.append(build)
+    return StageTraces(mesh, builds), result
+
+
+class StageTraces(RankTraces):
+    """rank -> graph of a symbolic TP x PP run: each stage's representative graph, built on first use, and
+    its other ranks' graphs translated from it when read (chakra/stage_files.py writes their files from the
+    representatives alone)."""
+
+    def __init__(self, mesh: Mesh, builds: list[Callable[[], TraceGraph]]):
+        super().__init__(mesh.world_size)
+        self.mesh = mesh
+        self._stages = [functools.cache(build) for build in builds]
+        for stage in range(mesh.pp):
+            for rank in mesh.stage_ranks(stage):
+                self.put_shared([rank], lambda stage=stage, rank=rank: translated(self.stage_graph(stage), mesh, rank))
+
+    def stage_graph(self, stage: int) -> TraceGraph:
+        return self._stages[stage]()
 
 
 def trace_pp_stage(config, run: Callable, mesh: Mesh, stage: int, beam_width: int = 1,
