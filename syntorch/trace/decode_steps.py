@@ -75,7 +75,7 @@ def replicated_ids(ids: list[int], calls, n_layers: int) -> list[int]:
 @dataclass
 class _Node:
     """How one node of a decode step moves from step to step (m: steps after the rule's first step)."""
-    attrs: dict  # in the rule's first step
+    attrs: dict  # a copy of the rule's first step's, rewritten for each derived step
     moving: list[tuple[str, object, object]]  # (key, value, step): an int or a list of ints moving linearly
     phase: bool  # its phase is the step's
     named: bool  # its name is its id ("t123")
@@ -109,12 +109,14 @@ class DecodeRule:
                    for k in range(self.size))
 
     def step(self, step: int) -> tuple[list[dict], list[tuple[int, int, dict]]]:
-        """decode[step]'s node attributes and input edges, numbered from its first node on."""
+        """decode[step]'s node attributes and input edges, numbered from its first node on. The attribute
+        dicts are the rule's own, rewritten by the next call: TraceGraph.append copies them (one copy per
+        derived node, not two)."""
         m, first, phase = step - self.base, self.start(step), f"decode[{step}]"
         where = (first, self.start(step - 1))
         nodes, edges = [], []
         for k, node in enumerate(self.nodes):
-            d = dict(node.attrs)
+            d = node.attrs
             for key, value, delta in node.moving:
                 d[key] = value + m * delta if isinstance(value, int) else [a + m * b for a, b in zip(value, delta)]
             if node.phase:
@@ -153,7 +155,7 @@ def _learn(graph: TraceGraph, starts: list[int], base: int) -> list[_Node] | Non
 def _node(one: dict, two: dict, ids: tuple[int, int], base: int) -> _Node | None:
     if one.keys() != two.keys():
         return None
-    node = _Node(one, [], False, False, [])
+    node = _Node(dict(one), [], False, False, [])
     for key, x in one.items():
         y = two[key]
         if type(x) is type(y) and x == y:

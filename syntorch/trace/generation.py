@@ -73,7 +73,7 @@ def trace_lazily(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_
     if not rule.rebuilds(base + 2):  # a step this rule misses: every step traced
         log.info("decode steps of %s not derivable: tracing all %d", model.config.name, generation.decode_steps)
         return trace_lazily(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
-    return lambda: derive_steps(graph, rule, generation.decode_steps), result
+    return functools.cache(lambda: derive_steps(graph, rule, generation.decode_steps)), result
 
 
 def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int,
