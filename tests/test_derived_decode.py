@@ -51,6 +51,14 @@ CASES = {
     "gqa": ("llama-2-7b", dict(n_kv_head=2), dict(sampling=GREEDY)),
     "one layer": ("gptj-6b", dict(n_layer=1), dict(sampling=GREEDY)),  # nothing replicated
     "window": ("mistral-7b", dict(n_kv_head=2, sliding_window=9), dict(sampling=GREEDY)),  # cuts from decode[4]
+    "moe": ("mixtral-8x7b", dict(n_kv_head=2, n_experts=4, d_ff_expert=32), dict(sampling=GREEDY)),
+    # latent attention, a dense first layer (layers unlike: nothing replicated)
+    "mla": ("deepseek-v3", dict(n_layer=3, d_head=24, v_head_dim=12, kv_lora_rank=16, q_lora_rank=24, n_experts=8,
+                                d_ff_expert=32, moe_top_k=2, moe_n_group=4, moe_topk_group=2, first_k_dense=1,
+                                rope_original_positions=16), dict(sampling=GREEDY)),
+    # windowed and full layers alternating, attention sinks
+    "gpt-oss": ("gpt-oss-20b", dict(n_kv_head=2, n_experts=4, d_ff_expert=32, sliding_window=8),
+                dict(sampling=GREEDY)),
 }
 
 
