@@ -49,6 +49,12 @@ class SymbolicGeneration:
         windows = {config.layer_window(layer) for layer in range(config.n_layer)} - {0}
         return max([2] + [w - self.prompt_len + 1 for w in windows])
 
+    def stop_step(self, config) -> int | None:
+        """The decode step the trace stops at (the rule's two steps and its check traced before it); None
+        when no step is left to derive."""
+        stop = self.first_rule_step(config) + 3
+        return stop if self.decode_steps > stop else None
+
 
 class StepScope:
     """generate's phase_scope over the tracer's: notes where each decode step's nodes begin and stops the run
@@ -82,15 +88,22 @@ class _Node:
     inputs: list[tuple[int, int, dict]]  # (back, x, edge): x in the step `back` steps before, or node x (back -1)
 
 
-class DecodeRule:
-    """The rule learned from two traced decode steps, checked on a third, and the steps it derives."""
+def learn_rule(graph: TraceGraph, starts: list[int]) -> "DecodeRule | None":
+    """The rule of a graph traced through decode[base + 2] (`starts`: each traced step's first node id,
+    then the graph's end), if it rebuilds decode[base + 2]."""
+    rule = DecodeRule(graph, starts, len(starts) - 4)
+    return rule if rule.rebuilds(rule.base + 2) else None
 
-    def __init__(self, graph: TraceGraph, starts: list[int], end: int, base: int):
+
+class DecodeRule:
+    """The rule learned from decode[base] and decode[base + 1] and the steps it derives."""
+
+    def __init__(self, graph: TraceGraph, starts: list[int], base: int):
         self.graph, self.base = graph, base
         self.starts = starts[:base + 1]  # decode[0] .. decode[base] as traced
         self.size = starts[base + 1] - starts[base]
         self.nodes = None
-        if starts[base + 2] - starts[base + 1] == end - starts[base + 2] == self.size:
+        if starts[base + 2] - starts[base + 1] == starts[base + 3] - starts[base + 2] == self.size:
             self.nodes = _learn(graph, starts, base)
 
     def start(self, step: int) -> int:

@@ -14,7 +14,7 @@ from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, stage_of
 from syntorch.parallel.tensor import apply_tp, check_tp
 from syntorch.trace.graph import RankTraces, TraceGraph, with_node_attrs
-from syntorch.trace.decode_steps import (DecodeRule, StepScope, StepsTraced, SymbolicGeneration, derive_steps,
+from syntorch.trace.decode_steps import (StepScope, StepsTraced, SymbolicGeneration, derive_steps, learn_rule,
                                          replicated_ids)
 from syntorch.trace.replicate import first_layer_only, replicate_layers
 from syntorch.trace.tracer import Tracer
@@ -52,27 +52,26 @@ def trace_lazily(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_
     if replicate is None:  # real MoE layers route tokens each their own way: expert shapes differ between layers
         replicate = (layers is not None and len(layers) > 1 and (symbolic or not model.config.n_experts)
                      and model.config.uniform_layers)  # a copy of layer 0 would stand for unlike layers
-    base = generation.first_rule_step(model.config) if generation and symbolic else None
-    derive = base is not None and generation.decode_steps > base + 3
+    stop = generation.stop_step(model.config) if generation and symbolic else None
     traced = first_layer_only(model) if replicate and symbolic else model
     with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None,
                 first_layer_only=replicate and not symbolic) as tracer:
-        scope = StepScope(tracer, base + 3) if derive else tracer.phase
+        scope = StepScope(tracer, stop) if stop else tracer.phase
         try:
             result = run(traced, scope)
         except StepsTraced:
             result = generation.result()
     graph = tracer.graph
-    starts = scope.starts + [len(graph)] if derive else []  # decode[i]'s first node, then the end
+    starts = scope.starts + [len(graph)] if stop else []  # decode[i]'s first node, then the end
     if replicate:
         graph = replicate_layers(graph, tracer.layer_calls, [layer_path(k) for k in layers])
         starts = replicated_ids(starts, tracer.layer_calls, len(layers))
-    if not derive:
-        return lambda: graph, result
-    rule = DecodeRule(graph, starts[:-1], starts[-1], base)
-    if not rule.rebuilds(base + 2):  # a step this rule misses: every step traced
+    rule = learn_rule(graph, starts) if stop else None
+    if stop and rule is None:  # a step the rule misses: every step traced
         log.info("decode steps of %s not derivable: tracing all %d", model.config.name, generation.decode_steps)
         return trace_lazily(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
+    if rule is None:
+        return lambda: graph, result
     return functools.cache(lambda: derive_steps(graph, rule, generation.decode_steps)), result
 
 
