@@ -17,7 +17,7 @@ from syntorch.trace import decode_steps, trace_generation
 from syntorch.trace.generation import trace_pp_stage, trace_tp_rank
 from syntorch.trace.tracer import SDPA
 
-T, NEW = 5, 12  # prefill, decode[0] .. decode[10]: decode[5] .. decode[10] derived
+T, NEW = 5, 16  # prefill, decode[0] .. decode[14]: decode[5] .. decode[14] derived (decode[7].. with a window)
 GREEDY = Sampling(temperature=0)
 
 
@@ -50,7 +50,7 @@ CASES = {
     "ragged": ("gpt2", None, dict(sampling=GREEDY, pads=[0, 2])),  # masks over the keys grow each step
     "gqa": ("llama-2-7b", dict(n_kv_head=2), dict(sampling=GREEDY)),
     "one layer": ("gptj-6b", dict(n_layer=1), dict(sampling=GREEDY)),  # nothing replicated
-    "window": ("mistral-7b", dict(n_kv_head=2, sliding_window=9), dict(sampling=GREEDY)),  # cuts from decode[4]
+    "window": ("mistral-7b", dict(n_kv_head=2, sliding_window=8), dict(sampling=GREEDY)),  # cuts from decode[3]
     "moe": ("mixtral-8x7b", dict(n_kv_head=2, n_experts=4, d_ff_expert=32), dict(sampling=GREEDY)),
     # latent attention, a dense first layer (layers unlike: nothing replicated)
     "mla": ("deepseek-v3", dict(n_layer=3, d_head=24, v_head_dim=12, kv_lora_rank=16, q_lora_rank=24, n_experts=8,
@@ -65,6 +65,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_derived_steps_equal_traced_steps(case):
     base, overrides, kwargs = CASES[case]
+    generation = decode_steps.SymbolicGeneration(T, (0, 0), NEW)
+    assert generation.stop_step(tiny_config(base, **(overrides or {}))) is not None  # steps are left to derive
     (derived, result), (full, full_result) = traced_both(base, overrides, **kwargs)
     assert_same(derived, full)
     assert result.tokens == full_result.tokens and result.prompt_lens == full_result.prompt_lens

@@ -51,9 +51,10 @@ class SymbolicGeneration:
 
     def stop_step(self, config) -> int | None:
         """The decode step the trace stops at (the rule's two steps and its check traced before it); None
-        when no step is left to derive."""
+        when every step is traced: learning and checking the rule costs about what tracing a few steps
+        does, so a run derives only when it has at least as many steps left as it traced."""
         stop = self.first_rule_step(config) + 3
-        return stop if self.decode_steps > stop else None
+        return stop if self.decode_steps >= 2 * stop else None
 
 
 class StepScope:
