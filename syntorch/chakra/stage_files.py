@@ -4,9 +4,10 @@ A rank's graph is its stage representative's with every collective's group and p
 (trace/generation.py's `translated`), so its file is the representative's but for each communication node's
 `pg_name`, `comm_src` and `comm_dst`, and the header's rank. Each stage's representative is encoded once, as
 writer.write_chakra encodes it; every rank of the stage gets those bytes with its own values encoded in those
-attributes (and its nodes' lengths), so the files equal write_chakra's byte for byte (tests/test_pp_inference.py)
-and no rank's graph is built. Durations (--hw_config) are per rank's collectives: such runs are written rank by
-rank (write_chakra).
+attributes (and its nodes' lengths), so the files equal write_chakra's byte for byte (tests/test_stage_files.py)
+and no rank's graph is built. With durations (--hw_config), each rank's collectives were costed on its own
+graph: the stage's encoding stands for it only where they took its representative's (`same_durations`);
+otherwise the run is written rank by rank (write_chakra).
 """
 import io
 import re
@@ -53,6 +54,21 @@ def write_stage_chakra(traces, out_dir, level: str = "op") -> dict:
     return {"dir": str(out_dir), "prefix": str(Path(out_dir) / model), "ranks": mesh.world_size,
             "distinct_traces": mesh.world_size, "nodes": nodes, "et_bytes": total, "groups": len(groups),
             "notes": notes}
+
+
+def same_durations(traces) -> bool:
+    """Whether every rank's collectives took its stage representative's durations (its other nodes are the
+    representative's own)."""
+    mesh = traces.mesh
+    for stage in range(mesh.pp):
+        graph = traces.stage_graph(stage)
+        ids = [n for n, _ in graph.collectives()]
+        want = [graph.node_attrs[n].get("duration_us") for n in ids]
+        for rank in mesh.stage_ranks(stage):
+            nodes = traces[rank].node_attrs
+            if [nodes[n].get("duration_us") for n in ids] != want:
+                return False
+    return True
 
 
 def _rank_groups(views, mesh):

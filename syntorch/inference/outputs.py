@@ -72,11 +72,11 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
 
 
 def _write_chakra(traces, out_dir: Path, level: str, durations: bool) -> dict:
-    """Every rank's Chakra file: a pipeline run's from its stages' representatives, unless durations (per
-    rank's collectives) are in them (chakra/stage_files.py)."""
+    """Every rank's Chakra file: a pipeline run's from its stages' representatives, unless a rank's
+    collectives took other durations than its representative's (chakra/stage_files.py)."""
     # imported here: protobuf only for a run that writes Chakra
-    if isinstance(traces, StageTraces) and not durations:
-        from syntorch.chakra.stage_files import write_stage_chakra
-        return write_stage_chakra(traces, out_dir, level)
+    from syntorch.chakra import stage_files
+    if isinstance(traces, StageTraces) and (not durations or stage_files.same_durations(traces)):
+        return stage_files.write_stage_chakra(traces, out_dir, level)
     from syntorch.chakra.writer import write_chakra
     return write_chakra(traces, out_dir, level=level)
