@@ -97,14 +97,14 @@ def no_feasible(config: ModelConfig, work: Work, enumerated: int, pruned: dict, 
     """One line: how many layouts each rule pruned, and which rule took the last ones and what to change."""
     counts = {rule: max(n.values(), default=0) if isinstance(n, dict) else n for rule, n in pruned.items()}
     last = [rule for rule in RULES if counts.get(rule)]
-    text = ", ".join(f"{RULES[rule]}: {counts[rule]}" for rule in last)
+    text = ", ".join(f"{counts[rule]} failed '{RULES[rule]}'" for rule in last)
     where = f"{config.name} on {work.gpus} GPUs, {work.global_batch} x {work.seq} tokens"
     if not last:
         return f"no layout of {where} to search; widen the constraints"
     why = ""
     if last[-1] == "memory" and smallest is not None:
         why = f" (the smallest needs {smallest / GB:.1f} GB per rank)"
-    return (f"no feasible layout of {where}: of {enumerated} layouts pruned {text}; the last fell to "
+    return (f"no feasible layout of {where}: of {enumerated} layouts, {text}; the last fell to "
             f"'{RULES[last[-1]]}'{why}: {ADVICE[last[-1]]}")
 
 
