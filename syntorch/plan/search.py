@@ -19,6 +19,7 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.plan.evaluate import probe_key
 from syntorch.plan.runner import run_tasks
 from syntorch.plan.space import ADVICE, RULES, Choices, MemoryModel, Work, layers_text, layouts, least_recompute
+from syntorch.trace.training import COST_MICROBATCHES, traced_stage_for
 
 
 @dataclass
@@ -62,8 +63,10 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
     for index, (plan, hw, _) in enumerate(jobs):
         groups.setdefault(probe_key(config, plan, torch_dtype(dtype)), []).append((index, plan, hw))
     args = (config, str(torch_dtype(dtype)).removeprefix("torch."), profile, attention)
+    # the largest probes first, so the workers finish together (results do not depend on the order)
+    tasks = sorted(groups.values(), key=lambda group: -traced_layers(config, group[0][1]))
     with _progress(progress, len(jobs)) as advance:
-        results = run_tasks(args, list(groups.values()), workers, ray_address, advance)
+        results = run_tasks(args, tasks, workers, ray_address, advance)
     result = Result(config, work, hws, enumerated, pruned, probes=len(groups))
     for index, (plan, hw, peak) in enumerate(jobs):
         summary, refusal = results[index]
@@ -77,6 +80,12 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
         for rank, row in enumerate(r for r in result.rows if r["hw"] == hw.name):
             row["rank"] = rank + 1
     return result
+
+
+def traced_layers(config: ModelConfig, plan: TrainPlan) -> int:
+    """Layer passes a plan's probes trace: what a task costs, roughly."""
+    stages = set(traced_stage_for(config, plan))
+    return min(plan.microbatches, COST_MICROBATCHES) * sum(len(plan.stage(config, s).layers) for s in stages)
 
 
 def check_work(config: ModelConfig, work: Work, dtype: str, hws: list[HardwareConfig]) -> None:

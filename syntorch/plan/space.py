@@ -10,7 +10,9 @@ follows from the global batch). Each dimension takes the user's list (`--tp 8`, 
   only for its 128K context; below that the K/V all-gather is not hidden behind attention);
 - EP: the divisors of the experts (MoE models only);
 - ZeRO: 0 (DDP), 1 (Megatron-Core's distributed optimizer) and 3 (FSDP), Megatron-Core's three options;
-  a ZeRO stage needs DP x CP > 1, else the layout is not enumerated;
+  a ZeRO stage needs DP x CP > 1, else the layout is not enumerated. FSDP only without a pipeline unless
+  --zero is given: it gathers every layer and reduce-scatters its gradients for each micro-batch (fsdp.py,
+  as FSDP2 does), m times the traffic of ZeRO-1, which is what pipelined runs use (Megatron-Core, Llama 3);
 - SP on whenever TP > 1 (Korthikanti et al. 2022: no more communication than TP alone, activations / t);
 - recomputation none, selective and full; micro-batch sizes 1, 2, 4, 8, 16.
 The layer split is Megatron-Core's: even when pp x vp divides the layers, else the embedding and the loss
@@ -120,6 +122,7 @@ RULES = {
     "sequence": "cp (and tp with SP) divide the sequence",
     "ep": "ep divides the experts and dp (and goes without CP and FSDP)",
     "dp": "the --dp given",
+    "fsdp": "FSDP only without a pipeline (the default --zero)",
     "refused": "TrainPlan's own checks",
     "memory": "memory estimate within the device",
     "recompute": "no less recomputation fits (recomputing more is never faster)",
@@ -133,6 +136,7 @@ ADVICE = {
     "sequence": "give --cp (and --tp) values that divide --seq",
     "ep": "give --ep values that divide the experts and DP",
     "dp": "widen --dp",
+    "fsdp": "give --zero 3 to allow FSDP with a pipeline",
     "refused": "relax the constraints",
     "memory": "raise --gpus or --max_memory_gb, allow --recompute full, ZeRO (--zero 1,3) or more --tp/--pp",
     "recompute": "",
@@ -153,7 +157,8 @@ def first_rule(config: ModelConfig, work: Work, choices: Choices, v: dict) -> st
               ("sequence", lambda: not v["sp"] or (work.seq // cp) % tp == 0),
               # TrainPlan: experts are synchronised over expert-DP, which CP and FSDP do not split
               ("ep", lambda: ep == 1 or (config.n_experts % ep == 0 and dp % ep == 0 and cp == 1 and v["zero"] != 3)),
-              ("dp", lambda: not choices.dp or dp in choices.dp)]
+              ("dp", lambda: not choices.dp or dp in choices.dp),
+              ("fsdp", lambda: bool(choices.zero) or v["zero"] != 3 or pp == 1)]
     for rule, check in checks:
         try:
             if check() is False:
