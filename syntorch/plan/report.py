@@ -105,6 +105,8 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
     ax = fig.add_subplot()
     for color, hw in zip(("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown"), result.hws):
         rows = [r for r in result.rows if r["hw"] == hw.name]
+        if not rows:
+            continue
         ax.scatter([r["memory_gb"] for r in rows], [r["step_s"] for r in rows], s=10, alpha=0.35, color=color,
                    label=f"{hw.name}: {len(rows):,} layouts")
         front = pareto(rows)
@@ -114,7 +116,9 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
             ax.annotate(f"{row['rank']}. {row['name']}", (row["memory_gb"], row["step_s"]), fontsize=7,
                         xytext=(6, 4 + 9 * (row["rank"] - 1)), textcoords="offset points", color=color,
                         arrowprops=dict(arrowstyle="-", lw=0.5, color=color))
-        ax.axvline(limit_gb or hw.memory_gb, color=color, lw=0.8, ls="--")
+        limit = limit_gb or hw.memory_gb
+        if limit <= 2 * max(r["memory_gb"] for r in rows):  # a line far right would squash the points
+            ax.axvline(limit, color=color, lw=0.8, ls="--")
     ax.set(xlabel="estimated peak memory per rank (GB)", ylabel="predicted step (s)", yscale="log")
     work = result.work
     ax.set_title(f"{result.config.name}, {work.gpus:,} GPUs, {work.global_batch:,} x {work.seq:,} tokens per step "
