@@ -170,3 +170,16 @@ def test_bad_input_is_one_line_exit_2_and_no_folder(options, message, tmp_path, 
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_dp_degree_changes_the_probe_so_it_is_in_the_key():
+    """ZeRO shards and the DP gradient collectives' groups follow DP: probes of DP 2 and DP 4 differ."""
+    from syntorch.workload import trace_workload
+
+    def collectives(dp):
+        plan = TrainPlan(dp=dp, tp=2, sp=True, zero=1, microbatches=2, seq=32)
+        graph = trace_workload(TINY, plan, torch.bfloat16, schedule=False).probes[0][0]
+        return sorted((d["collective"], len(d["group"]), d["bytes"]) for _, d in graph.collectives())
+
+    two, four = collectives(2), collectives(4)
+    assert len(two) == len(four) and two != four  # the same collectives over other groups and shards
