@@ -183,3 +183,13 @@ def test_the_dp_degree_changes_the_probe_so_it_is_in_the_key():
 
     two, four = collectives(2), collectives(4)
     assert len(two) == len(four) and two != four  # the same collectives over other groups and shards
+
+
+def test_compare_hw_ranks_each_machine_from_the_same_probes():
+    h100 = PRESETS["h100-sxm"]
+    both = search(TINY, SMALL_WORK, SMALL, [A100, h100])
+    assert both.probes == 4 and len(both.rows) == 8
+    assert [r["rank"] for r in both.rows] == [1, 2, 3, 4] * 2
+    alone = search(TINY, SMALL_WORK, SMALL, [h100]).rows
+    assert [(r["name"], r["step_s"]) for r in both.rows if r["hw"] == "h100-sxm"] == \
+           [(r["name"], r["step_s"]) for r in alone]

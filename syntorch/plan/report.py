@@ -66,9 +66,13 @@ def compare_table(result: Result, top: int) -> Table:
         cells = []
         for hw in result.hws:
             rows = best[hw.name]
-            cells.append(f"{rows[i]['name']}\n{rows[i]['step_s']:.3f} s, MFU {rows[i]['mfu']:.1%}, "
-                         f"{rows[i]['memory_gb']:.0f} GB" if i < len(rows) else "-")
+            cells.append(f"{rows[i]['name']}\n{rows[i]['step_s']:.4g} s, {rows[i]['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
+                         f"MFU {cell('{:.1%}', rows[i]['mfu'])}, {rows[i]['memory_gb']:.1f} GB" if i < len(rows) else "-")
         t.add_row(str(i + 1), *cells)
+    firsts = [best[hw.name][0]["step_s"] for hw in result.hws if best[hw.name]]
+    if len(firsts) == len(result.hws):
+        t.caption = "best step: " + ", ".join(f"{hw.name} {step:.4g} s ({firsts[0] / step:.2f}x)"
+                                              for hw, step in zip(result.hws, firsts))
     return t
 
 
@@ -112,17 +116,17 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
         front = pareto(rows)
         ax.plot([r["memory_gb"] for r in front], [r["step_s"] for r in front], "-o", ms=4, lw=1.2, color=color,
                 label=f"{hw.name}: Pareto front")
-        for row in rows[:labelled]:
+        for row in rows[:labelled if hw is result.hws[0] else 1]:  # more would overlap the first's labels
             ax.annotate(f"{row['rank']}. {row['name']}", (row["memory_gb"], row["step_s"]), fontsize=7,
                         xytext=(6, 4 + 9 * (row["rank"] - 1)), textcoords="offset points", color=color,
                         arrowprops=dict(arrowstyle="-", lw=0.5, color=color))
         limit = limit_gb or hw.memory_gb
         if limit <= 2 * max(r["memory_gb"] for r in rows):  # a line far right would squash the points
-            ax.axvline(limit, color=color, lw=0.8, ls="--")
+            ax.axvline(limit, color=color, lw=0.8, ls="--", label=f"{hw.name}: {limit:g} GB per rank")
     ax.set(xlabel="estimated peak memory per rank (GB)", ylabel="predicted step (s)", yscale="log")
     work = result.work
-    ax.set_title(f"{result.config.name}, {work.gpus:,} GPUs, {work.global_batch:,} x {work.seq:,} tokens per step "
-                 "(dashed: device memory)", fontsize=10)
+    ax.set_title(f"{result.config.name}, {work.gpus:,} GPUs, {work.global_batch:,} x {work.seq:,} tokens per step",
+                 fontsize=10)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
