@@ -11,8 +11,9 @@
 
 A published layout passes when it ranks in the top 5, or a top-5 layout's step is within 3% of its own.
 
-    python bench/plan_published.py [--rows 1,2,3] [--llama 8k,16k] [--workers 2] [--tp_only]
-`--tp_only`: search only the published TP degree (quicker; the ranking is then among those layouts).
+    python bench/plan_published.py [--rows 1,2,3] [--llama 8k,16k] [--workers 2] [--fix tp,cp,vp]
+`--fix`: search only the published TP (CP, virtual stages: 1 for Llama 3, whose table does not give them)
+degrees: quicker, and the ranking is then among those layouts.
 """
 import argparse
 import sys
@@ -56,12 +57,18 @@ def report(label: str, result, published: dict, seconds: float) -> None:
           f"[{seconds:.0f} s]", flush=True)
 
 
-def narayanan(rows: list[int], hw, workers: int, tp_only: bool) -> None:
+def fixed(fix: list[str], tp: int, cp: int, vp: int) -> dict:
+    """Choices fields holding the published degrees named in `fix`."""
+    values = {"tp": ("tp", tp), "cp": ("cp", cp), "vp": ("virtual_stages", vp)}
+    return {values[name][0]: (values[name][1],) for name in fix}
+
+
+def narayanan(rows: list[int], hw, workers: int, fix: list[str]) -> None:
     print("Narayanan et al. 2021 Table 1 on a100-80gb (2021 software: full recompute, no SP, DDP, fp16, unfused)")
     for i in rows:
         row = NARAYANAN[i - 1]
         dp = row.gpus // (row.tp * row.pp)
-        choices = Choices(sp=(False,), recompute=("full",), zero=(0,), tp=(row.tp,) if tp_only else None)
+        choices = Choices(sp=(False,), recompute=("full",), zero=(0,), **fixed(fix, row.tp, 1, row.virtual))
         begin = time.perf_counter()
         try:
             result = search(row.config, Work(row.gpus, row.batch, SEQ), choices, [hw], "fp16", attention="unfused",
@@ -73,13 +80,13 @@ def narayanan(rows: list[int], hw, workers: int, tp_only: bool) -> None:
                time.perf_counter() - begin)
 
 
-def llama(which: list[str], workers: int, tp_only: bool) -> None:
+def llama(which: list[str], workers: int, fix: list[str]) -> None:
     print("Llama 3 405B on h100-sxm, seq 8192, 16M tokens per step (bf16, flash attention, default search space)")
     config = get_config("llama-3.1-405b")
     for name in which:
         gpus, dp = LLAMA[name]
         begin = time.perf_counter()
-        result = search(config, Work(gpus, 16 * 2**20 // 8192, 8192), Choices(tp=(8,) if tp_only else None),
+        result = search(config, Work(gpus, 16 * 2**20 // 8192, 8192), Choices(**fixed(fix, 8, 1, 1)),
                         [load_hw_config("h100-sxm")], workers=workers)
         report(f"405B {gpus} GPUs TP8 CP1 PP16 DP{dp}", result, dict(tp=8, cp=1, pp=16, dp=dp),
                time.perf_counter() - begin)
@@ -90,12 +97,13 @@ def main():
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10", help="Narayanan rows (1-10), or empty")
     p.add_argument("--llama", default="8k,16k", help="8k, 16k, or empty")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--tp_only", action="store_true")
+    p.add_argument("--fix", default="", help="comma-separated: tp, cp, vp")
     args = p.parse_args()
+    fix = [name for name in args.fix.split(",") if name]
     if args.rows:
-        narayanan([int(r) for r in args.rows.split(",")], load_hw_config("a100-80gb"), args.workers, args.tp_only)
+        narayanan([int(r) for r in args.rows.split(",")], load_hw_config("a100-80gb"), args.workers, fix)
     if args.llama:
-        llama(args.llama.split(","), args.workers, args.tp_only)
+        llama(args.llama.split(","), args.workers, fix)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Rules are applied in RULES' order; each layout is counted under the first rule t
 counts add up to the layouts enumerated.
 """
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ def applicable(v: dict, gpus: int) -> bool:
     return not (v["sp"] and v["tp"] == 1) and not (v["virtual_stages"] > 1 and v["pp"] == 1) and not (v["zero"] and lone)
 
 
+@functools.cache
 def layer_split(n_layer: int, pp: int, virtual: int) -> dict | None:
     """TrainPlan's layout fields of the first of Megatron-Core's splits that works (module docstring)."""
     splits = [{}, dict(account_for_embedding=True, account_for_loss=True), dict(account_for_embedding=True),
@@ -112,7 +114,8 @@ def layers_text(config: ModelConfig, plan: TrainPlan) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else "/".join(map(str, counts))
 
 
-# (name, what to change when it pruned the last layouts)
+# the rules, in the order they are applied (space.first_rule, then memory and recomputation), and what to change
+# when one pruned the last layouts
 RULES = {
     "gpus": "tp x pp x cp divides the GPUs",
     "tp": "tp divides the heads and FFN",
