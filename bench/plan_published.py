@@ -11,7 +11,7 @@
 
 A published layout passes when it ranks in the top 5, or a top-5 layout's step is within 3% of its own.
 
-    python bench/plan_published.py [--rows 1,2,3] [--llama 8k,16k] [--workers 2] [--fix tp,cp,vp]
+    python bench/plan_published.py [--rows 1,2,3] [--llama 8k,16k] [--workers 2] [--fix tp,cp,vp] [--png DIR]
 `--fix`: search only the published TP (CP, virtual stages: 1 for Llama 3, whose table does not give them)
 degrees: quicker, and the ranking is then among those layouts.
 """
@@ -26,6 +26,7 @@ from validate_published import NARAYANAN, SEQ  # noqa: E402 (a sibling bench scr
 from syntorch.config import get_config  # noqa: E402
 from syntorch.errors import UserError  # noqa: E402
 from syntorch.hardware import load_hw_config  # noqa: E402
+from syntorch.plan.report import write_png  # noqa: E402
 from syntorch.plan.search import search  # noqa: E402
 from syntorch.plan.space import Choices, Work  # noqa: E402
 
@@ -48,8 +49,11 @@ def verdict(match: dict | None, top: list[dict]) -> str:
     return "pass (within 3% of a top-5)" if near else "MISS"
 
 
-def report(label: str, result, published: dict, seconds: float) -> None:
+def report(label: str, result, published: dict, seconds: float, png: Path | None) -> None:
     match, top = rank_of(result, published)
+    if png:
+        png.mkdir(parents=True, exist_ok=True)
+        write_png(result, png / f"plan_{label.split()[0]}_{result.work.gpus}.png")
     best = top[0]
     where = (f"rank {match['rank']:4d} of {len(result.rows):4d}, {match['name']} {match['step_s']:.2f} s "
              f"(+{100 * (match['step_s'] / best['step_s'] - 1):.1f}% on #1)") if match else "not found"
@@ -63,7 +67,7 @@ def fixed(fix: list[str], tp: int, cp: int, vp: int) -> dict:
     return {values[name][0]: (values[name][1],) for name in fix}
 
 
-def narayanan(rows: list[int], hw, workers: int, fix: list[str]) -> None:
+def narayanan(rows: list[int], hw, workers: int, fix: list[str], png: Path | None) -> None:
     print("Narayanan et al. 2021 Table 1 on a100-80gb (2021 software: full recompute, no SP, DDP, fp16, unfused)")
     for i in rows:
         row = NARAYANAN[i - 1]
@@ -77,10 +81,10 @@ def narayanan(rows: list[int], hw, workers: int, fix: list[str]) -> None:
             print(f"{row.label:30s} refused: {e}")
             continue
         report(row.label, result, dict(tp=row.tp, pp=row.pp, dp=dp, mbs=row.micro_batch, vp=row.virtual),
-               time.perf_counter() - begin)
+               time.perf_counter() - begin, png)
 
 
-def llama(which: list[str], workers: int, fix: list[str]) -> None:
+def llama(which: list[str], workers: int, fix: list[str], png: Path | None) -> None:
     print("Llama 3 405B on h100-sxm, seq 8192, 16M tokens per step (bf16, flash attention, default search space)")
     config = get_config("llama-3.1-405b")
     for name in which:
@@ -89,7 +93,7 @@ def llama(which: list[str], workers: int, fix: list[str]) -> None:
         result = search(config, Work(gpus, 16 * 2**20 // 8192, 8192), Choices(**fixed(fix, 8, 1, 1)),
                         [load_hw_config("h100-sxm")], workers=workers)
         report(f"405B {gpus} GPUs TP8 CP1 PP16 DP{dp}", result, dict(tp=8, cp=1, pp=16, dp=dp),
-               time.perf_counter() - begin)
+               time.perf_counter() - begin, png)
 
 
 def main():
@@ -98,12 +102,13 @@ def main():
     p.add_argument("--llama", default="8k,16k", help="8k, 16k, or empty")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--fix", default="", help="comma-separated: tp, cp, vp")
+    p.add_argument("--png", type=Path, help="folder for each search's plans.png")
     args = p.parse_args()
     fix = [name for name in args.fix.split(",") if name]
     if args.rows:
-        narayanan([int(r) for r in args.rows.split(",")], load_hw_config("a100-80gb"), args.workers, fix)
+        narayanan([int(r) for r in args.rows.split(",")], load_hw_config("a100-80gb"), args.workers, fix, args.png)
     if args.llama:
-        llama(args.llama.split(","), args.workers, fix)
+        llama(args.llama.split(","), args.workers, fix, args.png)
 
 
 if __name__ == "__main__":
