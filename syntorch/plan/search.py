@@ -49,14 +49,7 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
     enumerated = len(plans) + sum(pruned.values())
     model = MemoryModel(config, torch_dtype(dtype))
     peaks = [model.peak(plan) for plan in plans]
-    jobs = []
-    pruned["memory"], pruned["recompute"] = {}, {}
-    for hw in hws:
-        limit = (max_memory_gb or hw.memory_gb) * GB
-        fits = [(plan, peak) for plan, peak in zip(plans, peaks) if peak <= limit]
-        kept = fits if all_recompute else least_recompute(fits)
-        pruned["memory"][hw.name], pruned["recompute"][hw.name] = len(plans) - len(fits), len(fits) - len(kept)
-        jobs += [(plan, hw, peak) for plan, peak in kept]
+    jobs = fitting(plans, peaks, hws, max_memory_gb, all_recompute, pruned)
     if not jobs:
         raise UserError(no_feasible(config, work, enumerated, pruned, min(peaks, default=None)))
     groups = {}
@@ -74,12 +67,32 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
             result.refused.append({**layout_fields(config, plan), "hw": hw.name, "reason": refusal})
         else:
             result.rows.append(make_row(config, work, plan, hw, peak, summary, index))
-    order = {hw.name: i for i, hw in enumerate(hws)}
-    result.rows.sort(key=lambda r: (order[r["hw"]], r["step_s"], r["memory_gb"], r["index"]))
-    for hw in hws:
-        for rank, row in enumerate(r for r in result.rows if r["hw"] == hw.name):
-            row["rank"] = rank + 1
+    rank(result)
     return result
+
+
+def fitting(plans: list[TrainPlan], peaks: list[int], hws: list[HardwareConfig], max_memory_gb: float | None,
+            all_recompute: bool, pruned: dict) -> list[tuple]:
+    """(plan, machine, peak bytes) of each plan that fits each machine (the least recomputation that does,
+    unless `all_recompute`); the others counted per machine in `pruned`."""
+    jobs = []
+    pruned["memory"], pruned["recompute"] = {}, {}
+    for hw in hws:
+        limit = (max_memory_gb or hw.memory_gb) * GB
+        fits = [(plan, peak) for plan, peak in zip(plans, peaks) if peak <= limit]
+        kept = fits if all_recompute else least_recompute(fits)
+        pruned["memory"][hw.name], pruned["recompute"][hw.name] = len(plans) - len(fits), len(fits) - len(kept)
+        jobs += [(plan, hw, peak) for plan, peak in kept]
+    return jobs
+
+
+def rank(result: Result) -> None:
+    """Each machine's rows by step, then memory per rank, then enumeration order, numbered from 1."""
+    order = {hw.name: i for i, hw in enumerate(result.hws)}
+    result.rows.sort(key=lambda r: (order[r["hw"]], r["step_s"], r["memory_gb"], r["index"]))
+    for hw in result.hws:
+        for i, row in enumerate(r for r in result.rows if r["hw"] == hw.name):
+            row["rank"] = i + 1
 
 
 def traced_layers(config: ModelConfig, plan: TrainPlan) -> int:
