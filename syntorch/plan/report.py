@@ -115,7 +115,7 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
                    label=f"{hw.name}: {len(rows):,} layouts")
         front = pareto(rows)
         ax.plot([r["memory_gb"] for r in front], [r["step_s"] for r in front], "-o", ms=4, lw=1.2, color=color,
-                label=f"{hw.name}: Pareto front")
+                drawstyle="steps-post", label=f"{hw.name}: Pareto front (none both faster and smaller)")
         for row in rows[:labelled if hw is result.hws[0] else 1]:  # more would overlap the first's labels
             ax.annotate(f"{row['rank']}. {row['name']}", (row["memory_gb"], row["step_s"]), fontsize=7,
                         xytext=(6, 4 + 9 * (row["rank"] - 1)), textcoords="offset points", color=color,
