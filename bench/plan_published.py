@@ -68,7 +68,8 @@ def fixed(fix: list[str], tp: int, cp: int, vp: int) -> dict:
 
 
 def narayanan(rows: list[int], hw, workers: int, fix: list[str], png: Path | None) -> None:
-    print("Narayanan et al. 2021 Table 1 on a100-80gb (2021 software: full recompute, no SP, DDP, fp16, unfused)")
+    print("Narayanan et al. 2021 Table 1 on a100-80gb (2021 software: full recompute, no SP, DDP, fp16, unfused"
+          + (f"; {', '.join(fix)} as published)" if fix else ")"))
     for i in rows:
         row = NARAYANAN[i - 1]
         dp = row.gpus // (row.tp * row.pp)
@@ -85,7 +86,8 @@ def narayanan(rows: list[int], hw, workers: int, fix: list[str], png: Path | Non
 
 
 def llama(which: list[str], workers: int, fix: list[str], png: Path | None) -> None:
-    print("Llama 3 405B on h100-sxm, seq 8192, 16M tokens per step (bf16, flash attention, default search space)")
+    print("Llama 3 405B on h100-sxm, seq 8192, 16M tokens per step (bf16, flash attention, the default search space"
+          + (f" with {', '.join(fix)} as published)" if fix else ")"))
     config = get_config("llama-3.1-405b")
     for name in which:
         gpus, dp = LLAMA[name]
