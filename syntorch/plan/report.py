@@ -116,9 +116,12 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
         front = pareto(rows)
         ax.plot([r["memory_gb"] for r in front], [r["step_s"] for r in front], "-o", ms=4, lw=1.2, color=color,
                 drawstyle="steps-post", label=f"{hw.name}: Pareto front (none both faster and smaller)")
+        middle = (min(r["memory_gb"] for r in rows) + max(r["memory_gb"] for r in rows)) / 2
         for row in rows[:labelled if hw is result.hws[0] else 1]:  # more would overlap the first's labels
+            left = row["memory_gb"] > middle  # labels point inwards, so none runs off the figure
             ax.annotate(f"{row['rank']}. {row['name']}", (row["memory_gb"], row["step_s"]), fontsize=7,
-                        xytext=(6, 4 + 9 * (row["rank"] - 1)), textcoords="offset points", color=color,
+                        xytext=(-40 if left else 40, 8 + 10 * (row["rank"] - 1)), textcoords="offset points",
+                        ha="right" if left else "left", color=color,
                         arrowprops=dict(arrowstyle="-", lw=0.5, color=color))
         limit = limit_gb or hw.memory_gb
         if limit <= 2 * max(r["memory_gb"] for r in rows):  # a line far right would squash the points
