@@ -168,7 +168,15 @@ def load_hw_config(name_or_path: str) -> HardwareConfig:
 
 
 def _load_json(path: Path) -> HardwareConfig:
-    return config_from_dict(read_json(path, "hw_config"), source=str(path))
+    """A file of every field, or `"base": PRESET` and the fields that differ from it (what-if machines:
+    `{"base": "h100-sxm", "inter_node_bw_gb_s": 100}`), named after the file unless it gives a name."""
+    data = read_json(path, "hw_config")
+    if isinstance(data, dict) and "base" in data:
+        base = data.pop("base")
+        if not isinstance(base, str) or base not in PRESETS:
+            raise UserError(f"{path}: base must be one of {', '.join(PRESETS)}, got {base!r}")
+        data = {**PRESETS[base].to_dict(), "name": path.stem, **data}
+    return config_from_dict(data, source=str(path))
 
 
 def config_from_dict(data, source: str = "hw_config") -> HardwareConfig:
