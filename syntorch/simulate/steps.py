@@ -45,9 +45,10 @@ class StepCost:
         return self.compute_us, self.exposed_us, self.streams_us
 
 
-def step_cost(graph, start: int, end: int, frame) -> StepCost:
-    """Simulate graph nodes [start, end) (one probed step) on their own."""
-    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True)
+def step_cost(graph, start: int, end: int, frame, sync_tp_backward: bool = False) -> StepCost:
+    """Simulate graph nodes [start, end) (one probed step) on their own (`sync_tp_backward`: graph_program's)."""
+    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True,
+                                   sync_tp_backward=sync_tp_backward)
     run = simulate([program])
     stats = kind_stats(run)[0]
     attrs = graph.node_attrs
@@ -79,10 +80,10 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                     cross_name, members, model, hardware, dense, streams)
 
 
-def probe_costs(probe, blocks: dict, mesh) -> dict:
+def probe_costs(probe, blocks: dict, mesh, sync_tp_backward: bool = False) -> dict:
     """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
     frame = MeshFrame(mesh)
-    return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
+    return {key: step_cost(probe, start, end, frame, sync_tp_backward) for key, (start, end) in blocks.items()}
 
 
 def step_costs(costs: dict, schedule: list[tuple], microbatches: int) -> list[StepCost]:
