@@ -77,7 +77,7 @@ def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: st
 
 def math_us(flops: float, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
     """At the fraction of peak `kind` reaches: "attention" for flash kernels (hw.attention_efficiency)."""
-    return 1e6 * flops / (hw.peak_flops(dtype) * hw.math_efficiency(kind))
+    return 1e6 * flops / (hw.peak_flops(dtype) * hw.math_efficiency(kind, dtype))
 
 
 def memory_us(nbytes: float, hw: HardwareConfig) -> float:
