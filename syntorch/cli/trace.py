@@ -33,10 +33,6 @@ def add_parser(sub) -> None:
                           "recipes; Megatron-Core's default is false: all after backward)")
     par.add_argument("--clip_grad", type=float, default=1.0, at_least=0,
                      help="clip gradients by their global norm (Megatron's default 1.0; 0: no clipping)")
-    par.add_argument("--async_tp_allreduce", type=_flag, default=True, metavar="true|false",
-                     help="a TP collective of backward overlaps the weight gradient (default true, Megatron-LM from "
-                          "2022 on); false: it follows the whole backward of its linear and holds the compute "
-                          "(Megatron-LM 2021)")
     par.add_argument("--overlap_param_gather", type=_flag, default=False, metavar="true|false",
                      help="ZeRO: all-gather updated parameters during the next forward instead of after the "
                           "optimizer step (default false, as Megatron-Core)")
