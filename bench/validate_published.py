@@ -7,7 +7,7 @@ Each row runs as `syntorch trace --predict_only --hw_config a100-80gb --profile 
 --dtype fp16` would (through the library: fidelity.predict_train), with the published layout, and prints
 predicted vs published figures, the error per row, the MAPE and the worst row (bench/fidelity.py's report).
 Attention is the unfused core by default: Megatron-LM 2021/2022 ran its fused scale-mask-softmax between two
-batched GEMMs, not a flash kernel.
+batched GEMMs, not a flash kernel, and its attention dropout (0.1, Megatron's default) as a kernel of its own.
 
 1. Narayanan et al. 2021 (SC'21, "Efficient Large-Scale Language Model Training on GPU Clusters Using
    Megatron-LM"), Table 1: weak scaling of GPT 1.7B-1T on 32-3,072 A100s (Selene), sequence 2048, vocabulary
