@@ -7,8 +7,9 @@ Every prediction goes the way a user's does: a symbolic trace on meta, the cost 
 figure, the prediction and the error; the mean absolute percentage error (MAPE), the worst row and a
 predicted-vs-measured PNG in --out. Each table runs with the attention kernel its software ran (--attention):
 the two A100 tables are Megatron-LM 2022 and FasterTransformer, whose context attention is the unfused core
-(QK^T GEMM, softmax, GEMM over V; the score matrix through memory); NeMo 24.07 runs Transformer Engine's fused
-(cuDNN flash) attention. That is the software of the tables, not a fit.
+(QK^T GEMM, softmax, GEMM over V; the score matrix through memory; in training, Megatron's attention dropout
+over it too); NeMo 24.07 runs Transformer Engine's fused (cuDNN flash) attention. That is the software of the
+tables, not a fit.
 
 FasterTransformer GPT-20B (ft_gpt20b_a100.csv, A100-80GB): 44 layers, 48 heads x 128, vocabulary 51,200,
 FP16, top-p 0.9 sampling; what `syntorch infer --device meta --tp T --hw_config a100-80gb --profile fused

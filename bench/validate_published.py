@@ -7,7 +7,7 @@ Each row runs as `syntorch trace --predict_only --hw_config a100-80gb --profile 
 --dtype fp16` would (through the library: fidelity.predict_train), with the published layout, and prints
 predicted vs published figures, the error per row, the MAPE and the worst row (bench/fidelity.py's report).
 Attention is the unfused core by default: Megatron-LM 2021/2022 ran its fused scale-mask-softmax between two
-batched GEMMs, not a flash kernel.
+batched GEMMs, not a flash kernel, and its attention dropout (0.1, Megatron's default) as a kernel of its own.
 
 1. Narayanan et al. 2021 (SC'21, "Efficient Large-Scale Language Model Training on GPU Clusters Using
    Megatron-LM"), Table 1: weak scaling of GPT 1.7B-1T on 32-3,072 A100s (Selene), sequence 2048, vocabulary
@@ -18,6 +18,8 @@ batched GEMMs, not a flash kernel.
    per iteration (it counts the recomputed forward: hardware-FLOPs-like), over the predicted step and GPUs.
    Rows 1-4 used torch DDP, which overlaps the gradient all-reduce with backward; rows 5-10 Megatron's local
    DDP, which all-reduces after backward (--overlap_grad_reduce false): the software of each run, not a fit.
+   Megatron-LM of 2021 all-reduced a TP input gradient after its linear's whole backward and held the compute
+   for it (--async_tp_allreduce false); the overlap with the weight gradient came with Korthikanti et al. 2022.
 2. Korthikanti et al. 2022 (MLSys'23, "Reducing Activation Recomputation in Large Transformer Models"),
    Table 5: whole-iteration seconds of 22B, 175B, 530B and 1T with full recomputation (no SP) and with
    selective recomputation + sequence parallelism. Layouts from its Table 3 (TP 8; PP 1/8/35/64; global batch
@@ -59,6 +61,7 @@ class Row:
     recompute: str = "full"
     sp: bool = False
     overlap: bool = True  # the gradient all-reduce overlaps backward (torch DDP) or follows it (Megatron's local DDP)
+    async_tp: bool = True  # TP's backward all-reduce overlaps the weight gradient (Megatron-LM 2022 on)
 
     @property
     def config(self) -> ModelConfig:
@@ -70,7 +73,8 @@ class Row:
         dp = self.gpus // (self.tp * self.pp)
         return TrainPlan(dp=dp, tp=self.tp, pp=self.pp, sp=self.sp, recompute=self.recompute, seq=SEQ,
                          micro_batch_size=self.micro_batch, microbatches=self.batch // (dp * self.micro_batch),
-                         virtual_stages=self.virtual, overlap_grad_reduce=self.overlap)
+                         virtual_stages=self.virtual, overlap_grad_reduce=self.overlap,
+                         async_tp_allreduce=self.async_tp)
 
     def params(self) -> float:
         """Narayanan et al. Eq. 2: P = 12 l h^2 (1 + 13/12h + (V + s)/12lh)."""
@@ -85,16 +89,16 @@ class Row:
 
 # Table 1, with run_table_1.sh's MBS and virtual stages (layers / (PP x layers per virtual stage))
 NARAYANAN = [
-    Row("1.7B 32 GPUs t1 p1", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
-    Row("3.6B 64 GPUs t2 p1", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
-    Row("7.5B 128 GPUs t4 p1", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142),
-    Row("18.4B 256 GPUs t8 p1", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
-    Row("39.1B 512 GPUs t8 p2", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138, overlap=False),
-    Row("76.1B 1024 GPUs t8 p4 v3", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140, overlap=False),
-    Row("145.6B 1536 GPUs t8 p8 v2", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148, overlap=False),
-    Row("310.1B 1920 GPUs t8 p16 v2", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155, overlap=False),
-    Row("529.6B 2520 GPUs t8 p35 v3", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163, overlap=False),
-    Row("1008.0B 3072 GPUs t8 p64", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, overlap=False),
+    Row("1.7B 32 GPUs t1 p1", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137, async_tp=False),
+    Row("3.6B 64 GPUs t2 p1", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138, async_tp=False),
+    Row("7.5B 128 GPUs t4 p1", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142, async_tp=False),
+    Row("18.4B 256 GPUs t8 p1", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135, async_tp=False),
+    Row("39.1B 512 GPUs t8 p2", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138, overlap=False, async_tp=False),
+    Row("76.1B 1024 GPUs t8 p4 v3", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140, overlap=False, async_tp=False),
+    Row("145.6B 1536 GPUs t8 p8 v2", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148, overlap=False, async_tp=False),
+    Row("310.1B 1920 GPUs t8 p16 v2", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155, overlap=False, async_tp=False),
+    Row("529.6B 2520 GPUs t8 p35 v3", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163, overlap=False, async_tp=False),
+    Row("1008.0B 3072 GPUs t8 p64", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, overlap=False, async_tp=False),
 ]
 
 

@@ -34,6 +34,8 @@ class HardwareConfig:
     collective_latency_us: float  # fixed cost of one NCCL collective (launch and synchronisation), beside its steps
     # fraction of peak the flash-attention kernel reaches (FLOPs as counted); None: gemm_efficiency
     attention_efficiency: float | None = None
+    # fraction of the FP8 peak an FP8 GEMM reaches (a full wave, large shapes); None: gemm_efficiency
+    fp8_gemm_efficiency: float | None = None
     # fixed cost of one NCCL send/recv beside its link step: NCCL src/graph/tuning.cc baseLat[Ring][Simple],
     # 8.4 us, the protocol of pipeline-sized messages (not fitted)
     p2p_latency_us: float = 8.4
@@ -47,10 +49,13 @@ class HardwareConfig:
         dtype = dtype.removeprefix("torch.")
         return 1e12 * self.peak_tflops.get(dtype, self.peak_tflops["float32"])
 
-    def math_efficiency(self, kind: str = "gemm") -> float:
-        """The fraction of peak math a kernel reaches: "gemm" (and any kernel's math), or "attention"."""
+    def math_efficiency(self, kind: str = "gemm", dtype: str = "") -> float:
+        """The fraction of peak math a kernel reaches: "gemm" (and any kernel's math), or "attention"; an FP8
+        GEMM (`dtype` float8_*) its own fraction of the FP8 peak."""
         if kind == "attention" and self.attention_efficiency is not None:
             return self.attention_efficiency
+        if dtype.removeprefix("torch.").startswith("float8") and self.fp8_gemm_efficiency is not None:
+            return self.fp8_gemm_efficiency
         return self.gemm_efficiency
 
     def to_dict(self) -> dict:
@@ -69,7 +74,11 @@ class HardwareConfig:
 # MAPEs) to ../shared/calibration: FasterTransformer GPT-20B inference latencies at TP 1/2/4/8 (174 cells)
 # and Megatron-LM 22B per-layer forward/backward times (Korthikanti et al. 2022, Table 4), all on
 # A100-80GB SXM. Four figures, each a physical quantity; values rounded:
-#   gemm_efficiency 0.67       cuBLAS FP16 GEMMs reach ~2/3 of the 312 TFLOP/s tensor-core peak
+#   gemm_efficiency 0.73       cuBLAS FP16 GEMMs of a layer reach ~3/4 of the 312 TFLOP/s tensor-core peak (the
+#                              best shape reaches 0.87: 271.2 TFLOP/s, Bekman, ml-engineering "Maximum Achievable
+#                              Matmul FLOPS"). Re-fitted alone (0.67 before; the three others kept) once the
+#                              unfused core ran Megatron's attention dropout in training (kernels.py): the 22B
+#                              layer's time had held that kernel in its GEMMs
 #   memory_efficiency 0.74     streaming kernels (decode GEMV, layer norm, KV-cache attention) ~1.5 TB/s
 #   collective_latency_us 50   one all-reduce call's fixed cost beside NCCL's ring steps (FT's TP scaling)
 #   intra_node_latency_us 2.2  per ring step over NVLink (NCCL's tuning model says 1.9 for LL128)
@@ -81,16 +90,19 @@ class HardwareConfig:
 # abstract and section 4.1: A100 80GB SXM4, head dim 64 and 128, causal or not, FLOPs counted as here with causal
 # halved); 0.6 is the middle of that range. The two A100 tables ran the unfused core (--attention unfused), so
 # it moves none of their prefill or training figures; decode's attention is memory-bound.
-A100_FIT = dict(gemm_efficiency=0.67, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
+A100_FIT = dict(gemm_efficiency=0.73, memory_efficiency=0.74, kernel_overhead_us=2.0, collective_latency_us=50.0)
 A100_FLASH = 0.6
 NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 # Hopper (H100 SXM5 and H200 SXM share the GH100 die, clocks and NVLink 4): published component measurements,
 # none fitted, none taken from the H100 whole-step table (bench/fidelity.py only checks against it):
 #   gemm_efficiency 0.80       cuBLAS BF16 matmul at its best full-wave shape, 792.1 of 989 TFLOP/s (Bekman,
 #                              ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS", H100 SXM,
-#                              CUDA 12.1); FP8 reaches the same fraction of its doubled peak: cuBLASLt e4m3 8192^3,
-#                              1,599-1,630 TFLOP/s of 1,979 on 16 H100 SXM (0.81; d-robotics test_gpu_scripts,
-#                              reports_cublaslt_fp8_crosscheck_20260524.md), so one fraction serves both dtypes.
+#                              CUDA 12.1; 794.5 with torch 2.7.0+cu126 in the table's later edition).
+#   fp8_gemm_efficiency 0.71   FP8 (e4m3) matmul at its best shape in the same search, same table's FP8 part:
+#                              1,402.6 of 1,979 TFLOP/s on H100 SXM (70.9%, torch 2.7.0+cu126; H200 SXM 73.4%):
+#                              the doubled tensor-core rate under the same 700 W and memory system reaches a
+#                              smaller fraction. (A cuBLASLt e4m3 8192^3 cross-check reports 0.81 on 16 H100 SXM,
+#                              d-robotics test_gpu_scripts; the MAMF table is the search over shapes, as for BF16.)
 #   attention_efficiency 0.35  FlashAttention-2, the flash kernel PyTorch's SDPA runs (the eager profile's
 #                              attention), reaches ~35% of the H100's peak (Shah et al. 2024, FlashAttention-3,
 #                              pytorch.org blog 2024-07-11); FA3 reaches 649 TFLOP/s fwd at head dim 128 (0.66) and
@@ -113,7 +125,7 @@ NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 # side is between 5-20 microseconds", docs/source/features/cuda_kernel_launch_stats.rst). It is the host's
 # figure (CPU, Python, driver), so Hopper nodes keep it.
 EAGER_HOST_US = 8.0
-HOPPER = dict(gemm_efficiency=0.80, attention_efficiency=0.35, memory_efficiency=0.84, kernel_overhead_us=2.0,
+HOPPER = dict(gemm_efficiency=0.80, fp8_gemm_efficiency=0.71, attention_efficiency=0.35, memory_efficiency=0.84, kernel_overhead_us=2.0,
               collective_latency_us=50.0, intra_node_bus_efficiency=0.82, inter_node_bus_efficiency=0.92)
 # FP8 (e4m3 and e5m2) tensor-core peak, dense: the H100/H200 datasheets print 3,958 TFLOPS with sparsity.
 HOPPER_PEAK = {"float32": 67.0, "bfloat16": 989.4, "float16": 989.4, "float8_e4m3fn": 1978.9, "float8_e5m2": 1978.9}

@@ -70,12 +70,13 @@ def test_weights_cast_once_per_step():
 
 
 def test_fp8_gemm_timed_at_the_fp8_peak():
-    # a large square GEMM is compute-bound: FP8's time is BF16's times the ratio of the datasheet peaks
+    # a large square GEMM is compute-bound: FP8's time is BF16's times the ratio of the achieved peaks, each
+    # dtype's datasheet peak at the fraction its best matmul reaches (hardware.py: 0.80 BF16, 0.71 FP8)
     n = 8192
     bf16 = kernels.gemm_us(1, n, n, n, 3 * n * n * 2, "bfloat16", H100)
     fp8 = kernels.gemm_us(1, n, n, n, n * n * (1 + 1 + 2), "float8_e4m3fn", H100)
     overhead = H100.kernel_overhead_us
-    assert (fp8 - overhead) / (bf16 - overhead) == pytest.approx(989.4 / 1978.9, rel=1e-3)
+    assert (fp8 - overhead) / (bf16 - overhead) == pytest.approx(989.4 * 0.80 / (1978.9 * 0.71), rel=1e-3)
 
 
 def test_fp8_step_faster_than_bf16_on_h100():

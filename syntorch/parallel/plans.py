@@ -75,6 +75,11 @@ class TrainPlan:
     # step (Megatron-Core's default)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    # Megatron-LM's --async-tensor-model-parallel-allreduce (2022 on, Korthikanti et al. 2022): a TP collective of
+    # the backward pass starts after the input gradient and overlaps the weight gradient. False: Megatron-LM 2021's
+    # synchronous one after the linear's whole backward (simulate/graphs.py). A plan option only (bench/
+    # validate_published.py's 2021 rows): the Chakra files do not carry the synchronisation yet
+    async_tp_allreduce: bool = True
     clip_grad: float = 1.0  # gradient clipping by the global norm (clip.py), Megatron's default; 0: none
     # uneven pipeline stages, Megatron-Core's options (layout.py): layers on the first / last stage, or the
     # embedding / loss counted as a layer in the split

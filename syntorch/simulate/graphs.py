@@ -56,7 +56,7 @@ class MeshFrame:
 
 
 def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=None,
-                  isolated: bool = False) -> tuple[Program, list[int]]:
+                  isolated: bool = False, sync_tp_backward: bool = False) -> tuple[Program, list[int]]:
     """The program of `graph`'s ops and collectives (those in `nodes`, default all) in traced order, and the
     graph node of each task. `isolated`: a step simulated on its own (steps.py): what meets other kinds
     (p2p, groups across kinds) takes no time here, the step-level program adds it; dependencies on nodes
@@ -65,10 +65,16 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     An op without time (a view, or an op inside another's kernel under the fused profile) launches nothing:
     it is no task and holds no place on the compute stream; what reads it waits for what it read. (As a
     task it would sit in stream order, and an all-reduce of a gradient reshaped after the weight-gradient
-    GEMM would wait for that GEMM.)"""
+    GEMM would wait for that GEMM.)
+
+    `sync_tp_backward` (the plan's async_tp_allreduce false): a TP collective of the backward pass waits for the
+    compute issued before it, and the next compute waits for it, as Megatron-LM 2021 ran it (the all-reduce in
+    _CopyToModelParallelRegion's backward, after the linear's input and weight gradients, torch.distributed's
+    default async_op=False)."""
     attrs, pred = graph.node_attrs, graph.preds
     rank = graph.graph.get("rank", 0)
     program, tasks_of, node_of, seen = Program(name, ranks), {}, [], {}
+    last_compute = gate = None  # sync_tp_backward: the compute task before, the collective the next one waits for
     for n in (attrs if nodes is None else nodes):
         d = attrs[n]
         if d["kind"] == "tensor":
@@ -77,7 +83,9 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
         duration = d.get("duration_us") or 0.0
         if d["kind"] == "op":
             if duration:
-                tasks_of[n] = (program.add(d["name"], COMPUTE, duration, list(deps)),)
+                deps |= {gate} if gate is not None else set()
+                last_compute, gate = program.add(d["name"], COMPUTE, duration, list(deps)), None
+                tasks_of[n] = (last_compute,)
                 node_of.append(n)
             else:
                 tasks_of[n] = tuple(deps)
@@ -85,8 +93,12 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
         stream, sync = _comm(d, rank, frame, seen)
         if isolated and sync is not None:  # it meets another kind: the step-level program runs it
             duration, sync = 0.0, None
-        tasks_of[n] = (program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"],
-                                   stream, duration, list(deps), sync),)
+        blocking = sync_tp_backward and d["phase"] == "backward" and stream == "comm tp"
+        if blocking and last_compute is not None:
+            deps.add(last_compute)
+        task = program.add(f"{d['module']}:{d['collective']}" if d["module"] else d["collective"], stream, duration,
+                           list(deps), sync)
+        tasks_of[n], gate = (task,), task if blocking else gate
         node_of.append(n)
     return program, node_of
 

@@ -75,7 +75,8 @@ def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, 
 
 def _predict_training(probes, source, plan, hw, profile, attention) -> Prediction:
     mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
-    costs = {s: stage_costs(probe, mesh) for s, probe in probes.items()}
+    sync_tp = not getattr(plan, "async_tp_allreduce", True)  # an inference plan has no backward
+    costs = {s: stage_costs(probe, mesh, sync_tp) for s, probe in probes.items()}
     optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
                  for s, probed in costs.items()}
     if plan.mode == "train":

@@ -46,9 +46,10 @@ class StepCost:
         return self.compute_us, self.exposed_us, self.streams_us
 
 
-def step_cost(graph, start: int, end: int, frame) -> StepCost:
-    """Simulate graph nodes [start, end) (one probed step) on their own."""
-    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True)
+def step_cost(graph, start: int, end: int, frame, sync_tp_backward: bool = False) -> StepCost:
+    """Simulate graph nodes [start, end) (one probed step) on their own (`sync_tp_backward`: graph_program's)."""
+    program, nodes = graph_program(graph, "step", frame, nodes=range(start, end), isolated=True,
+                                   sync_tp_backward=sync_tp_backward)
     run = simulate([program])
     stats = kind_stats(run)[0]
     attrs = graph.node_attrs
@@ -80,24 +81,24 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
                     cross_name, members, model, hardware, dense, streams)
 
 
-def probe_costs(probe, blocks: dict, mesh) -> dict:
+def probe_costs(probe, blocks: dict, mesh, sync_tp_backward: bool = False) -> dict:
     """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
     frame = MeshFrame(mesh)
-    return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
+    return {key: step_cost(probe, start, end, frame, sync_tp_backward) for key, (start, end) in blocks.items()}
 
 
-def stage_costs(probe, mesh) -> dict:
+def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
     """probe_costs of a stage's probe (trace/layer_probe.py's StageProbe, or probe_stage's (graph, blocks)):
     when the probe left layers out, each step as the whole stage runs it (layer_probe.expand_step) and the
     optimizer step from its own probe."""
     if not isinstance(probe, StageProbe) or not probe.runs:
-        return probe_costs(*probe, mesh)
+        return probe_costs(*probe, mesh, sync_tp_backward)
     frame, (graph, blocks) = MeshFrame(mesh), probe
-    costs = probe_costs(*probe.optimizer, mesh)
+    costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
     for key, (start, end) in blocks.items():
         if key[0] != "optimizer":
             step = expand_step(graph, start, end, [run for run in probe.runs if run[0] == key[2]])
-            costs[key] = step_cost(step, 0, len(step), frame)
+            costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
     return costs
 
 

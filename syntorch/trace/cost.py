@@ -59,7 +59,7 @@ class Kernel:
     flops: int = 0
     nbytes: int = 0
     dtype: str = "float32"
-    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape); collective: its ranks;
+    shape: tuple = ()  # gemm: (batch, m, n, k); attention: (q shape, k shape, training); collective: its ranks;
     # compute: (launches,) for a multi-tensor (foreach) op, else ()
 
 
@@ -93,8 +93,8 @@ def kernel_us(kernel: Kernel, hw: HardwareConfig, profile: str = "eager", attent
     if kernel.kind == "gemm":
         return gemm_us(*kernel.shape, kernel.nbytes, kernel.dtype, hw)
     if kernel.kind == "attention":
-        return attention_us(kernel.name, kernel.flops, kernel.nbytes, *kernel.shape, kernel.dtype, hw, profile,
-                            attention)
+        q, k, training = kernel.shape
+        return attention_us(kernel.name, kernel.flops, kernel.nbytes, q, k, kernel.dtype, hw, profile, attention, training)
     if kernel.kind == "compute":
         return compute_us(kernel.flops, kernel.nbytes, kernel.dtype, hw, launches=kernel.shape[0] if kernel.shape else 1)
     return 0.0
@@ -175,11 +175,13 @@ def _inputs(graph, node) -> list:
 
 
 def _attention_shapes(graph, node, data) -> tuple | None:
-    """(q shape, k shape): the forward reads (q, k, v[, mask]), the backward (grad, q, k, v). A graph read
-    from Chakra files gives them as the node's `input_shapes` (its edges come from other nodes' outputs)."""
+    """(q shape, k shape, in a training pass?): the forward reads (q, k, v[, mask]), the backward (grad, q, k, v).
+    A graph read from Chakra files gives them as the node's `input_shapes` (its edges come from other nodes'
+    outputs)."""
     shapes = data.get("input_shapes") or [graph.node_attrs[t]["shape"] for t in _inputs(graph, node)]
     q, k = ((shapes[:2] if data["name"] == SDPA else shapes[1:3]) + [[], []])[:2]
-    return (tuple(q), tuple(k)) if len(q) >= 2 and len(k) >= 2 else None
+    training = data.get("phase") in ("forward", "backward")
+    return (tuple(q), tuple(k), training) if len(q) >= 2 and len(k) >= 2 else None
 
 
 def _radix_bytes(graph, node, data) -> int | None:

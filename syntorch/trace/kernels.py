@@ -16,7 +16,11 @@ Kernel time = kernel_overhead_us + one of
   a batched GEMM for QK^T, a softmax kernel and a batched GEMM over V over the whole score matrix, masked or
   not (so the dense FLOPs, from the shapes), the score matrix going through memory SCORE_PASSES times
   (forward: written, read and written by softmax, read; backward: dP written, P read for dV, softmax backward
-  reads P and dP and writes dS, dS read twice). Under the eager profile that is PyTorch's math path
+  reads P and dP and writes dS, dS read twice). In training, Megatron's core drops out the probabilities as a
+  kernel of its own (CoreAttention's attention_dropout, --attention-dropout 0.1 by default in Megatron-LM's
+  arguments.py; Korthikanti et al. 2022, Table 2, count its mask, as^2b bytes, and output, 2as^2b): forward, P
+  read, the dropped P written with a byte-per-score mask; backward, the gradient and the mask read, the
+  gradient written (DROPOUT_PASSES, in score-sized passes). Under the eager profile that is PyTorch's math path
   (aten::_scaled_dot_product_attention_math), which adds a masked score matrix's mask as a kernel of its own
   (attn.add_(mask): the scores read and written once more); under the fused profile the mask and scale live
   in Megatron's fused softmax. Decode (one query) under the fused profile is one kernel either way
@@ -61,6 +65,8 @@ FUSIBLE = frozenset({
 TILE_M, TILE_N = 128, 128  # cuBLAS/CUTLASS's usual threadblock tile for large FP16/BF16 GEMMs on Ampere/Hopper
 MIN_TILE_M = 16  # the tensor cores' MMA height (m16n8k16): the narrowest tile a skinny GEMM uses
 SCORE_PASSES = {SDPA: 4, SDPA + "_backward": 7}
+DROPOUT_PASSES = 2  # the unfused core's attention dropout, forward or backward: one score pass in, one out,
+DROPOUT_MASK_BYTES = 1  # and its mask (torch's bool), one byte a score (module docstring)
 
 
 def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: str = "gemm", launches: int = 1) -> float:
@@ -71,7 +77,7 @@ def compute_us(flops: int, nbytes: int, dtype: str, hw: HardwareConfig, kind: st
 
 def math_us(flops: float, dtype: str, hw: HardwareConfig, kind: str = "gemm") -> float:
     """At the fraction of peak `kind` reaches: "attention" for flash kernels (hw.attention_efficiency)."""
-    return 1e6 * flops / (hw.peak_flops(dtype) * hw.math_efficiency(kind))
+    return 1e6 * flops / (hw.peak_flops(dtype) * hw.math_efficiency(kind, dtype))
 
 
 def memory_us(nbytes: float, hw: HardwareConfig) -> float:
@@ -91,9 +97,10 @@ def gemm_us(batch: int, m: int, n: int, k: int, nbytes: int, dtype: str, hw: Har
 
 
 def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: str, hw: HardwareConfig,
-                 profile: str, attention: str = "flash") -> float:
+                 profile: str, attention: str = "flash", training: bool = False) -> float:
     """The fused sdpa op (forward or backward) as `attention` and `profile` run it (module docstring): the one
-    place that decides between a flash kernel and the unfused core."""
+    place that decides between a flash kernel and the unfused core. `training`: a forward or backward pass of
+    a training step (the unfused core then runs its attention dropout)."""
     if attention == "flash" or (profile == "fused" and q_shape[-2] == 1):
         return compute_us(flops, nbytes, dtype, hw, "attention")
     # every score computed, masked or not (V's head size is Q's in every model here, so k stands for v)
@@ -104,7 +111,10 @@ def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: st
     if profile == "eager" and name == SDPA and flops < dense:  # the math path adds the causal mask on its own
         kernels, passes = kernels + 1, passes + 2
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk, in the op's dtype (FP16 in Megatron's softmax)
-    score_bytes = passes * scores * getattr(torch, dtype).itemsize
+    itemsize = getattr(torch, dtype).itemsize
+    if training and profile == "fused":  # Megatron's dropout kernel; PyTorch's math path runs none at p = 0
+        kernels, passes = kernels + 1, passes + DROPOUT_PASSES + DROPOUT_MASK_BYTES / itemsize
+    score_bytes = passes * scores * itemsize
     return kernels * hw.kernel_overhead_us + math_us(dense, dtype, hw) + memory_us(nbytes + score_bytes, hw)
 
 
