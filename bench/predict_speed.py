@@ -3,7 +3,8 @@
     1t      the 1T-parameter layout of Narayanan et al. 2021 (Table 1: 128 layers, hidden 25600, 160 heads),
             TP8 x PP64 = 512 ranks, 512 micro-batches, interleaved when the plan supports virtual stages
             (goal < 30 s, < 2 GB)
-    175b    GPT-3 175B TP8 x PP8, 64 micro-batches                               (goal < 5 s)
+    175b    GPT-3 175B TP8 x PP8, 64 micro-batches: four layers of each stage probed (trace/layer_probe.py)
+                                                                          (goal < 2 s, issue 24)
     predict `syntorch predict` on the 8,192-rank 175B traces of issue 9 (DP128 x TP8 x PP8, SP, ZeRO-1,
             module level; written first, not timed)                           (goal < 20 s)
 
