@@ -207,6 +207,8 @@ class Case:
 
 INFER = "infer --model_config {ws}/tiny.json --num_input_tokens 4 --num_output_tokens 2 --out {out}"
 TRACE = "trace --model_config {ws}/tiny.json --seq 16 --no_progress --out {out}"
+PLAN = ("plan --model_config {ws}/tiny.json --gpus 2 --hw_config a100-80gb --global_batch 2 --seq 16 --tp 2 "
+        "--no_recompute --no_progress --out {out}")
 EXPORT = "export --input {ws}/graph.json --output {out}"
 COMM = "comm --input {ws}/graph.json --html {out}"
 CALIBRATE = "calibrate --seconds 0.01 --output {out}"
@@ -569,11 +571,12 @@ ZERO_MEANS_SOMETHING = {
     "infer": {"--top_k", "--seed", "--comm_debug"},  # top_k 0: off; comm_debug 0: counts only
     "trace": {"--zero"},  # DDP
     "train": {"--zero", "--max-steps", "--warmup-steps", "--save-steps", "--eval-steps", "--seed",
-              "--trace-wait-steps", "--trace-warmup-steps"},  # zero 0: DDP; else 0: none, or "at the end"
+              "--trace-wait-steps"},  # zero 0: DDP; else 0: none, or "at the end"
     "convert": {"--rank"},
     "comm": {"--noise_level"},
+    "plan": {"--emit"},  # no traces
 }
-RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM, "shard": SHARD,
+RUNNABLE = {"infer": INFER, "trace": TRACE, "train": TRAIN, "comm": COMM, "shard": SHARD, "plan": PLAN,
             "convert": CONVERT.replace("{out}", "{case}/gpt2.0.et")}
 INTS = [(command, flag, value) for command, parser in commands().items() for flag in options(parser, int)
         for value in ("-1", "0", str(2**63)) if value != "0" or flag not in ZERO_MEANS_SOMETHING.get(command, ())]
