@@ -125,3 +125,14 @@ def test_a_derived_stage_costs_as_if_costed_after_shifting():
         want = schedule_stage(probe, blocks, plan)
         assert dict(derived.nodes(data=True)) == dict(want.nodes(data=True)), f"stage {s}"
         assert list(derived.edges(data=True)) == list(want.edges(data=True))
+
+
+def test_a_stated_routing_load_makes_an_moe_layer_with_another_row_another_kind():
+    rows = [(1 / 8,) * 8] * 13  # MOE's 13 MoE layers (3..15), each expert an eighth of the tokens
+    plan = TrainPlan(pp=2, microbatches=4, seq=32, moe_load=tuple(rows))
+    assert reduced(MOE, plan, 1)[1] == [(0, (8, 9, 10, 11), 4)]
+    rows[10 - 3] = (0.3,) + (0.1,) * 7  # layer 10 routes more to expert 0
+    plan = TrainPlan(pp=2, microbatches=4, seq=32, moe_load=tuple(rows))
+    assert reduced(MOE, plan, 1)[1] == [(0, (11, 12, 13, 14), 1)]  # 8-9, 10, then 11-15
+    assert traced_stage_for(MOE, TrainPlan(pp=8, microbatches=8, seq=32, moe_load=tuple(rows))) == \
+        [0, 1, 2, 2, 2, 5, 2, 7]  # stage 5 (layers 10, 11) traced on its own
