@@ -1,9 +1,11 @@
 """How fast the simulator predicts at scale (issue 14, item 4): wall time and peak RSS of
 
     1t      the 1T-parameter layout of Narayanan et al. 2021 (Table 1: 128 layers, hidden 25600, 160 heads),
-            TP8 x PP64 = 512 ranks, 512 micro-batches, interleaved when the plan supports virtual stages
+            TP8 x PP64 = 512 ranks, 512 micro-batches, interleaved (V=2: each stage's two layers as two chunks),
+            full recomputation as the paper runs it (else stage 0 needs 145 GB)
             (goal < 30 s, < 2 GB)
-    175b    GPT-3 175B TP8 x PP8, 64 micro-batches                               (goal < 5 s)
+    175b    GPT-3 175B TP8 x PP8, 64 micro-batches: four layers of each stage probed (trace/layer_probe.py)
+                                                                          (goal < 2 s, issue 24)
     predict `syntorch predict` on the 8,192-rank 175B traces of issue 9 (DP128 x TP8 x PP8, SP, ZeRO-1,
             module level; written first, not timed)                           (goal < 20 s)
 
@@ -32,7 +34,7 @@ def trace_args(case: str, folder: Path) -> list[str]:
     if case == "1t":
         (folder / "1t.json").write_text(json.dumps(ONE_T))
         return ["trace", "--model_config", str(folder / "1t.json"), "--tp", "8", "--pp", "64",
-                "--microbatches", "512", "--seq", "2048", *virtual_flag(4)]
+                "--microbatches", "512", "--seq", "2048", "--recompute", "full", *virtual_flag(2)]
     return ["trace", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--microbatches", "64", "--seq", "2048"]
 
 

@@ -68,9 +68,8 @@ def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -
     if not schedule:  # a prediction needs only the probes, costed
         probe = layer_probe if layer_probes else whole_probe
         probes = {s: probe(config, plan, s, dtype, COST_MICROBATCHES) for s in sorted(set(source))}
-        for p in probes.values() if hw else ():
-            for graph, _ in (p, p.optimizer) if p.optimizer else (p,):
-                fill_durations(graph, hw, *software)
+        for graph in (graph for probe in probes.values() for graph in probe.graphs) if hw else ():
+            fill_durations(graph, hw, *software)
         return Workload(config, plan, [], hw, len(probes), probes, source, *software, estimates)
     # copies need one more micro-batch than costs do
     probes = {s: StageProbe(*probe_stage(config, plan, s, dtype, microbatches=PROBE_MICROBATCHES))

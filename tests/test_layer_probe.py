@@ -10,6 +10,7 @@ from conftest import tiny_config
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.prediction import predict_training
+from syntorch.trace.cost import fill_durations
 from syntorch.trace.layer_probe import KeptLayers, expand_step, reduced
 from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
 from syntorch.workload import trace_workload
@@ -104,3 +105,34 @@ def test_a_middle_stage_is_derived_only_from_one_with_layers_of_its_kinds():
     traced = trace_stage(MOE, plan, 3, replicate=False)
     assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
     assert list(derived.edges(data=True)) == list(traced.edges(data=True))
+
+
+def test_a_derived_stage_costs_as_if_costed_after_shifting():
+    """Workload.stages makes a stage's graph when asked: a derived one is its source's costed probe shifted,
+    its collectives (which may now span other nodes) costed again; node for node as costing every node of
+    the shifted probe, and for a traced one as its costed probe scheduled."""
+    config, plan = tiny_config("gpt2", n_layer=8, vocab_size=200), TrainPlan(tp=4, pp=4, microbatches=4, seq=16)
+    workload = trace_workload(config, plan, torch.float32, HW)
+    assert workload.source == [0, 1, 1, 3]
+    # stage 1 sends to the next node (8 GPUs each), stage 2 within its own: what costing again must see
+    sends = [{d["duration_us"] for _, d in workload.stages[s].collectives() if d["collective"] == "send"
+              and d["phase"] == "forward"} for s in (1, 2)]
+    assert sends[0] != sends[1]
+    for s, derived in enumerate(workload.stages):
+        probe, blocks = probe_stage(config, plan, workload.source[s], torch.float32)
+        probe = shift_stage(probe, plan.mesh, s, 2 * (s - workload.source[s]))
+        fill_durations(probe, HW)
+        want = schedule_stage(probe, blocks, plan)
+        assert dict(derived.nodes(data=True)) == dict(want.nodes(data=True)), f"stage {s}"
+        assert list(derived.edges(data=True)) == list(want.edges(data=True))
+
+
+def test_a_stated_routing_load_makes_an_moe_layer_with_another_row_another_kind():
+    rows = [(1 / 8,) * 8] * 13  # MOE's 13 MoE layers (3..15), each expert an eighth of the tokens
+    plan = TrainPlan(pp=2, microbatches=4, seq=32, moe_load=tuple(rows))
+    assert reduced(MOE, plan, 1)[1] == [(0, (8, 9, 10, 11), 4)]
+    rows[10 - 3] = (0.3,) + (0.1,) * 7  # layer 10 routes more to expert 0
+    plan = TrainPlan(pp=2, microbatches=4, seq=32, moe_load=tuple(rows))
+    assert reduced(MOE, plan, 1)[1] == [(0, (11, 12, 13, 14), 1)]  # 8-9, 10, then 11-15
+    assert traced_stage_for(MOE, TrainPlan(pp=8, microbatches=8, seq=32, moe_load=tuple(rows))) == \
+        [0, 1, 2, 2, 2, 5, 2, 7]  # stage 5 (layers 10, 11) traced on its own

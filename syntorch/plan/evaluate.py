@@ -36,13 +36,13 @@ def probe_key(config: ModelConfig, plan: TrainPlan, dtype: torch.dtype) -> tuple
 
 @dataclasses.dataclass
 class Probes:
-    probes: dict  # traced stage -> (probe graph, its steps)
+    probes: dict  # traced stage -> its trace/layer_probe.StageProbe (probe graph, its steps)
     source: list[int]  # stage -> the traced stage it copies
     filled: tuple | None = None  # (hw, profile, attention) of the durations in the graphs
 
     def fill(self, hw: HardwareConfig, profile: str, attention: str) -> None:
         if self.filled != (hw, profile, attention):
-            for graph, _ in self.probes.values():
+            for graph in (graph for probe in self.probes.values() for graph in probe.graphs):  # layer_probe.py
                 fill_durations(graph, hw, profile, attention)
             self.filled = (hw, profile, attention)
 

@@ -24,6 +24,10 @@ class RankFrame:
     def kind(self, rank: int):
         return rank if self.kind_of is None else self.kind_of.get(rank, rank)
 
+    def kinds_in(self, group) -> int:
+        """How many programs meet in `group`."""
+        return len({self.kind(r) for r in group})
+
     def canonical(self, ranks) -> tuple:
         return tuple(ranks)
 
@@ -36,10 +40,17 @@ class MeshFrame:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.pp_stride = mesh.stride("pp")
-        self.labels = {}  # group -> its label: naming a group reads every member's coordinates
+        self.labels, self.stages_in = {}, {}  # per group: its label (from every member's coordinates), its stages
 
-    def kind(self, rank: int) -> int:  # its stage: asked for every member of every group, so plain arithmetic
+    def kind(self, rank: int) -> int:  # its stage: plain arithmetic, asked for every member of a group
         return rank // self.pp_stride % self.mesh.pp
+
+    def kinds_in(self, group) -> int:
+        """How many stages meet in `group` (once per group: the gradient norm's may hold every rank)."""
+        key = tuple(group)
+        if key not in self.stages_in:
+            self.stages_in[key] = len({self.kind(r) for r in group})
+        return self.stages_in[key]
 
     def canonical(self, ranks) -> tuple:
         """The group as its stage representatives name it: moved back by its lowest rank's place."""
@@ -111,7 +122,7 @@ def _comm(d: dict, rank: int, frame, seen: dict) -> tuple[str, Sync | None]:
         occurrence = seen[(pair, d["tag"])] = seen.get((pair, d["tag"]), -1) + 1
         return P2P, Sync(kind, ("p2p", pair, d["tag"], occurrence))
     group = sorted(d["group"])
-    members = len({frame.kind(r) for r in group})
+    members = frame.kinds_in(group)
     if members == 1:
         return "comm " + frame.label(group), None
     return "comm " + frame.label(group), Sync("coll", ("coll", frame.canonical(group), d["order"]), members)

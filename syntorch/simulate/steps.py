@@ -64,7 +64,7 @@ def step_cost(graph, start: int, end: int, frame, sync_tp_backward: bool = False
         if d["collective"] == "send":
             send += d.get("duration_us") or 0.0
             send_at = run.starts[0][task]
-        elif d["collective"] != "recv" and (stages := len({frame.kind(r) for r in d["group"]})) > 1:
+        elif d["collective"] != "recv" and (stages := frame.kinds_in(d["group"])) > 1:
             cross += d.get("duration_us") or 0.0
             cross_at = run.starts[0][task]
             cross_name = "grad norm" if d["phase"] == "optimizer" else "embedding"

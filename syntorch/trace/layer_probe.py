@@ -1,18 +1,18 @@
 """Probes of a stage with fewer layers, for predictions (`syntorch trace --predict_only`).
 
-A stage's layers of one kind (the same block: dense or MoE MLP, the same attention window) run the same ops on
-the same shapes, and in a step each one's nodes -- its period: its ops, the collectives it issues (TP, CP, EP,
-FSDP's gathers and reduce-scatters) and their tensors -- read the period before as that one read its own
-predecessor's. Only the first and the last layer a step meets of a run differ (what comes before and after
-them is no layer: an FSDP gather is prefetched for the next unit). So each run of alike layers is probed
-with its first four layers, and a step of the whole stage is that probe's step with the third period it
-meets repeated for the run's other layers (`expand_step`: a copy reads the copy before it where the third
-read the second), which simulate/steps.py then simulates like a probed step. The second and third periods
-must run the same ops, else the stage is probed whole (as it is when the last backward's end handles
-every layer's gradients at once: DDP/ZeRO buckets, sequence parallel's LayerNorms). The optimizer step
-does not grow layer by layer (its multi-tensor kernels launch per chunk of tensors), so it is probed on
-its own with every parameter (training.probe_optimizer). tests/test_layer_probe.py checks the
-prediction against probing every layer.
+A stage's layers of one kind (the same block: dense or MoE MLP, the same attention window and stated routing
+load) run the same ops on the same shapes, and in a step each one's nodes -- its period: its ops, the
+collectives it issues (TP, CP, EP, FSDP's gathers and reduce-scatters) and their tensors -- read the period
+before as that one read its own predecessor's. Only the first and the last layer a step meets of a run differ
+(what comes before and after them is no layer: an FSDP gather is prefetched for the next unit). So each run of
+alike layers is probed with its first four layers, and a step of the whole stage is that probe's step with the
+third period it meets repeated for the run's other layers (`expand_step`: a copy reads the copy before it
+where the third read the second), which simulate/steps.py then simulates like a probed step. The second and
+third periods must run the same ops, else the stage is probed whole (as it is when the last backward's end
+handles every layer's gradients at once: DDP/ZeRO buckets, sequence parallel's LayerNorms). The optimizer step
+does not grow layer by layer (its multi-tensor kernels launch per chunk of tensors), so it is probed on its
+own with every parameter (training.probe_optimizer). tests/test_layer_probe.py checks the prediction against
+probing every layer.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -49,12 +49,17 @@ class StageProbe(tuple):
         probe.runs, probe.optimizer = runs or [], optimizer
         return probe
 
+    @property
+    def graphs(self) -> list:
+        """Every graph whose nodes need durations for a prediction."""
+        return [self[0], *([self.optimizer[0]] if self.optimizer else [])]
 
-def runs(config: ModelConfig, layers) -> list[list[int]]:
-    """`layers` cut into runs of consecutive layers of one kind."""
+
+def runs(config: ModelConfig, layers, load=None) -> list[list[int]]:
+    """`layers` cut into runs of consecutive layers of one kind (`load`: TrainPlan.moe_load)."""
     out = []
     for i in layers:
-        if out and layer_kind(config, out[-1][-1]) == layer_kind(config, i):
+        if out and layer_kind(config, out[-1][-1], load) == layer_kind(config, i, load):
             out[-1].append(i)
         else:
             out.append([i])
@@ -67,7 +72,7 @@ def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
     made: DDP/ZeRO buckets (copied back, launched, or their shards joined), or sequence parallel's
     LayerNorm gradients summed over TP (FSDP does both unit by unit)."""
     full = plan.stage(config, stage)
-    chunks = [runs(config, chunk) for chunk in (full.chunks or (full.layers,))]
+    chunks = [runs(config, chunk, plan.moe_load) for chunk in (full.chunks or (full.layers,))]
     long = [(c, tuple(run[:4]), len(run) - 4) for c, chunk in enumerate(chunks) for run in chunk if len(run) > 4]
     if not long or (plan.zero != 3 and (plan.grad_ranks > 1 or (plan.sp and plan.tp > 1))):
         return None

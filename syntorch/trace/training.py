@@ -271,15 +271,17 @@ def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
     for s in range(plan.pp):
         stage = plan.stage(config, s)
         chunks = stage.chunks or (stage.layers,)
-        key = (tuple(tuple(layer_kind(config, i) for i in chunk) for chunk in chunks),
+        key = (tuple(tuple(layer_kind(config, i, plan.moe_load) for i in chunk) for chunk in chunks),
                tuple(chunk[0] - stage.layers[0] for chunk in chunks))
         source.append(first_middle.setdefault(key, s) if 0 < s < plan.pp - 1 else s)
     return source
 
 
-def layer_kind(config: ModelConfig, layer: int) -> tuple:
-    """What makes one layer's ops differ from another's: its MLP (DeepSeek's dense first layers) and window."""
-    return bool(config.n_experts) and layer >= config.first_k_dense, config.layer_window(layer)
+def layer_kind(config: ModelConfig, layer: int, load=None) -> tuple:
+    """What makes one layer's ops differ from another's: its MLP (DeepSeek's dense first layers), its window
+    and, given a stated routing load (TrainPlan.moe_load: a row per MoE layer), an MoE layer's row."""
+    moe = bool(config.n_experts) and layer >= config.first_k_dense
+    return moe, config.layer_window(layer), tuple(load[layer - config.first_k_dense]) if moe and load else None
 
 
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
