@@ -1,9 +1,9 @@
 """CPU decode of GPT-2 124M, fp32, batch 1, greedy (issue 24): syntorch against HF `generate` and against the
 memory-bandwidth floor, each run as a whole command in a fresh process.
 
-    python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32]
+    python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32] [--compile] [--thp]
 
-The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process, alternated `reps`
+The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process (four with --compile), alternated `reps`
 times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate), HF (`generate`,
 as bench/infer_speed.py runs it) and the floor. Decoding one row is memory-bound: each step must read every weight
 matrix once (the LM head included) and the KV cache written so far. The floor child times the weights' part as
@@ -32,11 +32,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))  # infer_speed's functions, imported where a child needs them
 
 
-def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> dict:
     from syntorch.checkpoints import load_checkpoint
     from syntorch.generate import Sampling, generate, stream_friendly_weights
     _, model = load_checkpoint(folder, dtype=torch.float32)
     stream_friendly_weights(model)
+    if compile:  # one graph for every cache length; the first steps pay the compile time
+        model.forward = torch.compile(model.forward, dynamic=True)
     stamps = []
 
     @contextlib.contextmanager
@@ -46,7 +48,12 @@ def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
         stamps.append(time.thread_time() - begin)
 
     result = generate(model, prompt, new_tokens, Sampling(temperature=0), phase_scope=cpu_clock)
-    return {"steps": result.decode_s, "cpu_steps": stamps[1:], "tokens": result.new_tokens}
+    return {"steps": result.decode_s, "cpu_steps": stamps[1:], "tokens": result.new_tokens,
+            "first_s": result.prefill_s + sum(result.decode_s[:2])}
+
+
+def compiled_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    return syntorch_child(folder, prompt, new_tokens, compile=True)
 
 
 def hf_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
@@ -100,15 +107,17 @@ def save_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
     return {}
 
 
-CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child}
+CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "compiled": compiled_child}
 
 
 def run_child(kind: str, folder: str, threads: int, args) -> dict:
-    """One fresh process; its result with its own wall, CPU seconds and peak RSS."""
+    """One fresh process; its result with its own wall, CPU seconds and peak RSS (its reaped children's too:
+    torch.compile's compile workers)."""
     command = [sys.executable, __file__, "--child", kind, "--folder", folder, "--threads", str(threads),
                "--new_tokens", str(args.new_tokens), "--prompt_tokens", str(args.prompt_tokens)]
     begin = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.PIPE)
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"} if args.thp else None  # c10: madvise huge pages >= 2 MB
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, env=env)
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - begin
@@ -130,11 +139,12 @@ def per_token(runs: dict, clock: str) -> dict:
 
 
 def bench(folder: str, threads: int, args) -> None:
-    runs = {kind: [] for kind in CHILDREN}
+    kinds = [*CHILDREN][:4 if args.compile else 3]
+    runs = {kind: [] for kind in kinds}
     for _ in range(args.reps):
-        for kind in CHILDREN:
+        for kind in kinds:
             runs[kind].append(run_child(kind, folder, threads, args))
-    if any(r["tokens"] != runs["syntorch"][0]["tokens"] for r in runs["syntorch"] + runs["hf"]):
+    if any(r["tokens"] != runs["syntorch"][0]["tokens"] for rs in runs.values() for r in rs if "tokens" in r):
         raise SystemExit(f"{threads} threads: syntorch and HF generated different tokens")
     print(f"{threads} thread(s), the same tokens from syntorch and HF:")
     floors = runs["floor"][0]
@@ -145,15 +155,19 @@ def bench(folder: str, threads: int, args) -> None:
         floor = weight_s + floors["kv_bytes"] / bandwidth
         print(f"  per step in {label} time: floor {1e3 * floor:.2f} ms/token ({1e3 * weight_s:.2f} weights + "
               f"{1e3 * (floor - weight_s):.2f} KV at {bandwidth / 1e9:.1f} GB/s; median {1e3 * step['floor'][1]:.2f})")
-        for kind in ("syntorch", "hf"):
+        for kind in kinds[:2] + kinds[3:]:
             print(f"    {kind:8s} {1e3 * step[kind][0]:6.2f} ms/token (median {1e3 * step[kind][1]:6.2f})  "
                   f"{100 * floor / step[kind][0]:5.1f}% of floor")
         print(f"    syntorch / HF generate: {step['hf'][0] / step['syntorch'][0]:.2f}x per decode step "
               f"(medians {step['hf'][1] / step['syntorch'][1]:.2f}x)")
-    for kind in ("syntorch", "hf"):
+    for kind in kinds[:2] + kinds[3:]:
         best = {k: min(r[k] for r in runs[kind]) for k in ("wall", "cpu", "rss_mb")}
         print(f"  whole command, best of {args.reps}: {kind:8s} wall {best['wall']:5.2f} s  CPU {best['cpu']:5.2f} s  "
               f"peak RSS {best['rss_mb']:4.0f} MB")
+    if args.compile:
+        first = {k: min(r["first_s"] for r in runs[k]) for k in ("syntorch", "compiled")}
+        print(f"  torch.compile: prefill + first two decode steps {first['compiled']:.1f} s against {first['syntorch']:.2f} s "
+              f"eager (wall)")
 
 
 def main():
@@ -162,6 +176,10 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=32)
+    parser.add_argument("--compile", action="store_true", help="also syntorch under torch.compile: its compile "
+                        "time against what it saves")
+    parser.add_argument("--thp", action="store_true", help="every child with THP_MEM_ALLOC_ENABLE=1 (torch "
+                        "allocates big tensors on transparent huge pages)")
     parser.add_argument("--child", choices=[*CHILDREN, "save"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
