@@ -3,9 +3,9 @@ memory-bandwidth floor, each run as a whole command in a fresh process.
 
     python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32] [--compile] [--thp]
 
-The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process (four with --compile), alternated `reps`
+The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process, alternated `reps`
 times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate), HF (`generate`,
-as bench/infer_speed.py runs it) and the floor. Decoding one row is memory-bound: each step must read every weight
+as bench/infer_speed.py runs it) and the floor; with --compile a fourth, syntorch under torch.compile. Decoding one row is memory-bound: each step must read every weight
 matrix once (the LM head included) and the KV cache written so far. The floor child times the weights' part as
 infer_speed does (one vector-matrix product per matrix), which also measures the bandwidth; the KV part is its
 bytes over that bandwidth. Per-step times are compared at their 10th percentile over all reps (other processes
