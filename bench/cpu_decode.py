@@ -1,0 +1,200 @@
+"""CPU decode of GPT-2 124M, fp32, batch 1, greedy (issue 24): syntorch against HF `generate` and against the
+memory-bandwidth floor, each run as a whole command in a fresh process.
+
+    python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32] [--compile] [--thp]
+
+The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process, alternated `reps`
+times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate), HF (`generate`,
+as bench/infer_speed.py runs it) and the floor; with --compile a fourth, syntorch under torch.compile. Decoding one row is memory-bound: each step must read every weight
+matrix once (the LM head included) and the KV cache written so far. The floor child times the weights' part as
+infer_speed does (one vector-matrix product per matrix), which also measures the bandwidth; the KV part is its
+bytes over that bandwidth. Per-step times are compared at their 10th percentile over all reps (other processes
+stretch many steps on a shared machine; the low percentile survives that), medians beside them.
+
+Every step is timed twice: in wall time and in the CPU time of the thread that runs it (time.thread_time). With
+one thread the CPU time is what wall time would be on a quiet machine; with more, wall time is the figure, but
+it needs a quiet machine. Wall, CPU seconds (user + system) and peak RSS of each whole command are the child's
+own (os.wait4), the best of the reps.
+"""
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))  # infer_speed's functions, imported where a child needs them
+
+
+def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> dict:
+    from syntorch.checkpoints import load_checkpoint
+    from syntorch.generate import Sampling, generate, stream_friendly_weights
+    _, model = load_checkpoint(folder, dtype=torch.float32)
+    stream_friendly_weights(model)
+    if compile:  # one graph for every cache length; the first steps pay the compile time
+        model.forward = torch.compile(model.forward, dynamic=True)
+    stamps = []
+
+    @contextlib.contextmanager
+    def cpu_clock(_phase):  # entered around each step: its CPU time
+        begin = time.thread_time()
+        yield
+        stamps.append(time.thread_time() - begin)
+
+    result = generate(model, prompt, new_tokens, Sampling(temperature=0), phase_scope=cpu_clock)
+    return {"steps": result.decode_s, "cpu_steps": stamps[1:], "tokens": result.new_tokens,
+            "first_s": result.prefill_s + sum(result.decode_s[:2])}
+
+
+def compiled_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    return syntorch_child(folder, prompt, new_tokens, compile=True)
+
+
+def hf_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    import transformers
+    from infer_speed import StepClock
+
+    class CpuClock(StepClock):  # the same steps, timed in CPU seconds too
+        def __init__(self):
+            self.cpu = [time.thread_time()]
+            super().__init__()
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.cpu.append(time.thread_time())
+            return super().__call__(input_ids, scores, **kwargs)
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()  # build_pair saved its generation config
+    clock = CpuClock()
+    with torch.inference_mode():
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False,
+                          stopping_criteria=transformers.StoppingCriteriaList([clock]))
+    return {"steps": clock.decode_steps(), "cpu_steps": [b - a for a, b in zip(clock.cpu[1:], clock.cpu[2:])],
+            "tokens": out[:, prompt.shape[1]:].tolist()}
+
+
+def floor_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Per step: seconds to stream every weight once, and bytes of K and V the step reads (all layers)."""
+    from infer_speed import floor_step, weight_matrices
+    from syntorch.checkpoints import load_checkpoint
+    _, model = load_checkpoint(folder, dtype=torch.float32)
+    c = model.config
+    weights = weight_matrices(model)
+    del model
+    steps, cpu_steps = [], []
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            begin = time.thread_time()
+            steps.append(floor_step(weights, prompt.shape[0]))
+            cpu_steps.append(time.thread_time() - begin)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    # decode step i attends over prompt + i + 1 cached positions: K and V, every layer, 4-byte values
+    keys = [prompt.shape[1] + i + 1 for i in range(1, new_tokens)]
+    kv_bytes = [prompt.shape[0] * 2 * c.n_layer * n * c.d_model * 4 for n in keys]
+    return {"steps": steps, "cpu_steps": cpu_steps, "weight_bytes": weight_bytes, "kv_bytes": sum(kv_bytes) / len(kv_bytes)}
+
+
+def save_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """The weights every other child loads (in a child: a forked child would count the parent's peak RSS)."""
+    from infer_speed import build_pair
+    build_pair(folder)
+    return {}
+
+
+CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "compiled": compiled_child}
+
+
+def run_child(kind: str, folder: str, threads: int, args) -> dict:
+    """One fresh process; its result with its own wall, CPU seconds and peak RSS (its reaped children's too:
+    torch.compile's compile workers)."""
+    command = [sys.executable, __file__, "--child", kind, "--folder", folder, "--threads", str(threads),
+               "--new_tokens", str(args.new_tokens), "--prompt_tokens", str(args.prompt_tokens)]
+    begin = time.perf_counter()
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"} if args.thp else None  # c10: madvise huge pages >= 2 MB
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, env=env)
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - begin
+    if status:
+        raise SystemExit(f"the {kind} child failed ({status})")
+    result = json.loads(out)
+    result.update(wall=wall, cpu=usage.ru_utime + usage.ru_stime, rss_mb=usage.ru_maxrss / 1024)
+    return result
+
+
+def percentile(xs, q):
+    return sorted(xs)[int(q / 100 * (len(xs) - 1))]
+
+
+def per_token(runs: dict, clock: str) -> dict:
+    """Each kind's 10th-percentile and median step over all its runs, in `clock` ("steps": wall, "cpu_steps")."""
+    steps = {k: [s for r in rs for s in r[clock]] for k, rs in runs.items()}
+    return {k: (percentile(v, 10), percentile(v, 50)) for k, v in steps.items()}
+
+
+def bench(folder: str, threads: int, args) -> None:
+    kinds = [*CHILDREN][:4 if args.compile else 3]
+    runs = {kind: [] for kind in kinds}
+    for _ in range(args.reps):
+        for kind in kinds:
+            runs[kind].append(run_child(kind, folder, threads, args))
+    if any(r["tokens"] != runs["syntorch"][0]["tokens"] for rs in runs.values() for r in rs if "tokens" in r):
+        raise SystemExit(f"{threads} threads: syntorch and HF generated different tokens")
+    print(f"{threads} thread(s), the same tokens from syntorch and HF:")
+    floors = runs["floor"][0]
+    for clock, label in (("steps", "wall"), ("cpu_steps", "CPU")):
+        step = per_token(runs, clock)
+        weight_s = step["floor"][0]
+        bandwidth = floors["weight_bytes"] / weight_s
+        floor = weight_s + floors["kv_bytes"] / bandwidth
+        print(f"  per step in {label} time: floor {1e3 * floor:.2f} ms/token ({1e3 * weight_s:.2f} weights + "
+              f"{1e3 * (floor - weight_s):.2f} KV at {bandwidth / 1e9:.1f} GB/s; median {1e3 * step['floor'][1]:.2f})")
+        for kind in kinds[:2] + kinds[3:]:
+            print(f"    {kind:8s} {1e3 * step[kind][0]:6.2f} ms/token (median {1e3 * step[kind][1]:6.2f})  "
+                  f"{100 * floor / step[kind][0]:5.1f}% of floor")
+        print(f"    syntorch / HF generate: {step['hf'][0] / step['syntorch'][0]:.2f}x per decode step "
+              f"(medians {step['hf'][1] / step['syntorch'][1]:.2f}x)")
+    for kind in kinds[:2] + kinds[3:]:
+        best = {k: min(r[k] for r in runs[kind]) for k in ("wall", "cpu", "rss_mb")}
+        print(f"  whole command, best of {args.reps}: {kind:8s} wall {best['wall']:5.2f} s  CPU {best['cpu']:5.2f} s  "
+              f"peak RSS {best['rss_mb']:4.0f} MB")
+    if args.compile:
+        first = {k: min(r["first_s"] for r in runs[k]) for k in ("syntorch", "compiled")}
+        print(f"  torch.compile: prefill + first two decode steps {first['compiled']:.1f} s against {first['syntorch']:.2f} s "
+              f"eager (wall)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--prompt_tokens", type=int, default=32)
+    parser.add_argument("--compile", action="store_true", help="also syntorch under torch.compile: its compile "
+                        "time against what it saves")
+    parser.add_argument("--thp", action="store_true", help="every child with THP_MEM_ALLOC_ENABLE=1 (torch "
+                        "allocates big tensors on transparent huge pages)")
+    parser.add_argument("--child", choices=[*CHILDREN, "save"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        torch.set_num_threads(args.threads[0])
+        prompt = torch.randint(0, 50257, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+        print(json.dumps({**CHILDREN, "save": save_child}[args.child](args.folder, prompt, args.new_tokens)))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        run_child("save", folder, 1, args)
+        print(f"GPT-2 124M, CPU fp32, batch 1, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, greedy, "
+              f"{args.reps} reps per child, load average {os.getloadavg()[0]:.1f}")
+        for threads in args.threads:
+            bench(folder, threads, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""A CPU decode step of GPT-2 runs GPT-2's kernels and nothing else (issue 24: each small op costs a few
+microseconds once the weights streamed past have evicted the caches, bench/cpu_decode.py). The reference is the
+block's structure (Radford et al. 2019, nanoGPT's Block): per layer two LayerNorms, four matrix products (fused
+q/k/v, projection, the MLP's two), one attention over the cache, one GELU, two residual adds, and the new key
+and value written into the preallocated cache in place; outside the layers the two embedding lookups and their
+sum, the final LayerNorm, the head and the argmax."""
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import tiny_config
+from syntorch.generate import Sampling, generate, setup_caches
+from syntorch.models import build_model
+
+VIEWS = {"aten.view", "aten.slice", "aten.transpose", "aten.split_with_sizes", "aten.reshape", "aten.select",
+         "aten.unsqueeze", "aten.expand", "aten.t", "aten.as_strided", "aten._unsafe_view", "aten.detach"}
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_ops(n_layer: int) -> Counter:
+    """The non-view ops of one greedy decode step (cache length 9) of a tiny GPT-2 with n_layer layers."""
+    model = build_model(tiny_config("gpt2", n_layer=n_layer))
+    with torch.inference_mode():
+        setup_caches(model, 1, 16)
+        model(torch.zeros(1, 8, dtype=torch.long))
+        token = torch.zeros(1, 1, dtype=torch.long)
+        with OpCount() as count:
+            model(token, start=8, last_only=True)[:, -1].argmax(-1)
+    return Counter({op: n for op, n in count.ops.items() if op not in VIEWS})
+
+
+def test_a_decode_step_runs_the_blocks_kernels_and_writes_the_cache_in_place():
+    per_layer = {"aten.layer_norm": 2, "aten.linear": 4, "aten.scaled_dot_product_attention": 1, "aten.gelu": 1,
+                 "aten.add": 2, "aten.copy_": 2}
+    outside = {"aten.embedding": 2, "aten.arange": 1, "aten.add": 1, "aten.layer_norm": 1, "aten.linear": 1,
+               "aten.argmax": 1}
+    for n_layer in (1, 3):
+        expected = Counter(outside)
+        for op, n in per_layer.items():
+            expected[op] += n * n_layer
+        assert decode_step_ops(n_layer) == expected  # no cat, clone or contiguous copy of the cache or q/k/v
+
+
+def test_the_lean_step_still_generates_what_a_full_recomputation_does():
+    model = build_model(tiny_config("gpt2"))
+    prompt = torch.randint(0, 128, (1, 5))
+    tokens = generate(model, prompt, 6, Sampling(temperature=0)).tokens[0]
+    with torch.inference_mode():  # no cache: every step recomputes the whole sequence
+        ids = prompt
+        for _ in range(6):
+            ids = torch.cat((ids, model(ids)[:, -1:].argmax(-1)), 1)
+    assert tokens == ids[0].tolist()
