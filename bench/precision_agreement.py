@@ -5,7 +5,7 @@
 For each initialisation, the fp32 model's greedy continuation of a random prompt is fed to every variant
 (teacher forcing) and the share of positions whose argmax equals fp32's and the logits' relative L2 error
 are printed. Initialisations: GPT-2's 0.02 everywhere (flat logits: argmax ties flip), the token embedding (so
-the tied head) at 0.3 with the layers at 0.02 (what tests/test_precision.py asserts on), and every weight at
+the tied head) at 0.3 with the layers at 0.02 (what tests/inference/test_precision.py asserts on), and every weight at
 0.3 or 0.1 (attention scores grow with the square of the scale: at 0.3 softmax is a hard argmax that any
 rounding re-routes, so even fp16 loses positions).
 """

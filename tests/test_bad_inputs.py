@@ -21,7 +21,7 @@ import pytest
 import torch
 from chakra_graphs import pp_rank, tp_rank
 from conftest import tiny_config
-from test_validate import tp_pp_rank
+from tests.chakra.test_validate import tp_pp_rank
 from train_data import make_model, make_squad, make_tokenizer
 
 from syntorch.chakra.writer import write_chakra

@@ -4,7 +4,7 @@ A rank's graph is its stage representative's with every collective's group and p
 (trace/generation.py's `translated`), so its file is the representative's but for each communication node's
 `pg_name`, `comm_src` and `comm_dst`, and the header's rank. Each stage's representative is encoded once, as
 writer.write_chakra encodes it; every rank of the stage gets those bytes with its own values encoded in those
-attributes (and its nodes' lengths), so the files equal write_chakra's byte for byte (tests/test_stage_files.py)
+attributes (and its nodes' lengths), so the files equal write_chakra's byte for byte (tests/chakra/test_stage_files.py)
 and no rank's graph is built. With durations (--hw_config), each rank's collectives were costed on its own
 graph: the stage's encoding stands for it only where they took its representative's (`same_durations`);
 otherwise the run is written rank by rank (write_chakra).

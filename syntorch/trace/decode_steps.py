@@ -7,7 +7,7 @@ padded batch's mask), KV-cache versions, collective `order`s and p2p tags, node 
 on by the same amount every step. So a run is traced up to decode[base + 2] and stopped there; steps `base`
 and `base + 1` give the rule (each attribute constant or moving by a fixed integer step, each input the same
 node, a node of the same step or of the step before), which must rebuild the traced decode[base + 2] exactly,
-and the rest is derived from it, node for node as a full trace makes it (tests/test_derived_decode.py).
+and the rest is derived from it, node for node as a full trace makes it (tests/inference/test_derived_decode.py).
 
 What is traced, never derived: the prefill; decode[0] and decode[1] (decode[0] reads the prefill's choice and
 first sees tensors the later steps share, so it is larger and decode[1] reads it at other offsets); the

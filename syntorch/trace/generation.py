@@ -140,7 +140,7 @@ def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int
                       sequence_parallel: bool = False, dtype=torch.float32) -> RankTraces:
     """All `tp` ranks' graphs of a TP generation on meta. TP ranks are symmetric -- the same ops on
     same-shaped shards and the same collectives over the same group -- so rank 0 is traced once (on first
-    access) and the others share its graph, differing only in the `rank` graph attribute (tests/test_tp.py
+    access) and the others share its graph, differing only in the `rank` graph attribute (tests/parallel/test_tp.py
     proves this against tracing each rank)."""
     check_tp(config, tp)
     ranks = RankTraces(tp)

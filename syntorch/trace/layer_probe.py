@@ -11,7 +11,7 @@ where the third read the second), which simulate/steps.py then simulates like a 
 third periods must run the same ops, else the stage is probed whole (as it is when the last backward's end
 handles every layer's gradients at once: DDP/ZeRO buckets, sequence parallel's LayerNorms). The optimizer step
 does not grow layer by layer (its multi-tensor kernels launch per chunk of tensors), so it is probed on its
-own with every parameter (training.probe_optimizer). tests/test_layer_probe.py checks the prediction against
+own with every parameter (training.probe_optimizer). tests/trace/test_layer_probe.py checks the prediction against
 probing every layer.
 """
 import dataclasses

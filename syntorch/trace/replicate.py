@@ -6,7 +6,7 @@ shared) and rebuild the full graph: each recorded call of that layer is copied o
 with `layers.0` renamed, the residual stream chained from one copy to the next, and state a layer keeps
 across passes (parameters, KV-cache versions) linked to the same copy of earlier passes. Node ids come
 out in the order a full trace creates them, and `order` of collectives is renumbered, so the result
-equals a full trace (tests/test_tracer.py checks it).
+equals a full trace (tests/trace/test_tracer.py checks it).
 """
 from dataclasses import dataclass
 

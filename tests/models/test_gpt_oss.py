@@ -13,8 +13,8 @@ from syntorch.errors import UserError
 from syntorch.generate import generate
 from syntorch.hf_format import hf_config_to_model_config
 from syntorch.models.gpt_oss import sink_attention
-from tests.test_llama import COMMON, GREEDY, hf_generate, ids, randomized
-from tests.test_qwen3 import counts
+from tests.models.test_llama import COMMON, GREEDY, hf_generate, ids, randomized
+from tests.models.test_qwen3 import counts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from plan_steps import global_batch, reference_step
-from test_pipeline import _nodes_by_members, distinct_bodies
+from tests.parallel.test_pipeline import _nodes_by_members, distinct_bodies
 
 from syntorch.chakra.validate import check_traces
 from syntorch.chakra.writer import write_chakra

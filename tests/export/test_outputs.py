@@ -23,7 +23,7 @@ from syntorch.export import networkx_json
 from syntorch.models import build_model
 from syntorch.outdir import MANIFEST, atomic_output_dir
 from syntorch.trace import Tracer
-from test_train import make_model, make_squad, make_tokenizer
+from tests.train.test_train import make_model, make_squad, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_a_killed_writers_temporary_folder_is_removed_by_the_next_run(ws, tmp_pa
     if existing:
         out.mkdir()
     writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     left = Path(writer.stdout.readline().strip())
     writer.send_signal(signal.SIGKILL)
     writer.wait()

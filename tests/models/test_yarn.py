@@ -11,7 +11,8 @@ from syntorch.checkpoints import load_checkpoint
 from syntorch.hf_format import hf_config_to_model_config
 from syntorch.models.layers import rope_frequencies
 from syntorch.models.yarn import yarn_attention_factor
-from tests import test_deepseek, test_llama
+from tests.models import test_deepseek
+from tests.models import test_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -82,7 +82,7 @@ def test_seed_example_script_runs_verbatim(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "examples" / "gpt3" / "inference.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "gpt3" / "inference.py"
     cfg = tmp_path / "m.json"
     cfg.write_text(json.dumps({"base": "gpt3-125m", "n_layer": 1, "d_model": 64, "n_head": 4}))
     work = tmp_path / "work"  # outputs go to the current folder, which must hold nothing of the user's

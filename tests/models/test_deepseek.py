@@ -20,13 +20,13 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
 from syntorch.trace.training import trace_stage
 from tests.conftest import tiny_config
-from tests.test_expert_parallel import EP2, ep_rank
+from tests.parallel.test_expert_parallel import EP2, ep_rank
 # collected here with this module's `pair`: greedy and beam tokens equal transformers' (decode steps run MLA's
 # absorbed form over the cached latent, reordered between beams); saved folders load back into transformers
-from tests.test_llama import test_greedy_and_beam_tokens_match_transformers  # noqa: F401
-from tests.test_llama import test_save_round_trip_through_transformers  # noqa: F401
-from tests.test_llama import VOCAB, ids
-from tests.test_llama import randomized as wide
+from tests.models.test_llama import test_greedy_and_beam_tokens_match_transformers  # noqa: F401
+from tests.models.test_llama import test_save_round_trip_through_transformers  # noqa: F401
+from tests.models.test_llama import VOCAB, ids
+from tests.models.test_llama import randomized as wide
 
 GREEDY = Sampling(temperature=0)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -12,7 +12,7 @@ from syntorch.errors import UserError
 from syntorch.generate import generate
 from syntorch.hf_format import hf_config_to_model_config
 from syntorch.models import build_model
-from tests.test_llama import COMMON, GREEDY, hf_generate, ids, randomized
+from tests.models.test_llama import COMMON, GREEDY, hf_generate, ids, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

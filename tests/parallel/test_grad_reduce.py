@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_config
 from plan_steps import global_batch
-from test_fsdp import errors
+from tests.parallel.test_fsdp import errors
 
 from syntorch.models import build_model
 from syntorch.parallel import memory

@@ -20,7 +20,7 @@ from syntorch.config import save_model_config
 from syntorch.parallel.launch import FROZEN_AFTER_S, HEARTBEAT_S, HUNG_AFTER_S, _unresponsive
 from conftest import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from syntorch.cli import run_main; run_main()"]
 SLACK_S = 3.0  # launcher reaction, teardown and exit on a loaded 2-core machine
 
@@ -40,7 +40,7 @@ def infer_args(tmp_path):
 
 def train_args(tmp_path):
     """2-rank DDP training of a tiny GPT-2 under the profiler, for far more steps than any test waits."""
-    from test_train import make_model, make_squad, make_tokenizer  # imports transformers: only this test pays
+    from tests.train.test_train import make_model, make_squad, make_tokenizer  # imports transformers: only this test pays
 
     make_squad(tmp_path / "squad.json", articles=3)
     make_tokenizer(tmp_path / "tok")

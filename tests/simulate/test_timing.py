@@ -21,7 +21,7 @@ from syntorch.simulate.prediction import predict_training, run_summary
 from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
 from syntorch.workload import trace_workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H100 = load_hw_config("h100-sxm")
 # links that take no time: a pipeline of compute only
 NO_COMM = dataclasses.replace(H100, intra_node_bw_gb_s=1e12, inter_node_bw_gb_s=1e12, intra_node_latency_us=0.0,

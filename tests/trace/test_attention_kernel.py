@@ -17,7 +17,7 @@ from syntorch.trace import Tracer
 from syntorch.trace.attention import SDPA, causal_pairs
 from syntorch.trace.kernels import attention_us
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 A100 = load_hw_config("a100-80gb")
 
 
