@@ -193,3 +193,14 @@ def test_compare_hw_ranks_each_machine_from_the_same_probes():
     alone = search(TINY, SMALL_WORK, SMALL, [h100]).rows
     assert [(r["name"], r["step_s"]) for r in both.rows if r["hw"] == "h100-sxm"] == \
            [(r["name"], r["step_s"]) for r in alone]
+
+
+def test_expert_parallel_is_searched_inside_dp_for_moe_models_only():
+    """EP takes the divisors of the experts that divide DP (Megatron-Core's EP inside DP), never with CP or
+    FSDP (TrainPlan refuses those); a dense model gets EP 1 only."""
+    moe = tiny_config("mixtral-8x22b", n_layer=2, n_kv_head=2, d_ff=64, n_experts=4, n_positions=64)
+    choices = Choices(tp=(1, 2), pp=(1,), cp=(1, 2), micro_batch_size=(1,), recompute=("none",), sp=(False,))
+    plans = layouts(moe, Work(gpus=8, global_batch=8, seq=64), choices, {})
+    assert {p.ep for p in plans} == {1, 2, 4}
+    assert all(p.dp % p.ep == 0 and (p.ep == 1 or (p.cp == 1 and p.zero != 3)) for p in plans)
+    assert {p.ep for p in layouts(TINY, Work(gpus=8, global_batch=8, seq=64), choices, {})} == {1}
