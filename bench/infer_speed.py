@@ -12,10 +12,18 @@ whole-run rates (prefill included) are printed as well and agree with it on a qu
 
 With --variants: fp32, bf16 and int8 weight-only decode tokens/s (as `syntorch infer --dtype/--quant` prepares
 the model), each beside its own floor: the bytes it streams per step over the bandwidth the fp32 floor measured.
+
+With --symbolic N [N ...] instead: issue 24's serving row, `syntorch infer --device meta` of Llama-2 7B at batch
+60 with 128 prompt tokens and N output tokens, in a fresh process each: wall, CPU seconds (user + system) and
+peak RSS of the whole command (`--extra "--hw_config h100-sxm"` adds options; `--syntorch DIR` runs another
+checkout).
+
+    python bench/infer_speed.py --symbolic 512 2048 [--extra "..."] [--syntorch DIR]
 """
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -150,6 +158,19 @@ def bench_variants(folder, floor_s: float, fp32_bytes: int, batch: int, args) ->
               f"tokens/s  = {100 * floor / step:3.0f}% of its floor")
 
 
+SYMBOLIC = ["infer", "--model", "llama-2-7b", "--device", "meta", "--batch_size", "60", "--num_input_tokens", "128"]
+
+
+def bench_symbolic(args) -> None:
+    from pp_infer_scale import fresh_syntorch
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.symbolic:
+            cost = fresh_syntorch([*SYMBOLIC, "--num_output_tokens", str(n), *args.extra.split()], Path(tmp) / str(n),
+                                  args.syntorch)
+            print(f"Llama-2 7B on meta, batch 60, 128 + {n} tokens {args.extra}: {cost['wall_s']:.1f} s wall, "
+                  f"{cost['cpu_s']:.1f} CPU s, peak RSS {cost['rss_mb']:.0f} MB", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -157,7 +178,12 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=32)
     parser.add_argument("--variants", action="store_true", help="also fp32, bf16 and int8 weight-only vs their floors")
+    parser.add_argument("--symbolic", type=int, nargs="+", help="output token counts of the symbolic Llama-2 7B run")
+    parser.add_argument("--extra", default="", help="with --symbolic: more `syntorch infer` options")
+    parser.add_argument("--syntorch", help="with --symbolic: the syntorch checkout to run (default: this one)")
     args = parser.parse_args()
+    if args.symbolic:
+        return bench_symbolic(args)
     with tempfile.TemporaryDirectory() as folder:
         hf, ours = build_pair(folder)
         weights = weight_matrices(ours)

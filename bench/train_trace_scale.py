@@ -5,7 +5,11 @@ bytes of `syntorch trace` (per-rank Chakra files), for
     256x8     the same, 8 micro-batches                                (256 ranks)
     8192x1    GPT-3 175B DP128 x TP8 x PP8, SP, ZeRO-1, 1 micro-batch   (8192 ranks)
     llama405b Llama-3.1 405B TP8 x CP1 x PP16 x DP128, SP, ZeRO-1, seq 8192  (16,384 ranks)
+    llama405b_v  the same with Llama 3's pipeline (paper section 3.3.2): interleaved (V=2), one layer fewer on the
+              first and the last stage, 16 micro-batches                          (issue 23: < 60 s, < 2 GB)
     mixtral   Mixtral-8x22B EP8 x TP2 x PP4 x DP8, ZeRO-1, seq 4096 (EP inside DP, as Megatron-Core: 64 ranks)
+    deepseek  DeepSeek-V3 EP64 x PP16 x DP64, ZeRO-1, full recomputation, seq 4096, 16 micro-batches, 61 layers as
+              4 + 14 x 4 + 1 (1,024 ranks; issue 23: < 60 s, < 2 GB)
 
 each as the user runs it (`syntorch trace --model gpt3-175b --mode train --dp 4 --tp 8 --pp 8 --sp
 --microbatches 1 --micro_batch_size 1 --seq 2048 --zero 1 --hw_config h100-sxm --trace_level module ...`),
@@ -42,6 +46,7 @@ class Case:
     cp: int = 1
     ep: int = 1
     zero: int = 1
+    extra: tuple = ()  # more `syntorch trace` options
 
 
 CASES = {
@@ -49,7 +54,11 @@ CASES = {
     "256x8": Case("gpt3-175b", dp=4, tp=8, pp=8, seq=2048, microbatches=8),
     "8192x1": Case("gpt3-175b", dp=128, tp=8, pp=8, seq=2048),
     "llama405b": Case("llama-3.1-405b", dp=128, tp=8, pp=16, seq=8192, cp=1),
+    "llama405b_v": Case("llama-3.1-405b", dp=128, tp=8, pp=16, seq=8192, microbatches=16,
+                        extra=("--virtual_stages=2", "--first_stage_layers=7", "--last_stage_layers=7")),
     "mixtral": Case("mixtral-8x22b", dp=8, tp=2, pp=4, seq=4096, ep=8, sp=False),  # SP is not for MoE layers
+    "deepseek": Case("deepseek-v3", dp=64, tp=1, pp=16, seq=4096, ep=64, sp=False, microbatches=16,
+                     extra=("--first_stage_layers=4", "--last_stage_layers=1", "--recompute=full")),
 }
 
 
@@ -75,7 +84,7 @@ def syntorch_args(case: Case, level: str, out: Path) -> list[str]:
     return ["trace", "--model", case.model, "--mode", "train", f"--dp={case.dp}", f"--tp={case.tp}",
             f"--pp={case.pp}", *degrees, *(["--sp"] if case.sp else []), f"--microbatches={case.microbatches}",
             "--micro_batch_size=1", f"--seq={case.seq}", f"--zero={case.zero}", "--hw_config=h100-sxm",
-            f"--trace_level={level}", "--out", str(out), "--no_progress"]
+            f"--trace_level={level}", *case.extra, "--out", str(out), "--no_progress"]
 
 
 def measure(cmd: list[str], out: Path, cwd=None, env=None) -> dict:

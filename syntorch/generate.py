@@ -3,6 +3,13 @@
 Greedy, temperature, top-k, top-p (seeded, so every tensor-parallel rank that sees the same logits picks
 the same token), beam search with HuggingFace's semantics, and stop tokens. Works on `meta` symbolically.
 The model stays plain PyTorch: caches are attached from outside and phases are labelled through a callback.
+
+A step's work outside the layers is traced as it runs (on meta the choice is made on the device, so the trace
+and the Chakra files hold it): the new token's embedding lookup, the logits all-gathered over TP ranks, the
+sampling over the whole vocabulary (a sort for top-p, a radix select for top-k, softmax, the draw), and, in a
+pipeline, the chosen ids broadcast from the last stage. As in FasterTransformer's ParallelGpt (every TP rank
+runs its DynamicDecodeLayer on the gathered logits with one curand seed; only the last pipeline stage sends the
+ids on), tensor-parallel ranks share no ids.
 """
 import contextlib
 import functools

@@ -37,6 +37,10 @@ class HardwareConfig:
     # fixed cost of one NCCL send/recv beside its link step: NCCL src/graph/tuning.cc baseLat[Ring][Simple],
     # 8.4 us, the protocol of pipeline-sized messages (not fitted)
     p2p_latency_us: float = 8.4
+    # host time eager PyTorch spends issuing one kernel (Python, the dispatcher, cudaLaunchKernel): the `eager`
+    # profile's kernels start no earlier than the host issues them (trace/cost.py, add_host_waits). 0: the host
+    # is never the bottleneck (a CPU device, whose kernel_overhead_us is the dispatch itself)
+    host_overhead_us: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s for a dtype name ("bfloat16" or "torch.bfloat16"); unknown dtypes use float32's peak."""
@@ -99,6 +103,16 @@ NCCL_BUS = dict(intra_node_bus_efficiency=0.77, inter_node_bus_efficiency=0.92)
 #                              but reduce-scatter and all-gather, most of Megatron's traffic, do not use it.
 #   inter_node_bus_efficiency 0.92  kept from HDR (no NDR nccl-tests figure found): ~46 GB/s of NDR's 50 per NIC.
 # Kept from the A100 fit (no Hopper measurement of them): kernel_overhead_us, collective_latency_us, the latencies.
+#
+# EAGER_HOST_US, host_overhead_us of the GPU presets: a published component measurement, not fitted. Eager
+# PyTorch's host cost per CUDA op, issued back to back with one synchronisation at the end (so the asynchronous
+# queue hides the kernels): 8 us per torch.add on an A100 system (flagos-ai/Torch-FL pull request 27, "FlagGems
+# Python vs vendor dispatch-overhead microbenchmark", vendor CUDA path, column cuda_sub, 2026). Consistent with
+# torch.add's size-independent 7.1 us floor per call on A100 for (1, 4096) and (16, 4096) BF16 tensors
+# (flagos-ai/FlagGems issue 4558) and with Meta's Holistic Trace Analysis docs ("the launch time on the CPU
+# side is between 5-20 microseconds", docs/source/features/cuda_kernel_launch_stats.rst). It is the host's
+# figure (CPU, Python, driver), so Hopper nodes keep it.
+EAGER_HOST_US = 8.0
 HOPPER = dict(gemm_efficiency=0.80, attention_efficiency=0.35, memory_efficiency=0.84, kernel_overhead_us=2.0,
               collective_latency_us=50.0, intra_node_bus_efficiency=0.82, inter_node_bus_efficiency=0.92)
 # FP8 (e4m3 and e5m2) tensor-core peak, dense: the H100/H200 datasheets print 3,958 TFLOPS with sparsity.
@@ -111,21 +125,22 @@ PRESETS: dict[str, HardwareConfig] = {c.name: c for c in [
                    memory_bw_gb_s=2039.0, memory_gb=80.0,
                    intra_node_bw_gb_s=300.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=25.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=108, attention_efficiency=A100_FLASH, **A100_FIT, **NCCL_BUS),
+                   sm_count=108, attention_efficiency=A100_FLASH, host_overhead_us=EAGER_HOST_US, **A100_FIT,
+                   **NCCL_BUS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TFLOPS, BF16/FP16 tensor core 1,979 TFLOPS
     # with sparsity = 989.4 dense, FP8 3,958 with sparsity = 1,979 dense, HBM3 3.35 TB/s, 80 GB,
     # NVLink 4 900 GB/s. DGX H100: 8 GPUs, 8x ConnectX-7 NDR 400 Gb/s.
     HardwareConfig("h100-sxm", HOPPER_PEAK, memory_bw_gb_s=3350.0, memory_gb=80.0,
                    intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=132, **HOPPER),
+                   sm_count=132, host_overhead_us=EAGER_HOST_US, **HOPPER),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM (FP32 67, BF16/FP16
     # 1,979 sparse = 989.4 dense, FP8 3,958 sparse = 1,979 dense TFLOPS), HBM3e 4.8 TB/s, 141 GB,
     # NVLink 900 GB/s. DGX H200: 8 GPUs, 8x NDR 400 Gb/s. Its HBM3e fraction is taken as H100's HBM3 one.
     HardwareConfig("h200-sxm", HOPPER_PEAK, memory_bw_gb_s=4800.0, memory_gb=141.0,
                    intra_node_bw_gb_s=450.0, intra_node_latency_us=2.2,
                    inter_node_bw_gb_s=50.0, inter_node_latency_us=4.0, devices_per_node=8,
-                   sm_count=132, **HOPPER),
+                   sm_count=132, host_overhead_us=EAGER_HOST_US, **HOPPER),
 ]}
 
 

@@ -571,7 +571,7 @@ ZERO_MEANS_SOMETHING = {
     "infer": {"--top_k", "--seed", "--comm_debug"},  # top_k 0: off; comm_debug 0: counts only
     "trace": {"--zero"},  # DDP
     "train": {"--zero", "--max-steps", "--warmup-steps", "--save-steps", "--eval-steps", "--seed",
-              "--trace-wait-steps", "--trace-warmup-steps"},  # zero 0: DDP; else 0: none, or "at the end"
+              "--trace-wait-steps"},  # zero 0: DDP; else 0: none, or "at the end"
     "convert": {"--rank"},
     "comm": {"--noise_level"},
     "plan": {"--emit"},  # no traces

@@ -191,6 +191,22 @@ def test_expert_parallel_divides_the_experts_only():
     assert counts[1].experts == 4 * counts[4].experts
 
 
+def test_experts_whole_with_etp_1_and_fsdp_sharded_over_expert_dp():
+    """Mixtral-8x7B at TP 2 with --etp 1, EP 8, DP 8, PP 2, FSDP: one whole expert per layer and rank (3·h·d_ff,
+    SwiGLU), its states over expert-DP = TP x DP / (etp x EP) = 2 ranks, the dense ones over DP (8), and the
+    largest FSDP unit a layer's experts (more than the layer's TP-sharded attention or the embedding)."""
+    config = get_config("mixtral-8x7b")
+    h, ff = config.d_model, config.expert_d_ff
+    plan = TrainPlan(dp=8, tp=2, etp=1, ep=8, pp=2, zero=3, seq=16)
+    params = memory.stage_params(config, plan, plan.stage(config, 0))
+    assert params.experts == 16 * 3 * h * ff and params.largest_unit == 3 * h * ff
+    assert params.dense == memory.stage_params(config, TrainPlan(dp=8, tp=2, ep=4, seq=16), plan.stage(config, 0)).dense
+    assert plan.expert_dp == 2
+    state = memory.model_state_bytes(params, plan, 2, mixed=True)
+    assert state["optimizer"] == pytest.approx(12 * (params.dense / 8 + params.experts / 2))
+    assert state["weights"] == pytest.approx(2 * (params.dense / 8 + params.experts / 2) + 2 * 2 * 3 * h * ff)
+
+
 def test_zero_shards_experts_over_their_replicas():
     """The experts' states are sharded over expert-DP (dp / ep ranks), the dense ones over DP."""
     params = memory.StageParams(dense=1000, experts=4000, largest_unit=0)

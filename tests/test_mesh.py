@@ -7,7 +7,9 @@ from syntorch.errors import UserError
 from syntorch.parallel.mesh import DIMS, Mesh
 
 MESHES = [Mesh(dp=2, pp=2, tp=2), Mesh(dp=2, pp=2, tp=2, cp=2), Mesh(dp=3, pp=2, tp=2, cp=2),
-          Mesh(dp=4, pp=2, tp=2, ep=2), Mesh(dp=4, cp=2, ep=4), Mesh(dp=6, pp=1, tp=1, ep=3)]
+          Mesh(dp=4, pp=2, tp=2, ep=2), Mesh(dp=4, cp=2, ep=4), Mesh(dp=6, pp=1, tp=1, ep=3),
+          Mesh(dp=2, tp=4, etp=1, ep=4), Mesh(dp=2, tp=2, cp=2, pp=2, etp=1, ep=8),
+          Mesh(dp=4, tp=4, pp=2, etp=2, ep=4), Mesh(dp=4, tp=2, cp=2, pp=3, ep=4)]
 
 
 def megatron_rank(m: Mesh, dp: int, pp: int, cp: int, tp: int) -> int:
@@ -53,7 +55,31 @@ def test_the_flattened_dp_cp_group_is_the_union_of_its_cp_groups_over_dp(mesh):
     assert mesh.stage_ranks(last) == [r for r in range(mesh.world_size) if mesh.coordinate(r).pp == last]
 
 
+def megatron_expert_groups(mesh: Mesh, kind: str) -> list[list[int]]:
+    """Megatron-Core's expert groups written out: its expert RankGenerator re-factors each stage's ranks, in
+    their dense order (tp, then cp, then dp), as etp x ep x expert_dp."""
+    out = []
+    for stage in range(mesh.pp):
+        ranks = [megatron_rank(mesh, dp, stage, cp, tp) for dp in range(mesh.dp) for cp in range(mesh.cp)
+                 for tp in range(mesh.tp)]
+        etp, ep, edp = mesh.etp, mesh.ep, len(ranks) // (mesh.etp * mesh.ep)
+        at = {"etp": lambda i, j, k: i + etp * (j + ep * k), "ep": lambda j, i, k: i + etp * (j + ep * k),
+              "expert_dp": lambda k, i, j: i + etp * (j + ep * k)}[kind]
+        sizes = {"etp": (etp, ep, edp), "ep": (ep, etp, edp), "expert_dp": (edp, etp, ep)}[kind]
+        out += [sorted(ranks[at(a, b, c)] for a in range(sizes[0])) for b in range(sizes[1]) for c in range(sizes[2])]
+    return sorted(out)
+
+
 @pytest.mark.parametrize("mesh", [m for m in MESHES if m.ep > 1], ids=str)
+def test_expert_groups_are_megatron_cores(mesh):
+    for kind in ("etp", "ep", "expert_dp"):
+        assert mesh.groups(kind) == megatron_expert_groups(mesh, kind), kind
+        for rank in range(mesh.world_size):
+            assert mesh.index(rank, kind) == mesh.group(rank, kind).index(rank)
+    assert mesh.size("etp", "ep", "expert_dp") == mesh.tp * mesh.cp * mesh.dp
+
+
+@pytest.mark.parametrize("mesh", [m for m in MESHES if m.ep > 1 and m.cp == 1 and m.etp == m.tp], ids=str)
 def test_ep_splits_dp_into_neighbours_and_expert_dp_strides_by_ep(mesh):
     outer = mesh.dp // mesh.ep
     for rank in range(mesh.world_size):
@@ -68,7 +94,7 @@ def test_ep_splits_dp_into_neighbours_and_expert_dp_strides_by_ep(mesh):
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_translation_maps_groups_onto_groups_keeps_the_stage_and_goes_back(mesh):
-    kinds = [("tp",), ("cp",), ("dp",), ("dp", "cp"), ("ep",), ("expert_dp",)]
+    kinds = [("tp",), ("cp",), ("dp",), ("dp", "cp"), ("ep",), ("expert_dp",), ("etp",)]
     for names in kinds:
         groups = {tuple(g) for g in mesh.groups(*names)}
         for to in range(mesh.world_size):
@@ -87,8 +113,10 @@ def test_every_process_group_is_named_by_its_kind(mesh):
     """The name the simulator's streams carry (Mesh.name) is the kind the group was created as."""
     for kind, ranks in mesh.process_groups(tied=True):
         expected = "pp" if kind in ("stage_pair", "embedding") else kind
-        if kind == "ep" and mesh.ep == mesh.dp:
-            expected = "dp"  # the EP group is the whole DP line
+        if kind == "ep" and mesh.ep == mesh.dp and mesh.cp == 1 and mesh.etp == mesh.tp:
+            assert mesh.dims_of(ranks) == ("dp",)  # the EP group is the whole DP line
+        if kind in ("ep", "expert_dp", "etp") and set(mesh.dims_of(ranks)) <= set(DIMS):
+            expected = "_".join(mesh.dims_of(ranks))  # an expert group that is a dense one (TP, DP, DP x CP)
         if kind in ("model_parallel", "world") and (len(mesh.dims_of(ranks)) == 1 or set(mesh.dims_of(ranks)) == {"dp", "cp"}):
             expected = mesh.name(mesh.group(ranks[0], *mesh.dims_of(ranks)))  # the norm's group is a named one
         if len(ranks) == 1:

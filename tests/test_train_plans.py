@@ -104,3 +104,21 @@ def test_a_mesh_that_does_not_fill_the_ranks_is_one_line(workspace, capsys):
                  "--tokenizer", str(workspace["tokenizer"]), "--device", "cpu", "--nproc", "3", "--tp", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "tp(2) * pp(1) * cp(1) = 2" in err, err
+
+
+def test_mixtral_experts_whole_per_rank_under_tp_equal_one_process(workspace):
+    # --etp 1 with --tp 2: each expert whole on a rank while attention is TP-sharded (Megatron-Core's ETP)
+    config = workspace["root"] / "mixtral_etp.json"
+    save_model_config(tiny_config("mixtral-8x7b", n_kv_head=2, n_experts=4, rotary_dim=0), config)
+    model = ["--model-name", "mixtral-8x7b", "--model_config", str(config)]
+    one = losses(workspace, "mixtral_etp_one", model=model)
+    got = losses(workspace, "mixtral_etp", "--nproc", "4", "--tp", "2", "--ep", "2", "--etp", "1", model=model)
+    assert got == pytest.approx(one, abs=1e-4), (got, one)
+    same_weights(workspace["root"] / "mixtral_etp" / "last_model", workspace["root"] / "mixtral_etp_one" / "last_model")
+
+
+def test_experts_sharded_over_tp_are_refused_before_training(workspace, capsys):
+    code = main(["train", "gpt2", "--data", str(workspace["data"]), "--model-name", "mixtral-8x7b", "--tokenizer",
+                 str(workspace["tokenizer"]), "--device", "cpu", "--nproc", "4", "--tp", "2", "--ep", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "add --etp 1" in err, err

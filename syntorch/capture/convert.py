@@ -15,7 +15,8 @@ from pathlib import Path
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from syntorch.capture import traces
-from syntorch.capture.repair import drop_forward_inter_thread_deps, fix_nodes
+from syntorch.capture.peers import p2p_ops
+from syntorch.capture.repair import Communication, drop_forward_inter_thread_deps, fix_nodes
 from syntorch.chakra.reader import check_trace_name, read_trace
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_file
@@ -83,26 +84,20 @@ def link_and_convert(rank: int, host_path: Path, device_path: Path, workdir: Pat
     return merged, linked, raw, dropped
 
 
-def group_of_collectives(groups: dict[str, list[int]]) -> tuple[str, list[str]]:
-    """pg_name for gloo collectives. A CPU trace does not say which group a gloo op used; with one group
-    it is that one, otherwise the default group ("0", all ranks to ASTRA-sim), and a note says so."""
-    if len(groups) == 1:
-        return next(iter(groups)), []
-    notes = [f"trace has {len(groups)} process groups; gloo collectives assigned to the default group 0"] if groups else []
-    return "0", notes
-
-
-def convert_rank(host_path, device_path, rank: int, output, merged_output=None, comm_groups_output=None) -> dict:
+def convert_rank(host_path, device_path, rank: int, output, merged_output=None, comm_groups_output=None,
+                 collectives=None, peers=None) -> dict:
     """Writes the ASTRA-sim-ready `output` (`<prefix>.<rank>.et`) for one rank; with `merged_output` also the
     linked host + device JSON, with `comm_groups_output` the comm-group JSON: all whole, or none at all.
-    Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
+    `collectives`: (profiling name, process group name) of the rank's collectives in issue order, from the
+    flight recorder (flight_recorder.py); `peers`: (global peer, group name) or None of its sends and recvs
+    in issue order (peers.py). Without them, collectives go to the default group and sends and recvs stay
+    compute nodes, with a note. Returns a summary (nodes, collectives, bytes, repairs, notes, groups)."""
     check_trace_name(output, rank)
     host_path, device_path, output = Path(host_path), Path(device_path), Path(output)
     host, repairs = traces.read_host_trace(host_path)
     device = traces.read_device_trace(device_path)
     traces.check_same_rank(host, device, rank, host_path, device_path)
     groups = traces.comm_groups(device)
-    pg_name, notes = group_of_collectives(groups)
     with contextlib.ExitStack() as outputs, tempfile.TemporaryDirectory(prefix=".syntorch-convert-") as tmp:
         tmp = Path(tmp)
         # every output's temporary first: a refused path stops the run before the tools, and before any output
@@ -115,8 +110,8 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None, 
             host_path.write_text(json.dumps(host))
         merged, linked, raw, dropped = link_and_convert(rank, host_path, device_path, tmp)
         header, nodes = read_trace(raw)
-        group_size = len(groups.get(pg_name) or max(groups.values(), key=len, default=[rank]))
-        nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, pg_name, group_size)
+        comm = Communication(rank, groups, collectives, linked_peers(linked["nodes"], peers or []))
+        nodes, summary = fix_nodes(nodes, {n["id"]: n for n in linked["nodes"]}, comm)
         with open(et_out, "wb") as f:
             encodeMessage(f, header)
             for node in nodes:
@@ -127,8 +122,13 @@ def convert_rank(host_path, device_path, rank: int, output, merged_output=None, 
             groups_out.write_text(comm_groups_text(groups))
     if dropped:
         repairs.append(f"dropped {dropped} inter-thread dependencies that pointed forward (the converter would stop on a cycle)")
-    return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs,
-            "notes": summary["notes"] + notes, "groups": groups}
+    return {"rank": rank, "output": str(output), "nodes": len(nodes), **summary, "repairs": repairs, "groups": groups}
+
+
+def linked_peers(linked_nodes: list[dict], peers: list) -> dict[int, tuple[int, str]]:
+    """The linked trace's send/recv op ids -> (global peer, group), `peers` given in issue order."""
+    ops = p2p_ops(linked_nodes)
+    return {node_id: peer for (node_id, _), peer in zip(ops, peers) if peer is not None} if len(ops) == len(peers) else {}
 
 
 def comm_groups_text(groups: dict[str, list[int]]) -> str:

@@ -52,8 +52,9 @@ class Schedule:
     active: int = 1
 
     def __post_init__(self):
-        if self.wait < 0 or self.warmup < 0 or self.active < 1:
-            raise UserError(f"the trace schedule needs --trace-wait-steps >= 0, --trace-warmup-steps >= 0 and "
+        # without a warmup step torch 2.13's profiler records events whose names it cannot decode when exported
+        if self.wait < 0 or self.warmup < 1 or self.active < 1:
+            raise UserError(f"the trace schedule needs --trace-wait-steps >= 0, --trace-warmup-steps >= 1 and "
                             f"--trace-active-steps >= 1; got {self.wait}, {self.warmup} and {self.active}")
 
     @property
@@ -70,23 +71,30 @@ def quiet_profiler() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def make_profiler(files: TraceFiles, schedule: Schedule, device: str) -> torch.profiler.profile:
+def make_profiler(files: TraceFiles, schedule: Schedule, device: str, log=None) -> torch.profiler.profile:
     """A profiler to enter around the loop and step once per optimizer step; it writes `files` when the
-    active window closes."""
+    active window closes. `log` (flight_recorder.CollectiveLog) is opened and closed with the window."""
     from torch._C._profiler import _ExperimentalConfig
 
     quiet_profiler()
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     observer = ExecutionTraceObserver().register_callback(str(files.host))
+    steps = torch.profiler.schedule(wait=schedule.wait, warmup=schedule.warmup, active=schedule.active, repeat=1)
+
+    def window(step: int):
+        # the profiler asks for step n's action as step n begins: the active window opens at wait + warmup
+        if log is not None and step == schedule.wait + schedule.warmup and log.first_record is None:
+            log.open()
+        return steps(step)
 
     def write_device_trace(prof):
+        if log is not None:
+            log.close()
         prof.export_chrome_trace(str(files.device))
         prof.export_stacks(str(files.stacks), "self_cuda_time_total" if cuda else "self_cpu_time_total")
 
     return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=schedule.wait, warmup=schedule.warmup, active=schedule.active, repeat=1),
-        on_trace_ready=write_device_trace, execution_trace_observer=observer,
+        activities=activities, schedule=window, on_trace_ready=write_device_trace, execution_trace_observer=observer,
         record_shapes=True, with_stack=True,
         experimental_config=_ExperimentalConfig(verbose=True))  # verbose: Python frames in the stacks export

@@ -107,3 +107,14 @@ def comm_groups(device: dict) -> dict[str, list[int]]:
         if isinstance(pg, dict) and "pg_name" in pg and isinstance(pg.get("ranks"), list):
             groups[str(pg["pg_name"])] = [int(r) for r in pg["ranks"]]
     return groups
+
+
+def tensor_refs(io: dict):
+    """(storage id, bytes) of each tensor in a host-trace inputs/outputs record."""
+    for value, typ in zip(io.get("values", []), io.get("types", [])):
+        if not isinstance(typ, str) or "Tensor" not in typ:
+            continue
+        for t in value if typ.startswith("GenericList") else [value]:
+            # a tensor is [tensor id, storage id, offset, numel, element bytes, device]
+            if isinstance(t, list) and len(t) >= 5:
+                yield t[1], t[3] * t[4]

@@ -159,6 +159,7 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
         return ("[" + ",".join([p[0] for p in parts]) + "]", "[" + ",".join([p[1] for p in parts]) + "]",
                 "[" + ",".join([p[2] for p in parts]) + "]")
 
+    phase = None  # written where it changes (the host's syncs the cost model needs: trace/cost.add_host_waits)
     for n in order:
         data = nodes[n]
         if data["kind"] == "tensor":
@@ -180,6 +181,9 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
             channel = _channel(data)
             ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
         attrs.append(("is_cpu_op", "bool_val", False))
+        if data.get("phase") != phase:
+            phase = data.get("phase")
+            attrs.append(("phase", "string_val", phase or ""))
         if data.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
             attrs.append(("duration_ns", "uint64_val", round(data["duration_us"] * 1e3)))
         out.append(NodeSpec(nid, _node_name(data), kind, deps, ctrl, round(data.get("duration_us") or 0),

@@ -58,7 +58,7 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
         problems.append(f"{files[0][1].parent}: ranks {ranks[:8]} are not 0..{len(ranks) - 1}; "
                         "ASTRA-sim reads one file per NPU, <prefix>.0.et upward")
     groups_file = Path(comm_groups) if comm_groups else files[0][1].parent / "comm_groups.json"
-    groups = _load_groups(groups_file, explicit=comm_groups is not None)
+    groups = load_comm_groups(groups_file, explicit=comm_groups is not None)
     for key, members in groups.items():
         if missing := [m for m in members if m not in ranks]:
             problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
@@ -82,7 +82,7 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     return problems + p2p.finish(), len(files), total
 
 
-def _load_groups(path: Path, explicit: bool) -> dict[str, list[int]]:
+def load_comm_groups(path: Path, explicit: bool) -> dict[str, list[int]]:
     if not path.is_file():
         if explicit:
             raise UserError(f"comm groups file {path} not found")

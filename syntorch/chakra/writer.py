@@ -171,15 +171,19 @@ class StageTemplate:
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
         width = len(str(next(iter(ids.values())))) if ids else 0
         self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
-        self.names = {g: mesh.dims_of(g) for g in group_at}  # the mesh dimensions each group spans
+        # per group (in group_at's order): the mesh dimensions it spans, and whether it is a whole line along them
+        self.lines = []
+        for g in group_at:
+            names = mesh.dims_of(g)
+            self.lines.append((names, len(g) == mesh.size(*names)))
 
-    def _group_id(self, group: tuple, rank: int) -> int:
+    def _group_id(self, k: int, group: tuple, rank: int) -> int:
         """The id of the group that plays, for `rank`, the part `group` plays for the representative. Every
         mesh group is a whole line along its dimensions (Mesh.dims_of), and translation moves it along the
         others, so the translated line is known from the lowest rank of the line its first member lands on
         (a 128-rank DP group would otherwise be 128 translations and a sort for each of 8192 ranks)."""
-        moved, names = self.mesh.translate(group[0], rank), self.names[group]
-        key = (group, self.mesh.first(moved, *names) if len(group) == self.mesh.size(*names) else moved)
+        (names, whole), moved = self.lines[k], self.mesh.translate(group[0], rank)
+        key = (k, self.mesh.first(moved, *names) if whole else moved)  # k, not the group: a long tuple hashes slowly
         if key not in self._ids_seen:
             self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]
         return self._ids_seen[key]
@@ -192,7 +196,7 @@ class StageTemplate:
         # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
         # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
         body = self.body
-        ids = [self._group_id(group, rank) for group in self.group_at]
+        ids = [self._group_id(k, group, rank) for k, group in enumerate(self.group_at)]
         for at, group_id in zip(self.group_at.values(), ids):
             body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
         peers = [self.mesh.translate(peer, rank) for _, peer in self.peer_at]

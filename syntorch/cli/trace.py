@@ -20,7 +20,13 @@ def add_parser(sub) -> None:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (contiguous layers)")
     par.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models): splits the experts over "
-                     "groups of this many DP ranks; divides --dp")
+                     "groups of this many ranks, carved out of each stage's TP x CP x DP ranks after --etp "
+                     "(Megatron-Core's layout)")
+    par.add_argument("--etp", type=int, default=None, help="the experts' own tensor-parallel size (Megatron-Core's "
+                     "--expert-tensor-parallel-size); divides --tp, default --tp; 1: each expert whole on a rank")
+    par.add_argument("--moe_load", default="uniform", metavar="uniform|zipf:S|FILE.json",
+                     help="routing load of symbolic MoE runs: uniform, a Zipf skew S, or a JSON file "
+                          "{\"tokens_per_expert\": [[one number per expert], one row per MoE layer]}")
     par.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over cp ranks "
                      "(2 * cp load-balanced chunks, K/V all-gathered)")
     par.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
@@ -94,6 +100,7 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.parallel.fp8 import check_fp8
+    from syntorch.parallel.moe_load import check_one_kind, parse_load
     from syntorch.parallel.plans import TrainPlan
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
@@ -109,8 +116,9 @@ def run(args) -> int:
         args.zero = 3
     config = resolve_model_config(args.model, args.model_config)
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq,
-                     fp8=args.dtype == "fp8")
+                     fp8=args.dtype == "fp8", moe_load=parse_load(args.moe_load, config))
     plan.check(config, args.world_size, args.global_batch)
+    check_one_kind(plan.moe_load, plan.ep)
     if args.predict_only and not args.hw_config:
         raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     check_profile(args.profile)

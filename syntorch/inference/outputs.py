@@ -11,6 +11,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.simulate.prediction import TIMELINE, predict_inference
 from syntorch.trace.comm_view import check_noise_level
 from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations
+from syntorch.trace.generation import StageTraces
 
 
 @dataclass
@@ -53,9 +54,8 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
     if outputs.visualize:
         record["files"] = write_trace_outputs(graph, out_dir, outputs.level)
     if outputs.chakra or (outputs.visualize and len(traces) > 1):
-        from syntorch.chakra.writer import write_chakra  # here: protobuf only for a run that writes Chakra
         level = outputs.level if outputs.level in ("op", "module") else "op"
-        chakra = write_chakra(traces, out_dir / "chakra", level=level)
+        chakra = _write_chakra(traces, out_dir / "chakra", level, durations=outputs.hw_config is not None)
         record["chakra"] = {k: chakra[k] for k in ("ranks", "distinct_traces", "nodes", "et_bytes", "notes")}
         record["chakra"].update(dir="chakra", level=level)
     if outputs.comm_debug is not None:
@@ -69,3 +69,14 @@ def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
         record["comm_debug"] = {"noise_level": outputs.comm_debug,
                                 "files": [f"{n}{suffix}" for n in names for suffix in ("_log.txt", ".json", ".html")]}
     return record
+
+
+def _write_chakra(traces, out_dir: Path, level: str, durations: bool) -> dict:
+    """Every rank's Chakra file: a pipeline run's from its stages' representatives, unless a rank's
+    collectives took other durations than its representative's (chakra/stage_files.py)."""
+    # imported here: protobuf only for a run that writes Chakra
+    from syntorch.chakra import stage_files
+    if isinstance(traces, StageTraces) and (not durations or stage_files.same_durations(traces)):
+        return stage_files.write_stage_chakra(traces, out_dir, level)
+    from syntorch.chakra.writer import write_chakra
+    return write_chakra(traces, out_dir, level=level)

@@ -29,7 +29,8 @@ from syntorch.parallel.launch import check_devices, init_distributed, spawn, und
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, check_pipeline, stage_of
 from syntorch.parallel.tensor import check_tp
-from syntorch.trace.generation import trace_pp_symbolic, trace_run, trace_tp_run
+from syntorch.trace.decode_steps import SymbolicGeneration
+from syntorch.trace.generation import trace_pp_symbolic, trace_run, trace_tp_ranks
 from syntorch.trace.graph import RankTraces
 from syntorch.userfiles import read_json
 
@@ -97,14 +98,19 @@ def _run(spec, config, model, prompt, outputs, forward=None, **trace_args) -> tu
 
 
 def _symbolic(spec, config, prompt, out_dir, outputs) -> dict:
+    # a decoder's later decode steps are derived from its first ones (trace/decode_steps.py), built only
+    # when an output reads them
+    generation = None if config.encoder else SymbolicGeneration(prompt.ids.shape[1], tuple(prompt.pads),
+                                                                spec.output_tokens)
+    dtype = torch_dtype(spec.dtype)
     if spec.pp > 1:
         traces, result = trace_pp_symbolic(
             config, lambda m, scope, forward: run_model(spec, config, m, prompt, scope, forward),
-            Mesh(pp=spec.pp, tp=spec.tp), spec.beam_width, torch_dtype(spec.dtype))
-        return _finish(spec, config, prompt, result, None, out_dir, outputs, traces)
-    graph, result = trace_tp_run(config, lambda m, scope: run_model(spec, config, m, prompt, scope), spec.tp, 0,
-                                 spec.sp, "meta", torch_dtype(spec.dtype))
-    return _finish(spec, config, prompt, result, graph, out_dir, outputs)
+            Mesh(pp=spec.pp, tp=spec.tp), spec.beam_width, dtype, generation)
+    else:
+        traces, result = trace_tp_ranks(config, lambda m, scope: run_model(spec, config, m, prompt, scope),
+                                        spec.tp, spec.sp, dtype, generation)
+    return _finish(spec, config, prompt, result, None, out_dir, outputs, traces)
 
 
 def _real_ranks(spec, out_dir, force, outputs) -> dict | None:

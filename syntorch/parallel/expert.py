@@ -12,18 +12,33 @@ experts r*L .. r*L+L-1; the router is replicated):
 Backward runs the conjugate all-to-alls (comm.all_to_all_autograd).
 
 A symbolic (meta) run has no router values: it assumes the stated load (MoE.symbolic_load, uniform by
-default) on every rank, so each rank receives what it sends and the all-to-all sizes are exact for it.
-Expert gradients are reduced over the expert-data-parallel group (plans.py); they already sum every EP rank's
-tokens, so they are averaged over all dp ranks as the dense ones are.
+default; moe_load.py) on every rank: every rank routes alike, so each rank receives, from every rank of its
+EP group, its own experts' share of the rows, and the all-to-all sizes are exact for it (under a skewed
+load, ranks holding busy experts receive more: moe_load.py groups them into kinds).
+Expert gradients are reduced over the expert-data-parallel group (plans.py); they already sum the tokens of
+every rank of the EP group, so they are averaged over all DP x CP ranks as the dense ones are.
+
+The experts' own TP size (--etp, Megatron-Core's --expert-tensor-parallel-size; mesh.py lays out the groups)
+may be smaller than TP: then an expert is sharded over etp ranks only (whole for etp = 1) and the EP group
+takes in the tp / etp TP ranks of each expert-TP position. Those ranks hold the same tokens (no sequence
+parallelism for MoE layers here), so each routes its own 1/(tp/etp) slice of them, and returns the MoE
+output for its slice only (zeros elsewhere): the MoE layer stays one TP region (tensor.py: f before it, g's
+all-reduce after it), whose sum over the TP group adds every slice's rows once, each already summed over its
+etp shards. Megatron-Core splits the tokens over TP by sequence parallelism instead (it requires it with
+MoE and TP), then all-gathers within the expert-TP group; the rows each expert sees are the same.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models.moe import MoE
 from syntorch.parallel import comm
+from syntorch.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPGroup, take_shard
 
 
 def check_ep(config: ModelConfig, ep: int) -> None:
@@ -35,11 +50,62 @@ def check_ep(config: ModelConfig, ep: int) -> None:
         raise UserError(f"--ep {ep} must divide the {config.n_experts} experts of {config.name}")
 
 
-class ExpertParallelMoE(nn.Module):
-    """A MoE layer holding experts first_expert .. first_expert + L - 1 of the EP group's E."""
+def check_etp(config: ModelConfig, etp: int, tp: int, ep: int, tokens: int) -> None:
+    """--etp other than --tp: what it needs of the model and the plan (module docstring). `tokens`: a
+    micro-batch's tokens on one rank, which the tp / etp ranks sharing them split."""
+    if etp == tp:
+        return
+    if ep == 1:
+        raise UserError(f"--etp {etp} differs from --tp {tp}: the ranks it frees hold other experts, which needs "
+                        "--ep > 1")
+    if config.expert_d_ff % etp:
+        raise UserError(f"--etp {etp} must divide {config.name}'s expert FFN size ({config.expert_d_ff})")
+    if 1 < etp and config.mlp_bias:
+        raise UserError(f"{config.name}'s experts have biases, which --etp between 1 and --tp ({etp}) would replicate "
+                        f"over part of TP; use --etp 1 or --etp {tp}")
+    if tokens % (tp // etp):
+        raise UserError(f"--tp {tp} / --etp {etp} = {tp // etp} ranks split each micro-batch's {tokens} tokens "
+                        "for the experts; make micro_batch_size * seq / cp divide by it")
 
-    def __init__(self, moe: MoE, group):
+
+@contextmanager
+def experts_aside(model: nn.Module, aside: bool = True):
+    """The MoE layers' experts out of `model` while TP shards the rest (with --etp they are sharded over the
+    expert-TP ranks instead: shard_experts), back in place after."""
+    moes = [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))] if aside else []
+    kept = [m.experts for m in moes]
+    for m in moes:
+        m.experts = nn.ModuleList()
+    try:
+        yield
+    finally:
+        for m, experts in zip(moes, kept):
+            m.experts = experts
+
+
+def shard_experts(model: nn.Module, etp: int, etp_rank: int) -> None:
+    """Each expert's fc1 column-parallel and fc2 row-parallel over `etp` ranks, as TP shards a dense MLP, all
+    inside the MoE layer's TP region (no collective of their own: the region's all-reduce sums the partial
+    outputs); whole for etp = 1."""
+    if etp == 1:
+        return
+    shards = TPGroup(None, etp_rank, etp)
+    for moe in [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))]:
+        for mlp in moe.experts:
+            gated = "colwise_gated" if mlp.gated else "colwise"
+            for name, style, parallel in (("fc1", gated, ColumnParallelLinear), ("fc2", "rowwise", RowParallelLinear)):
+                linear = getattr(mlp, name)
+                weight = take_shard(style, "weight", linear.weight.detach(), etp_rank, etp, 0, 0)
+                setattr(mlp, name, parallel(nn.Parameter(weight.contiguous()), None, shards, in_region=True))
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE layer holding experts first_expert .. first_expert + L - 1 of the EP group's E. With `slices` > 1
+    (--etp below --tp) it routes slice `slice` of its tokens only (module docstring)."""
+
+    def __init__(self, moe: MoE, group, slices: int = 1, slice: int = 0):
         super().__init__()
+        self.slices, self.slice = slices, slice
         self.ep, self.rank, self.group = dist.get_world_size(group), dist.get_rank(group), group
         self.n_experts, self.top_k, self.renormalize = len(moe.experts), moe.top_k, moe.renormalize
         per_rank = self.n_experts // self.ep
@@ -52,7 +118,10 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
-        x = x.reshape(B * T, d)
+        whole = x = x.reshape(B * T, d)
+        mine = B * T // self.slices  # tokens this rank routes
+        if self.slices > 1:
+            x = x.narrow(0, self.slice * mine, mine)
         weights, experts = self.route(x)
         order = experts.flatten().argsort(stable=True)
         token = order // self.top_k
@@ -70,8 +139,10 @@ class ExpertParallelMoE(nn.Module):
         y = comm.all_to_all_autograd(back, send, recv, self.group)  # in the order the rows were sent
         y = y * weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, token, y)
+        if self.slices > 1:  # this slice's rows; the other slices' ranks add theirs in the region's all-reduce
+            out = F.pad(out, (0, 0, self.slice * mine, (self.slices - 1 - self.slice) * mine))
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(whole)
         return out.view(B, T, d)
 
     def _exchange_counts(self, counts: list[int], device) -> list[list[int]]:
@@ -87,13 +158,14 @@ class ExpertParallelMoE(nn.Module):
         return exchanged.tolist()
 
 
-def apply_ep(model: nn.Module, group) -> None:
-    """Swap every MoE layer of `model` for its expert-parallel share over `group` (in place)."""
+def apply_ep(model: nn.Module, group, slices: int = 1, slice: int = 0) -> None:
+    """Swap every MoE layer of `model` for its expert-parallel share over `group` (in place); `slices`,
+    `slice`: ExpertParallelMoE's."""
     check_ep(model.config, dist.get_world_size(group))
     for name, module in list(model.named_modules()):
         if isinstance(module, MoE):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, ExpertParallelMoE(module, group))
+            setattr(model.get_submodule(parent_name), child, ExpertParallelMoE(module, group, slices, slice))
 
 
 def is_expert_param(name: str) -> bool:

@@ -1,8 +1,11 @@
 """Fully-sharded data parallelism (ZeRO-3, `--zero 3` / `--fsdp`): parameters live sharded over the gradient
 group (DP, or DP x CP) and are whole only around their layer's forward and backward.
 
-Units: each transformer layer is one; the stage's other parameters (embeddings, final norm, head) another,
-and a weight tied across the first and last stage one of its own (so its shard lines up on both stages and
+Units: each transformer layer is one (with expert parallelism two: its experts are a unit of their own over
+the expert-data-parallel group, the ranks holding the same experts, as torchtitan shards them on its
+dp_mod_ep mesh; their gradients are still averaged over the grad group's size, torchtitan's gradient divide
+factor, since each already sums the tokens of a whole EP group); the stage's other parameters (embeddings,
+final norm, head) another, and a weight tied across the first and last stage one of its own (so its shard lines up on both stages and
 Megatron's embedding group can sum its gradient). Each unit's parameters are one flat buffer padded to a
 multiple of the group size, of which this rank keeps 1/n (FSDP1's flat parameter; one all-gather and one
 reduce-scatter per unit, as FSDP2 also issues per layer); the optimizer updates the shards.
@@ -34,6 +37,7 @@ import torch.nn as nn
 
 from syntorch.errors import UserError
 from syntorch.parallel import comm
+from syntorch.parallel.expert import is_expert_param
 
 GRAD_REDUCE_DTYPES = ("model", "fp32")
 
@@ -49,16 +53,19 @@ def check_grad_options(reshard_after_forward: bool, grad_reduce_dtype: str, zero
 class Unit:
     """One unit's parameters: views into one flat buffer whose storage exists only while they are whole
     (freed by resizing it to 0 bytes, as FSDP does, so tensors autograd saved from them, e.g. a weight's
-    transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it."""
+    transpose, are freed too and see the re-gathered values in backward), and this rank's shard of it.
+    Gradients are summed over the group and divided by `divisor` (default its size). A group of one rank
+    (experts over all of a stage's ranks) holds the whole: gathering is a copy, reducing the division."""
 
     def __init__(self, params: list[nn.Parameter], group, size: int, owner: nn.Module, name: str,
-                 reduce_fp32: bool = False):
+                 reduce_fp32: bool = False, divisor: int = 0):
         self.params, self.group, self.size, self.reduce_fp32 = params, group, size, reduce_fp32
+        self.divisor = divisor or size
         numel = sum(p.numel() for p in params)
         padded = -(-numel // size) * size
         self.buffer = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padded - numel)])
         owner.register_buffer(name, self.buffer, persistent=False)  # named state, as traces see it
-        self.shard = nn.Parameter(comm.own_chunk(self.buffer, 0, group).clone())
+        self.shard = nn.Parameter((comm.own_chunk(self.buffer, 0, group) if size > 1 else self.buffer).clone())
         offset = 0
         for p in params:
             p.data = self.buffer[offset:offset + p.numel()].view(p.shape)
@@ -76,7 +83,7 @@ class Unit:
         copy_in = torch.cat([after.new_empty(0, dtype=self.shard.dtype), self.shard.detach()])
         # copied out of the all-gather's output into the parameters' storage, as FSDP2's copy-out does (a
         # trace then shows the write reading the storage's earlier version, like any in-place update)
-        self.buffer.copy_(comm.all_gather(copy_in, 0, self.group))
+        self.buffer.copy_(comm.all_gather(copy_in, 0, self.group) if self.size > 1 else copy_in)
         self.whole = True
 
     def free(self) -> None:
@@ -96,7 +103,8 @@ class Unit:
         flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(padded - numel)] if padded > numel else []))
         if self.reduce_fp32:
             flat = flat.float()
-        part = comm.reduce_scatter(flat.div_(self.size), 0, "sum", self.group).to(self.shard.dtype)
+        flat = flat.div_(self.divisor)
+        part = (comm.reduce_scatter(flat, 0, "sum", self.group) if self.size > 1 else flat).to(self.shard.dtype)
         if self.shard.grad is None:
             self.shard.grad = part
         else:
@@ -113,10 +121,12 @@ class FullyShard:
     step uses (`active`, `finish`, `gather_params`, `optimizer_params`)."""
 
     def __init__(self, model: nn.Module, group, size: int, partial: list[tuple[list, object]] = (),
-                 tied=None, reshard_after_forward: bool = True, reduce_fp32: bool = False):
+                 tied=None, reshard_after_forward: bool = True, reduce_fp32: bool = False,
+                 experts: tuple[object, int] | None = None):
         """`partial`: (parameters, group) whose gradients each rank of group holds a part of; a tied
         weight's group (the embedding pair) is summed at the end of the step, others per backward.
-        `reshard_after_forward`, `reduce_fp32`: the module docstring."""
+        `reshard_after_forward`, `reduce_fp32`: the module docstring. `experts`: (expert-DP group, its size)
+        to shard each layer's experts over (expert parallelism)."""
         self.reshard_after_forward = reshard_after_forward
         # every backward reduce-scatters; True in the step's last backward, when units not resharded are freed
         self.active = False
@@ -135,27 +145,35 @@ class FullyShard:
         self.tied = Unit(tied_params, group, size, model, "fsdp_tied", reduce_fp32) if tied_params else None
         self.ends = [u for u in (self.tied, Unit(rest, group, size, model, "fsdp_flat", reduce_fp32) if rest else None)
                      if u]
-        self.layers = [Unit(list(layer.parameters()), group, size, layer, "fsdp_flat", reduce_fp32)
-                       for layer in layers]
-        self.units = [*self.ends, *self.layers]
+        self.layers = [self._layer_units(layer, group, size, reduce_fp32, experts) for layer in layers]
+        self.units = [*self.ends, *(unit for units in self.layers for unit in units)]
         # the model's own units: before its first layer in forward, before its last one in backward
-        self._hook(model, self.ends, self.layers[0] if self.layers else None, self.layers[-1] if self.layers else None)
-        for i, (layer, unit) in enumerate(zip(layers, self.layers)):
-            self._hook(layer, [unit], self.layers[i + 1] if i + 1 < len(layers) else None,
-                       self.layers[i - 1] if i else None)
+        self._hook(model, self.ends, self.layers[0] if self.layers else [], self.layers[-1] if self.layers else [])
+        for i, (layer, units) in enumerate(zip(layers, self.layers)):
+            self._hook(layer, units, self.layers[i + 1] if i + 1 < len(layers) else [],
+                       self.layers[i - 1] if i else [])
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
 
-    def _hook(self, module: nn.Module, units: list[Unit], forward_next: Unit | None, backward_next: Unit | None) -> None:
+    @staticmethod
+    def _layer_units(layer: nn.Module, group, size: int, reduce_fp32: bool, experts) -> list[Unit]:
+        """A layer's unit, or with `experts` its dense unit and its experts' unit (module docstring)."""
+        named = list(layer.named_parameters())
+        routed = [p for n, p in named if is_expert_param("." + n)] if experts else []
+        if not routed:
+            return [Unit([p for _, p in named], group, size, layer, "fsdp_flat", reduce_fp32)]
+        dense = [p for n, p in named if not is_expert_param("." + n)]
+        return [Unit(dense, group, size, layer, "fsdp_flat", reduce_fp32),
+                Unit(routed, *experts, layer, "fsdp_experts", reduce_fp32, divisor=size)]
+
+    def _hook(self, module: nn.Module, units: list[Unit], forward_next: list[Unit], backward_next: list[Unit]) -> None:
         """Gather `units` before `module` runs, prefetching `forward_next`, and free them after; gather them
         again when the gradient of its output arrives, prefetching `backward_next`."""
         def pre_forward(_module, args):
             x = args[0]
-            for unit in units:
+            for unit in [*units, *forward_next]:
                 unit.gather(x)
-            if forward_next is not None:
-                forward_next.gather(x)
 
         def post_forward(_module, _args, out):
             for unit in units if self.reshard_after_forward else ():
@@ -164,10 +182,8 @@ class FullyShard:
                 out.register_hook(pre_backward)
 
         def pre_backward(grad):
-            for unit in units:
+            for unit in [*units, *backward_next]:
                 unit.gather(grad)
-            if backward_next is not None:
-                backward_next.gather(grad)
 
         module.register_forward_pre_hook(pre_forward)
         module.register_forward_hook(post_forward)

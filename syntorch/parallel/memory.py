@@ -3,14 +3,16 @@ stage holds at its peak. Mixed precision with Adam unless the model dtype is FP3
 
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5): Ψ is what the rank holds of the model:
 its stage's layers (pipeline), their TP shards as apply_tp cuts them, its 1/ep of the experts (the rest is
-replicated over EP), counted on the stage model built on meta. With mixed precision a rank keeps 2Ψ of
+replicated over EP), each expert's 1/etp shard (--etp, the experts' own TP size; expert.py), counted on the
+stage model built on meta. With mixed precision a rank keeps 2Ψ of
 weights, 2Ψ of gradients and KΨ of optimizer states, K = 12 (FP32 master weights, Adam's two FP32 moments);
-in FP32, 4Ψ + 4Ψ + 8Ψ. ZeRO divides over N_d, the ranks gradients are averaged over (DP x CP; the experts'
-replicas, DP x CP / EP, for the experts): stage 1 the optimizer states, stage 2 the gradients too, stage 3
-the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
+in FP32, 4Ψ + 4Ψ + 8Ψ. ZeRO divides over N_d, the ranks gradients are averaged over (DP x CP; for the
+experts their expert-DP group, the replicas of one expert shard: TP x CP x DP / (etp x ep), mesh.py):
+stage 1 the optimizer states, stage 2 the gradients too, stage 3 the weights too, 16Ψ/N_d in all. Beside that, what is briefly whole:
 - ZeRO-2: one gradient bucket (--bucket_mb) before its reduce-scatter;
 - ZeRO-3 (FSDP, fsdp.py): the unit being computed and the one prefetched (two of the largest unit, whole
-  over DP: a layer, or the stage's embeddings and head) and one unit's whole gradients before their
+  over DP: a layer, or the stage's embeddings and head; with EP a layer's dense part and its experts are
+  two units) and one unit's whole gradients before their
   reduce-scatter. With --reshard_after_forward false (fsdp.py) every unit of the stage is whole between its
   forward and backward instead: Ψ whole beside the Ψ/N_d shards.
 With --grad_reduce_dtype fp32 the gradients are counted in FP32 (4 bytes each), as Megatron-Core's
@@ -32,7 +34,9 @@ per token, for any family:
 - Multi-head Latent Attention (DeepSeek): Q and K of d_head, V and the output of v_head_dim per head; outside,
   the latents (q_a's output and its norm's, kv_a's latent and rotary key, the latent's norm);
 - a mixture of experts (Mixtral): each token's k routed copies into and out of the experts (2·k·h, counted
-  like the norms) and k experts' intermediates (k x the above with expert_d_ff), uniform load.
+  like the norms; with --etp below --tp each of the tp / etp ranks sharing the tokens routes 1/(tp / etp)
+  of them, expert.py) and k experts' intermediates (k x the above with expert_d_ff, over etp shards of the
+  rank's 1/(tp / etp) of the tokens: 1/t either way), uniform load.
 Conventions, and why: flash attention, which the kernels run (and scaled_dot_product_attention, which
 syntorch's models call), keeps no a·s² score matrix, so the 5as/h term is never counted and selective
 recompute changes nothing here (its log-sum-exp statistics, a·s·b FP32, are left out: < 1% of the rest).
@@ -65,14 +69,14 @@ GB = 1e9
 @dataclass(frozen=True)
 class StageParams:
     """Elements of the parameters one rank of a stage holds: dense (replicated over EP), its 1/ep of the
-    experts, and its largest FSDP unit (a layer or the rest), whole over DP."""
+    experts (each 1/etp), and its largest FSDP unit (a layer, its experts with EP, or the rest), whole."""
     dense: int
     experts: int
     largest_unit: int
 
 
 def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
-    """Counted on the stage model built on meta, TP shards as apply_tp cuts them, tied weights once."""
+    """Counted on the stage model built on meta, TP (experts: ETP) shards as apply_tp cuts them, tied weights once."""
     model = pp_.split_stage(pp_.build_stage_model(config, stage, "meta"), stage)
     styles = plan_for(model, plan.sp) if plan.tp > 1 else {}
     vocab = padded_vocab(config.vocab_size, plan.tp)
@@ -81,13 +85,16 @@ def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
     for name, p in model.named_parameters():
         module, _, param = name.rpartition(".")
         style = styles.get(module, "replicated")
-        n = take_shard(style, param, p, 0, plan.tp, vocab, config.d_head, config.kv_heads).numel() if plan.tp > 1 else p.numel()
-        if is_expert_param(name):
+        expert = is_expert_param(name)
+        t = plan.etp if expert else plan.tp
+        n = take_shard(style, param, p, 0, t, vocab, config.d_head, config.kv_heads).numel() if t > 1 else p.numel()
+        if expert:
             n //= plan.ep
             experts += n
         else:
             dense += n
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
+        unit += ".experts" if expert and plan.ep > 1 else ""
         units[unit] = units.get(unit, 0) + n
     return StageParams(dense, experts, max(units.values()))
 
@@ -113,8 +120,8 @@ def model_state_bytes(params: StageParams, plan, element: int, mixed: bool) -> d
     """Weights, gradients and optimizer states of one rank, ZeRO's stages as Rajbhandari et al. 2020 count
     them, plus what ZeRO-2/3 hold whole for a moment (module docstring)."""
     whole = params.dense + params.experts  # Ψ
-    # Ψ / N_d: the dense parameters over the grad group, the experts over their replicas (grad group / ep)
-    sharded = params.dense / plan.grad_ranks + params.experts / (plan.grad_ranks / plan.ep)
+    # Ψ / N_d: the dense parameters over the grad group, the experts over their replicas (expert-DP)
+    sharded = params.dense / plan.grad_ranks + params.experts / plan.expert_dp
     k = 12 if mixed else 2 * element  # Adam: FP32 masters and two FP32 moments, or the moments alone
     grad_element = 4 if plan.grad_reduce_dtype == "fp32" else element
     weights = element * (sharded if plan.zero == 3 else whole)
@@ -135,7 +142,7 @@ def token_activations(config: ModelConfig, plan) -> tuple[float, float]:
     outside = 4 * h  # the norms' inputs and outputs
     inside = 2 * config.n_head * config.d_head  # Q and the attention output
     if config.n_experts:
-        outside += 2 * config.moe_top_k * h  # the routed copies into and out of the experts
+        outside += 2 * config.moe_top_k * h * plan.etp / t  # the routed copies into and out of the experts
         inside += intermediates * (config.moe_top_k + config.n_shared_experts) * config.expert_d_ff
     else:
         inside += intermediates * config.d_ff

@@ -13,10 +13,20 @@ Ranks and groups are asked for by name only, as torchtitan's ParallelDims/Device
 tp=1)`, `coordinate(rank).cp`, `group(rank, "dp", "cp")` (a flattened view: the ranks that differ from
 `rank` only along dp and cp, the group gradients are averaged over with context parallelism), `groups("tp")`.
 
-Expert parallelism splits the DP dimension, as Megatron-Core does (its expert rank order "tp-ep-dp-pp": EP
-inside DP): dp = expert_dp * ep + ep_index, so an EP group ("ep") is `ep` DP-neighbours (dp indices o*ep ..
-o*ep+ep-1) and the expert-data-parallel group ("expert_dp": the replicas of one expert, which reduce its
-gradients) strides by ep along dp. Both are names `group` and `groups` take like the four dimensions.
+Expert parallelism re-factors each stage's ranks, as Megatron-Core's expert rank generator does
+(parallel_state.initialize_model_parallel: the same order with tp -> etp, cp folded away, dp -> ep x
+expert-dp): a stage's tp x cp x dp ranks, flattened in rank order (s = tp + tp_size * (cp + cp_size * dp)),
+are also s = etp + etp_size * (ep + ep_size * expert_dp). So the expert-tensor group ("etp", --etp, the
+experts' own TP size, default tp) is the first etp TP ranks, an EP group ("ep") the next ep of that order
+-- what TP leaves (tp / etp), then CP, then DP: with CP the experts see the tokens of the CP x DP ranks --
+and the expert-data-parallel group ("expert_dp": the replicas of one expert shard, which reduce its
+gradients and over which FSDP shards it) the rest. With cp = 1 and etp = tp, EP is ep DP-neighbours and
+expert-DP strides by ep along dp. The two factorings must nest: every boundary of one (tp, tp x cp; etp,
+etp x ep) divides the next larger of the other, so each name is a run of "atoms" (size, stride) of one
+common mixed radix, and `group`, `groups`, `index` and `translate` work on atoms alike for every name.
+(Megatron-Core re-factors the whole world in its default order "tp-cp-ep-dp-pp", PP outermost, which is this
+per-stage re-factoring; in a PP-inner order it requires expert-DP = DP. syntorch's DP is outside PP, so it
+re-factors each stage's ranks.)
 
 The groups a run creates, all from `Mesh.process_groups` (plans, the workload's comm groups and the collective
 report read the same list): TP (sequence parallelism uses it too), DP (ZeRO shards over it), with cp > 1 CP
@@ -27,7 +37,7 @@ first/last-stage pair that shares a tied embedding, and the model-parallel group
 over which the gradient norm is summed.
 """
 from dataclasses import asdict, dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from itertools import product
 from math import prod
 from typing import NamedTuple
@@ -38,17 +48,9 @@ from syntorch.errors import UserError
 
 ORDER = "tp-cp-pp-dp"  # Megatron's name for the layout, innermost first
 DIMS = tuple(ORDER.split("-"))
-AXES = ("tp", "cp", "pp", "ep", "expert_dp")  # DIMS with dp as its two parts, innermost first
-PARTS = {**{a: (a,) for a in AXES}, "dp": ("ep", "expert_dp")}  # each name as the axes it spans
-
-
-@cache
-def _axes_of(names: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes `names` span, innermost first."""
-    for name in names:
-        if name not in PARTS:
-            raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(PARTS)}")
-    return tuple(a for a in AXES if any(a in PARTS[n] for n in names))
+DENSE = ("tp", "cp", "dp")  # a stage's dimensions, innermost first
+EXPERT = ("etp", "ep", "expert_dp")  # the same ranks as the experts see them
+NAMES = (*DIMS, *EXPERT)
 
 
 class Coordinate(NamedTuple):
@@ -69,24 +71,56 @@ class Mesh:
     cp: int = 1
     pp: int = 1
     dp: int = 1
-    ep: int = 1  # expert parallel: divides dp (EP groups are made of DP ranks)
+    ep: int = 1  # expert parallel: carved out of what etp leaves of a stage's TP x CP x DP ranks
     ring: bool = False  # interleaved pipeline: the last stage also sends to the first
+    etp: int | None = None  # the experts' TP size (Megatron-Core's --expert-tensor-parallel-size), default tp
 
     def __post_init__(self):
-        for dim in (*DIMS, "ep"):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for dim in (*DIMS, "ep", "etp"):
             size = getattr(self, dim)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise UserError(f"parallel degree --{dim} must be a positive integer, got {size!r}")
-        if self.dp % self.ep:
-            raise UserError(f"--ep {self.ep} must divide --dp {self.dp}: expert-parallel groups are made of "
-                            f"data-parallel ranks (Megatron's layout)")
         if self.world_size > MAX_WORLD:
             raise UserError(f"{' * '.join(f'{d}({getattr(self, d)})' for d in reversed(DIMS))} = {self.world_size:,} "
                             f"ranks; syntorch models up to {MAX_WORLD:,}: lower the degrees")
+        self._check_expert_split()
+
+    def _check_expert_split(self) -> None:
+        if self.tp % self.etp:
+            raise UserError(f"--etp {self.etp} must divide --tp {self.tp}: an expert's tensor-parallel ranks are "
+                            "part of one TP group here (Megatron-Core also allows larger; syntorch does not)")
+        outer = self.tp // self.etp * self.cp * self.dp
+        if outer % self.ep:
+            over = " x ".join(f"{n}({s})" for n, s in (("tp/etp", self.tp // self.etp), ("cp", self.cp),
+                                                      ("dp", self.dp)) if s > 1 or n == "dp")
+            raise UserError(f"--ep {self.ep} must divide --dp {self.dp}: expert-parallel groups are made of the "
+                            f"{over} = {outer} ranks of a stage that hold other tokens (Megatron-Core's layout)")
+        bounds = sorted({*self._boundaries(DENSE), *self._boundaries(EXPERT)})
+        for a, b in zip(bounds, bounds[1:]):
+            if b % a:
+                raise UserError(f"--ep {self.ep} x --etp {self.etp} = {self.ep * self.etp} and --tp {self.tp} x --cp "
+                                f"{self.cp} = {self.tp * self.cp} must divide one another (the expert groups are "
+                                "runs of a stage's ranks in Megatron-Core's order; syntorch needs them to nest)")
+
+    def _boundaries(self, names) -> list[int]:
+        """Where each of `names` starts in a stage's flattened order (and where the last ends)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "etp": self.etp, "ep": self.ep,
+                 "expert_dp": self.expert_dp}
+        out = [1]
+        for name in names:
+            out.append(out[-1] * sizes[name])
+        return out
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The replicas of one expert shard: a stage's ranks over etp x ep."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size < 1:
@@ -103,34 +137,65 @@ class Mesh:
     # --- names to ranks -------------------------------------------------------------------------------
 
     @cached_property
-    def _axes(self) -> dict[str, tuple[int, int]]:
-        """Axis (AXES) -> (size, stride)."""
-        dp_stride = self.tp * self.cp * self.pp
-        return {"tp": (self.tp, 1), "cp": (self.cp, self.tp), "pp": (self.pp, self.tp * self.cp),
-                "ep": (self.ep, dp_stride), "expert_dp": (self.dp // self.ep, dp_stride * self.ep)}
+    def _atoms(self) -> list[tuple[int, int, int | None]]:
+        """(size, stride, start) of each atom, innermost first: a stage's flattened order cut at every
+        boundary of both factorings (module docstring), `start` where the atom begins in it, and the pp line
+        (start None). A stage-local stride s is global s below tp x cp (TP and CP are innermost), s x pp above."""
+        bounds = sorted({*self._boundaries(DENSE), *self._boundaries(EXPERT)})
+        inner = self.tp * self.cp
+        atoms = [(b // a, a if a < inner else a * self.pp, a) for a, b in zip(bounds, bounds[1:])]
+        return sorted(atoms + [(self.pp, inner, None)] * (self.pp > 1), key=lambda atom: atom[1])
+
+    @cached_property
+    def _parts(self) -> dict[str, tuple[int, ...]]:
+        """Name -> the indices of its atoms in _atoms."""
+        parts = {"pp": tuple(i for i, atom in enumerate(self._atoms) if atom[2] is None)}
+        for names in (DENSE, EXPERT):
+            bounds = self._boundaries(names)
+            for name, lo, hi in zip(names, bounds, bounds[1:]):
+                parts[name] = tuple(i for i, (_, _, start) in enumerate(self._atoms)
+                                    if start is not None and lo <= start < hi)
+        return parts
 
     @cached_property
     def _dims(self) -> list[tuple[int, int]]:
         """(size, stride) of each of DIMS."""
-        return [(self.dp, self._axes["ep"][1]) if d == "dp" else self._axes[d] for d in DIMS]
+        inner = self.tp * self.cp
+        return [(self.tp, 1), (self.cp, self.tp), (self.pp, inner), (self.dp, inner * self.pp)]
+
+    def _atoms_of(self, names) -> list[int]:
+        for name in names:
+            if name not in NAMES:
+                raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(NAMES)}")
+        return sorted({i for name in names for i in self._parts[name]})
 
     def _lines(self, names) -> list[tuple[int, int]]:
-        return [self._axes[a] for a in _axes_of(names)]
+        return [self._atoms[i][:2] for i in self._atoms_of(names)]
 
     def size(self, *names: str) -> int:
         """The ranks of one group along `names` (flattened): the product of their sizes."""
         return prod(size for size, _ in self._lines(names))
 
     def stride(self, name: str) -> int:
-        """How far apart in rank two neighbours along `name` are."""
-        return self._lines((name,))[0][1]
+        """How far apart in rank two neighbours along `name` are (its innermost atom's stride; of size 1,
+        where it would start)."""
+        lines = self._lines((name,))
+        if lines:
+            return lines[0][1]
+        if name in DIMS:
+            return self._dims[DIMS.index(name)][1]
+        start = self._boundaries(EXPERT)[EXPERT.index(name)]
+        return start if start < self.tp * self.cp else start * self.pp
 
     def rank_of(self, **index: int) -> int:
         """The global rank at these indices (by dimension name; a missing one is 0)."""
+        rank = 0
         for name, i in index.items():
             if not 0 <= i < self.size(name):
                 raise ValueError(f"{name} index {i} is outside 0..{self.size(name) - 1}")
-        return sum(i * self.stride(name) for name, i in index.items())
+            for size, stride in self._lines((name,)):
+                rank, i = rank + i % size * stride, i // size
+        return rank
 
     def coordinate(self, rank: int) -> Coordinate:
         return Coordinate(*(rank // stride % size for size, stride in self._dims))
@@ -157,17 +222,25 @@ class Mesh:
 
     def groups(self, *names: str) -> list[list[int]]:
         """Every group along `names`, ordered by their lowest rank (the ranks at 0 along `names`)."""
-        firsts = self.group(0, *(a for a in AXES if a not in _axes_of(names)))
+        mine = set(self._atoms_of(names))
+        others = [atom[:2] for i, atom in enumerate(self._atoms) if i not in mine]
+        firsts = sorted(sum(i * stride for i, (_, stride) in zip(at, others))
+                        for at in product(*(range(size) for size, _ in others)))
         return [self.group(first, *names) for first in firsts]
 
     def dims_of(self, ranks) -> tuple[str, ...]:
         """The names `ranks` differ in, outermost first: ("dp", "cp") for a DP x CP group, ("ep",) or
-        ("expert_dp",) for part of a DP line, () for one rank."""
+        ("expert_dp",) for an expert group, () for one rank: the dimensions (else the expert names) whose
+        atoms are exactly those the ranks differ in."""
+        ranks = list(ranks)
+        differ = {i for i, (size, stride, _) in enumerate(self._atoms)
+                  if len({r // stride % size for r in ranks}) > 1}
+        for names in (DIMS, (*EXPERT, "pp")):
+            covered = [n for n in reversed(names) if self._parts[n] and set(self._parts[n]) <= differ]
+            if {i for n in covered for i in self._parts[n]} == differ:
+                return tuple(covered)
         coordinates = [self.coordinate(r) for r in ranks]
-        differ = [d for d in reversed(DIMS) if len({getattr(c, d) for c in coordinates}) > 1]
-        if "dp" in differ and len({c.dp for c in coordinates}) < self.dp:
-            differ[differ.index("dp")] = "ep" if len({self.index(r, "expert_dp") for r in ranks}) == 1 else "expert_dp"
-        return tuple(differ)
+        return tuple(d for d in reversed(DIMS) if len({getattr(c, d) for c in coordinates}) > 1)
 
     def name(self, ranks) -> str:
         """What kind of group `ranks` form, as process_groups names them ("tp", "dp_cp", "ep", "model_parallel",
@@ -204,12 +277,12 @@ class Mesh:
         """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative (dp 0,
         cp 0, tp 0): moved along tp, cp and dp by to_rank's indices (`back`: against them), the stage kept.
         Ranks of a stage run the same program over groups that are such translations of each other (a CP
-        rank's chunks differ in their positions, values a symbolic trace does not hold). dp moves as its
-        two parts, each on its own, so EP and expert-DP groups map onto such groups."""
+        rank's chunks differ in their positions, values a symbolic trace does not hold). Each atom moves on
+        its own (no carry from one to the next), so expert groups, runs of atoms too, map onto such groups."""
         sign = -1 if back else 1
         moved = rank
-        for a, (size, stride) in self._axes.items():
-            if a != "pp":
+        for size, stride, start in self._atoms:
+            if start is not None:
                 i = rank // stride % size
                 moved += ((i + sign * (to_rank // stride % size)) % size - i) * stride
         return moved
@@ -236,7 +309,7 @@ class MeshGroups:
     next: object = None  # the pair with the next stage
     next_rank: int | None = None
     embedding: object = None  # the first/last-stage pair of a tied embedding, on those stages
-    ep: object = None  # expert parallel: the DP ranks that split the experts (ep > 1)
+    ep: object = None  # expert parallel: the ranks that split the experts (ep > 1)
     expert_dp: object = None  # the ranks holding the same experts, which reduce their gradients (ep > 1)
     model_parallel: object = None  # TP x PP: the ranks that hold one replica of the model (tp * pp > 1)
     world: object = None  # every rank (dp * cp > 1)

@@ -6,9 +6,12 @@
     train_step(run, batches)
 
 `apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
-1. TP (+SP) on a model holding the stage's layers and still both ends: the vocab-parallel head is tied to the
-   vocab-parallel embedding while both exist, so the last stage's copy of a tied embedding is sharded alike.
-   EP (expert parallel) then keeps each MoE layer's share of the (TP-sharded) experts, over DP ranks.
+1. EP (expert parallel) keeps each MoE layer's share of the experts (expert.py; the EP groups are carved out
+   of the stage's TP x CP x DP ranks as Megatron-Core's, mesh.py), before TP, so TP's region around each MoE
+   layer wraps the layer that runs. TP (+SP) on a model holding the stage's layers and still both ends: the
+   vocab-parallel head is tied to the vocab-parallel embedding while both exist, so the last stage's copy of a
+   tied embedding is sharded alike. TP shards the experts too, unless --etp differs from --tp: then they are
+   set aside while TP runs and sharded over their own expert-TP ranks (whole for etp 1).
 2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
    the last) and adds the loss on the last stage.
 3. FP8 (`fp8`, fp8.py) sends the stage's Linear GEMMs through FP8 casts and `_scaled_mm`.
@@ -18,7 +21,8 @@
    taken at this rank's positions when it runs.
 5. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
    its buckets or shards must be the final ones. Gradients are averaged over DP x CP (the grad group);
-   experts are synchronised over their expert-DP group instead (the replicas of the same experts).
+   experts are synchronised (ZeRO/FSDP: sharded) over their expert-DP group instead (the replicas of the
+   same expert shards), averaged over DP x CP too.
 6. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards. Its step
    clips the gradients by their global norm first (clip.py), as Megatron does.
 """
@@ -34,11 +38,12 @@ from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
 from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
 from syntorch.parallel.buckets import GradSync, GradSyncs
-from syntorch.parallel.expert import apply_ep, check_ep, is_expert_param
+from syntorch.parallel.expert import apply_ep, check_ep, check_etp, experts_aside, is_expert_param, shard_experts
 from syntorch.parallel.fp8 import apply_fp8
 from syntorch.parallel.fsdp import FullyShard, check_grad_options
 from syntorch.parallel.layout import Layout, check_layout
 from syntorch.parallel.mesh import Mesh, MeshGroups
+from syntorch.parallel.moe_load import check_load, set_load
 from syntorch.parallel.recompute import apply_recompute, check_recompute
 from syntorch.parallel.precision import MixedPrecision
 from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
@@ -49,7 +54,7 @@ class TrainPlan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallel, within dp (mesh.py)
+    ep: int = 1  # expert parallel: carved out of a stage's TP x CP x DP ranks after etp (mesh.py)
     sp: bool = False
     zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2, 3: fully sharded (FSDP)
     bucket_mb: float = 25.0
@@ -82,26 +87,35 @@ class TrainPlan:
     # Default "model": FSDP2's default (reduce_dtype None: the parameters' dtype), torch DDP's, and what the
     # calibration tables were fitted with; predictions of earlier plans stay as they were
     grad_reduce_dtype: str = "model"
+    etp: int | None = None  # the experts' own TP size (Megatron-Core's --expert-tensor-parallel-size); None: tp
+    # symbolic runs' routing load (moe_load.py): per MoE layer, each expert's share of the routed tokens; None:
+    # uniform. Real runs route by the router's values
+    moe_load: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1)
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1,
+                    etp=self.etp)
 
     @property
     def grad_ranks(self) -> int:
         """How many ranks gradients are averaged (and ZeRO/FSDP shard) over: DP x CP."""
         return self.dp * self.cp
 
+    @property
+    def expert_dp(self) -> int:
+        """How many ranks hold each expert shard (and ZeRO/FSDP shard it over): TP x CP x DP / (etp x ep)."""
+        return self.mesh.expert_dp
+
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
-        self.mesh  # checks the degrees are positive
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        self.mesh  # checks the degrees are positive, and that the expert groups nest in the stage's ranks
         check_sp(self.sp, self.tp, self.seq)
         if self.seq < 1:
             raise UserError(f"--seq must be at least 1, got {self.seq}")
         check_cp(self.cp, self.seq, self.tp, self.sp)
-        if self.ep > 1 and (self.cp > 1 or self.zero == 3):
-            raise UserError(f"--ep {self.ep} is not supported with --cp or --zero 3 yet (experts are synchronised "
-                            "over expert-DP, which those do not split); drop one")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"--zero must be 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero}")
         if self.zero and self.grad_ranks == 1:
@@ -154,6 +168,8 @@ class TrainPlan:
         pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages, self.layout)
         check_tp(config, self.tp)
         check_ep(config, self.ep)
+        check_etp(config, self.etp, self.tp, self.ep, self.micro_batch_size * self.seq // self.cp)
+        check_load(config, self.moe_load)
 
     def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
         chunks = pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages, self.layout)[index]
@@ -194,15 +210,19 @@ class StageRun:
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32, model: nn.Module | None = None) -> StageRun:
-    """Build this rank's stage of `config` and apply TP, EP, PP, recomputation, CP, DP/ZeRO/FSDP and the
+    """Build this rank's stage of `config` and apply EP, TP, PP, recomputation, CP, DP/ZeRO/FSDP and the
     optimizer in that order (the module docstring says why). `model`: the whole model already built on
     `device` in `dtype` (`syntorch train` loads a checkpoint's weights), instead of a fresh one."""
     stage = plan.stage(config, groups.stage)
     model = pp_.build_stage_model(config, stage, device, dtype) if model is None else model
-    tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
-    replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
+    set_load(model, plan.moe_load)
     if plan.ep > 1:
-        apply_ep(model, groups.ep)
+        apply_ep(model, groups.ep, plan.tp // plan.etp, groups.tp_rank // plan.etp)
+    with experts_aside(model, plan.etp != plan.tp):
+        tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
+        replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
+    if plan.etp != plan.tp:
+        shard_experts(model, plan.etp, plan.mesh.index(groups.rank, "etp"))
     pp_.split_stage(model, stage)
     if plan.fp8:
         apply_fp8(model)
@@ -225,25 +245,39 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
 
 def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
     """DDP/ZeRO buckets (GradSync) or FSDP units (FullyShard) over the grad group; with EP, the experts'
-    gradients in a GradSync of their own over expert-DP."""
+    gradients in a GradSync (or FSDP units) of their own over expert-DP, averaged over the grad group."""
     params = list(model.parameters())
     if plan.zero == 3:
         return FullyShard(model, groups.grad_group, plan.grad_ranks, partial, groups.embedding,
-                          plan.reshard_after_forward, plan.grad_reduce_dtype == "fp32")
+                          plan.reshard_after_forward, plan.grad_reduce_dtype == "fp32",
+                          (groups.expert_dp, plan.expert_dp) if plan.ep > 1 else None)
     overlap = dict(overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
                    reduce_fp32=plan.grad_reduce_dtype == "fp32")
     if plan.ep == 1:
         sync = GradSync(params, groups.grad_group, plan.grad_ranks, plan.zero, plan.bucket_mb, partial, **overlap)
     else:
         experts = {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
-        dense = GradSync([p for p in params if id(p) not in experts], groups.dp, plan.dp, plan.zero, plan.bucket_mb,
-                         partial, **overlap)
-        expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.dp // plan.ep, plan.zero,
-                          plan.bucket_mb, divisor=plan.dp, **overlap)
+        dense_partial, expert_partial = _split_partial(partial, experts)
+        dense = GradSync([p for p in params if id(p) not in experts], groups.grad_group, plan.grad_ranks, plan.zero,
+                         plan.bucket_mb, dense_partial, **overlap)
+        expert = GradSync([p for p in params if id(p) in experts], groups.expert_dp, plan.expert_dp, plan.zero,
+                          plan.bucket_mb, expert_partial, divisor=plan.grad_ranks, **overlap)
         sync = GradSyncs([dense, expert])
     if plan.overlap_param_gather and plan.zero:
         sync.watch(model)
     return sync
+
+
+def _split_partial(partial: list[tuple[list, object]], experts: set[int]) -> tuple[list, list]:
+    """`partial` as (dense, expert) parts: each GradSync sums its own parameters' partial gradients (the
+    experts' TP-partial biases) before their buckets are reduced."""
+    parts = ([], [])
+    for params, group in partial:
+        for side, part in enumerate(parts):
+            mine = [p for p in params if (id(p) in experts) == bool(side)]
+            if mine:
+                part.append((mine, group))
+    return parts
 
 
 def _partial_grads(model: nn.Module, tp_plan, groups: MeshGroups) -> list[tuple[list, object]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from chakra.schema.protobuf import et_def_pb2 as et
 
 from syntorch.chakra.reader import find_traces, read_trace
-from syntorch.chakra.validate import _load_groups as load_comm_groups
+from syntorch.chakra.validate import load_comm_groups
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig, config_from_dict
 from syntorch.parallel.mesh import Mesh
@@ -150,11 +150,13 @@ def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:
     header, nodes = read_trace(path)
     graph = TraceGraph(rank=rank, world_size=world, model=path.name.split(".")[0])
     index = {n.id: n for n in nodes}
-    specs, edges, place, orders = [], [], {}, {}
+    specs, edges, place, orders, phase = [], [], {}, {}, ""
     for node in _dependency_order(nodes, index, path):
         op, out = 2 * len(place), 2 * len(place) + 1
         place[node.id] = out
-        specs += [_node_attrs(node, rank, world, groups, orders, path),
+        attrs = _node_attrs(node, rank, world, groups, orders, path)
+        phase = attrs["phase"] = attrs["phase"] or phase  # our writer names a phase where it changes
+        specs += [attrs,
                   {"kind": "tensor", "name": f"t{out}", "shape": (_shapes(node.outputs) or [[]])[0], "dtype": _dtype(node), "bytes": 0,
                    "is_param": False, "device": "meta", "version": 0}]
         edges += [(place[d], op, {"arg": i}) for i, d in enumerate(dict.fromkeys([*node.data_deps, *_ctrl_deps(node, index)]))]
@@ -201,7 +203,8 @@ def _node_attrs(node, rank, world, groups, orders, path) -> dict:
     module, _, what = node.name.rpartition(":")
     # duration_ns: what our writer adds beside the whole µs of duration_micros (chakra/nodes.py)
     us = attrs["duration_ns"] / 1e3 if "duration_ns" in attrs else float(node.duration_micros)
-    base = {"name": what or node.name, "module": module or node.name, "phase": "", "duration_us": us}
+    base = {"name": what or node.name, "module": module or node.name, "phase": attrs.get("phase", ""),
+            "duration_us": us}
     if node.type == et.COMP_NODE:
         return {**base, "kind": "op", "flops": int(attrs.get("num_ops", 0)), "dtype": _dtype(node), "bytes_read": int(attrs.get("tensor_size", 0)),
                 "bytes_written": 0, "is_view": False, "input_shapes": _shapes(node.inputs)}

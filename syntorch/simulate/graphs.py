@@ -35,9 +35,11 @@ class RankFrame:
 class MeshFrame:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
+        self.pp_stride = mesh.stride("pp")
+        self.labels = {}  # group -> its label: naming a group reads every member's coordinates
 
-    def kind(self, rank: int) -> int:
-        return self.mesh.coordinate(rank).pp
+    def kind(self, rank: int) -> int:  # its stage: asked for every member of every group, so plain arithmetic
+        return rank // self.pp_stride % self.mesh.pp
 
     def canonical(self, ranks) -> tuple:
         """The group as its stage representatives name it: moved back by its lowest rank's place."""
@@ -47,9 +49,10 @@ class MeshFrame:
     def label(self, group) -> str:
         """The communicator's kind, which names its stream: every group of a rank has its own (the mesh's
         names: tp, cp, dp, dp_cp, ep, expert_dp; across stages only Megatron's embedding group)."""
-        if self.mesh.dims_of(group) == ("pp",):
-            return "embedding"
-        return self.mesh.name(group)
+        key = tuple(group)
+        if key not in self.labels:
+            self.labels[key] = "embedding" if self.mesh.dims_of(group) == ("pp",) else self.mesh.name(group)
+        return self.labels[key]
 
 
 def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=None,

@@ -10,7 +10,7 @@ from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import Program, Run, simulate
 from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
+from syntorch.simulate.steps import pipeline_programs, stage_costs, step_costs
 from syntorch.simulate.timeline import timeline_events, write_events
 from syntorch.trace.cost import op_dtype, shared_key
 from syntorch.trace.graph import no_gc
@@ -67,15 +67,15 @@ def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_
 
 def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None,
                      attention: str | None = None) -> Prediction:
-    """A training step (or pipelined prefill) from per-stage probes (trace/training.py's probe_stage:
-    {stage: (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
+    """A training step (or pipelined prefill) from per-stage probes ({stage: trace/layer_probe.py's StageProbe,
+    or probe_stage's (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
     with no_gc():  # many small lists, none cyclic
         return _predict_training(probes, source, plan, hw, profile, attention)
 
 
 def _predict_training(probes, source, plan, hw, profile, attention) -> Prediction:
     mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
-    costs = {s: probe_costs(graph, blocks, mesh) for s, (graph, blocks) in probes.items()}
+    costs = {s: stage_costs(probe, mesh) for s, probe in probes.items()}
     optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
                  for s, probed in costs.items()}
     if plan.mode == "train":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
+from syntorch.trace.layer_probe import StageProbe, expand_step
 from syntorch.trace.training import _template as probed_microbatch
 
 
@@ -62,11 +63,11 @@ def step_cost(graph, start: int, end: int, frame) -> StepCost:
         if d["collective"] == "send":
             send += d.get("duration_us") or 0.0
             send_at = run.starts[0][task]
-        elif d["collective"] != "recv" and len({frame.kind(r) for r in d["group"]}) > 1:
+        elif d["collective"] != "recv" and (stages := len({frame.kind(r) for r in d["group"]})) > 1:
             cross += d.get("duration_us") or 0.0
             cross_at = run.starts[0][task]
             cross_name = "grad norm" if d["phase"] == "optimizer" else "embedding"
-            members = len({frame.kind(r) for r in d["group"]})
+            members = stages
     for n in range(start, end):  # every op's FLOPs, those inside another's kernel too (no task of their own)
         d = attrs[n]
         if d["kind"] == "op" and d["phase"] in ("forward", "backward"):
@@ -83,6 +84,21 @@ def probe_costs(probe, blocks: dict, mesh) -> dict:
     """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
     frame = MeshFrame(mesh)
     return {key: step_cost(probe, start, end, frame) for key, (start, end) in blocks.items()}
+
+
+def stage_costs(probe, mesh) -> dict:
+    """probe_costs of a stage's probe (trace/layer_probe.py's StageProbe, or probe_stage's (graph, blocks)):
+    when the probe left layers out, each step as the whole stage runs it (layer_probe.expand_step) and the
+    optimizer step from its own probe."""
+    if not isinstance(probe, StageProbe) or not probe.runs:
+        return probe_costs(*probe, mesh)
+    frame, (graph, blocks) = MeshFrame(mesh), probe
+    costs = probe_costs(*probe.optimizer, mesh)
+    for key, (start, end) in blocks.items():
+        if key[0] != "optimizer":
+            step = expand_step(graph, start, end, [run for run in probe.runs if run[0] == key[2]])
+            costs[key] = step_cost(step, 0, len(step), frame)
+    return costs
 
 
 def step_costs(costs: dict, schedule: list[tuple], microbatches: int) -> list[StepCost]:

@@ -10,19 +10,23 @@ gets 0; the kernel it joins carries its time.
 
 Durations only: syntorch/simulate composes them (streams, ranks, pipelines), for every command.
 """
+import math
 from dataclasses import dataclass
 
 import networkx as nx
+import torch
 
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig
-from syntorch.trace.kernels import (ATTENTION, ATTENTION_KERNELS, GEMMS, PROFILES, attention_us, compute_us,
-                                    foreach_launches, gemm_us, kernel_plan, launches_kernel)
+from syntorch.trace.kernels import (ATTENTION, ATTENTION_KERNELS, GEMMS, PROFILES, RADIX_OPS, attention_us,
+                                    compute_us, foreach_launches, gemm_us, kernel_plan, launches_kernel,
+                                    radix_bytes)
 from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
-__all__ = ["ATTENTION_KERNELS", "PROFILES", "Kernel", "check_attention", "check_profile", "collective_us", "compute_us", "fill_durations",
-           "fill_rank_durations", "kernel_of", "kernel_plan", "kernel_us", "node_us", "op_dtype", "shared_key"]
+__all__ = ["ATTENTION_KERNELS", "PROFILES", "Kernel", "add_host_waits", "check_attention", "check_profile",
+           "collective_us", "compute_us", "fill_durations", "fill_rank_durations", "kernel_of", "kernel_plan",
+           "kernel_us", "node_us", "op_dtype", "shared_key"]
 
 
 def check_profile(profile: str) -> str:
@@ -69,7 +73,8 @@ def kernel_of(graph: nx.DiGraph, node, plan: dict) -> Kernel:
         return Kernel("none")
     # a lookup reads the rows it returns, not the whole table it is given
     read = data["bytes_written"] if data["name"] in LOOKUPS else data["bytes_read"]
-    nbytes, dtype = read + data["bytes_written"] + folded, op_dtype(graph, node)
+    radix = _radix_bytes(graph, node, data) if data["name"] in RADIX_OPS else None
+    nbytes, dtype = (read + data["bytes_written"] if radix is None else radix) + folded, op_dtype(graph, node)
     # a GEMM or attention whose shapes a file does not give (a Chakra file of strangers') is a plain kernel
     gemm = _gemm_shape(graph, node, data) if data["name"] in GEMMS else None
     if gemm:
@@ -106,12 +111,53 @@ LOOKUPS = frozenset({"aten.embedding", "aten.index_select", "aten.gather", "aten
 
 
 def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager", attention: str = "flash") -> None:
-    """Sets `duration_us` on every op and collective node of `graph` (in place)."""
+    """Sets `duration_us` on every op and collective node of `graph` (in place); under the eager profile each
+    includes the time its kernel waited for the host to issue it (add_host_waits)."""
     plan = kernel_plan(graph, check_profile(profile))
     check_attention(attention)
     for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
             data["duration_us"] = kernel_us(kernel_of(graph, node, plan), hw, profile, attention)
+    if profile == "eager" and hw.host_overhead_us:
+        add_host_waits(graph, hw.host_overhead_us)
+
+
+def add_host_waits(graph: nx.DiGraph, host_us: float) -> None:
+    """Eager PyTorch issues one kernel per aten op (and each NCCL call) from one host thread, `host_us` each,
+    while the GPU runs what was issued; a kernel starts once it is issued and the kernel before it has ended:
+    start_i = max(end_(i-1), issued_i), issued_i = issued_(i-1) + host_us. So a stream of short kernels runs at
+    the host's rate, and long kernels let the host run ahead (its lead carries over to the short ones after them).
+    The GPU's wait is added to the compute kernel that waited; a collective's, to the next compute kernel (it
+    waits for the collective's result), so communication keeps NCCL's time and the idle lands on compute.
+
+    Inference only: the clocks meet (the host waits for the GPU) at the start of each generation step, where
+    generate reads the chosen ids on the host before it feeds them in, so a step's durations do not depend on
+    the steps before it. Training phases are left as the GPU runs them: a training step's host has no such
+    sync between its micro-batches (it runs ahead of kernels that are long), and the steps a probe's
+    micro-batches are costed as (simulate/steps.py) must not depend on the order they were traced in.
+    One clock for every stream (a collective that overlapped compute would make it late, the waits small).
+    Under the fused profile (FasterTransformer's C++ loop, Megatron's large kernels, CUDA graphs) the host keeps
+    ahead and kernel_overhead_us alone spaces the kernels."""
+    issued = gpu = carried = 0.0
+    phase = None
+    for data in graph.node_attrs.values():
+        if data["kind"] == "tensor" or not data.get("duration_us") or not is_generation_step(data.get("phase")):
+            continue  # no kernel (views, ops inside another's kernel), or not inference
+        if data["phase"] != phase:
+            phase, issued = data["phase"], gpu
+        issued += host_us
+        wait = max(0.0, issued - gpu)
+        gpu += wait + data["duration_us"]
+        if data["kind"] == "collective":
+            carried += wait
+        else:
+            data["duration_us"] += carried + wait
+            carried = 0.0
+
+
+def is_generation_step(phase: str | None) -> bool:
+    """prefill, decode[i] or an encoder's pass (trace/graph.py's phases), not forward/backward/optimizer."""
+    return phase in ("prefill", "encode") or (phase or "").startswith("decode[")
 
 
 def op_dtype(graph: nx.DiGraph, node) -> str:
@@ -134,6 +180,18 @@ def _attention_shapes(graph, node, data) -> tuple | None:
     shapes = data.get("input_shapes") or [graph.node_attrs[t]["shape"] for t in _inputs(graph, node)]
     q, k = ((shapes[:2] if data["name"] == SDPA else shapes[1:3]) + [[], []])[:2]
     return (tuple(q), tuple(k)) if len(q) >= 2 and len(k) >= 2 else None
+
+
+def _radix_bytes(graph, node, data) -> int | None:
+    """A sort's or top-k's passes over its keys (kernels.radix_bytes); None when the graph does not give the
+    keys' shape (a Chakra file of strangers')."""
+    inputs = _inputs(graph, node)
+    indices = next((graph.node_attrs[t] for t, e in graph.succs[node].items() if e.get("arg") == 1), None)
+    keys = graph.node_attrs[inputs[0]] if inputs else {}
+    if not keys.get("shape") or indices is None:
+        return None
+    key_bytes, index_bytes = (getattr(torch, d["dtype"].removeprefix("torch.")).itemsize for d in (keys, indices))
+    return radix_bytes(data["name"], math.prod(keys["shape"]), key_bytes, index_bytes, data["bytes_written"])
 
 
 def _gemm_shape(graph, node, data) -> tuple[int, int, int, int] | None:

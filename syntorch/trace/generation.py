@@ -1,5 +1,7 @@
 """Tracing a whole run (generation: prefill + decode steps; an encoder's one pass) in one call, as `syntorch
 infer` does, on one rank or, symbolically, for every rank of a tensor-parallel or TP x PP run."""
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -12,69 +14,126 @@ from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, stage_of
 from syntorch.parallel.tensor import apply_tp, check_tp
 from syntorch.trace.graph import RankTraces, TraceGraph, with_node_attrs
+from syntorch.trace.decode_steps import (StepScope, StepsTraced, SymbolicGeneration, derive_steps, learn_rule,
+                                         replicated_ids)
 from syntorch.trace.replicate import first_layer_only, replicate_layers
 from syntorch.trace.tracer import Tracer
 
+log = logging.getLogger(__name__)
+
 
 def trace_run(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_size: int = 1,
-              meta: dict | None = None, replicate: bool | None = None) -> tuple[TraceGraph, object]:
+              meta: dict | None = None, replicate: bool | None = None,
+              generation: SymbolicGeneration | None = None) -> tuple[TraceGraph, object]:
     """`run(model, phase_scope)` under a Tracer that records only inside `phase_scope(name)` (generate's
-    steps). Returns the graph and what `run` returned.
+    steps). Returns the graph and what `run` returned (trace_lazily, with the graph built at once)."""
+    build, result = trace_lazily(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate,
+                                 generation=generation)
+    return build(), result
+
+
+def trace_lazily(model: torch.nn.Module, run: Callable, *, rank: int = 0, world_size: int = 1,
+                 meta: dict | None = None, replicate: bool | None = None,
+                 generation: SymbolicGeneration | None = None) -> tuple[Callable[[], TraceGraph], object]:
+    """trace_run's graph as a function that builds it, and what `run` returned.
 
     `replicate` (default: when the model has several transformer layers, unless they are MoE layers run on
     values) records only the first layer and
     copies its trace for the others (replicate.py): the same graph as a full trace, since every layer runs
     the same ops on the same shapes. On `meta` only the first layer runs; on a real device every layer runs
-    (the values need them) and the others go unrecorded, which keeps tracing cheap."""
+    (the values need them) and the others go unrecorded, which keeps tracing cheap.
+
+    `generation` (`run` generates it on meta): only its first decode steps are traced, the others derived
+    (decode_steps.py) when the graph is built -- never, for a run that writes no trace. Its result is
+    meta's, known beforehand."""
     meta = {"model": model.config.name, **(meta or {})}
     layers = getattr(model, "layers", None)
     symbolic = next(model.parameters()).is_meta
     if replicate is None:  # real MoE layers route tokens each their own way: expert shapes differ between layers
         replicate = (layers is not None and len(layers) > 1 and (symbolic or not model.config.n_experts)
                      and model.config.uniform_layers)  # a copy of layer 0 would stand for unlike layers
+    stop = generation.stop_step(model.config) if generation and symbolic else None
     traced = first_layer_only(model) if replicate and symbolic else model
     with Tracer(traced, rank=rank, world_size=world_size, meta=meta, default_phase=None,
                 first_layer_only=replicate and not symbolic) as tracer:
-        result = run(traced, tracer.phase)
-    if not replicate:
-        return tracer.graph, result
-    return replicate_layers(tracer.graph, tracer.layer_calls, [layer_path(k) for k in layers]), result
+        scope = StepScope(tracer, stop) if stop else tracer.phase
+        try:
+            result = run(traced, scope)
+        except StepsTraced:
+            result = generation.result()
+    graph = tracer.graph
+    starts = scope.starts + [len(graph)] if stop else []  # decode[i]'s first node, then the end
+    if replicate:
+        graph = replicate_layers(graph, tracer.layer_calls, [layer_path(k) for k in layers])
+        starts = replicated_ids(starts, tracer.layer_calls, len(layers))
+    rule = learn_rule(graph, starts) if stop else None
+    if stop and rule is None:  # a step the rule misses: every step traced
+        log.info("decode steps of %s not derivable: tracing all %d", model.config.name, generation.decode_steps)
+        return trace_lazily(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
+    if rule is None:
+        return lambda: graph, result
+    return functools.cache(lambda: derive_steps(graph, rule, generation.decode_steps)), result
 
 
 def trace_generation(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int,
                      sampling: "gen.Sampling | None" = None, *, rank: int = 0, world_size: int = 1,
-                     meta: dict | None = None, replicate: bool | None = None,
+                     meta: dict | None = None, replicate: bool | None = None, derive: bool = True,
                      **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
     """`syntorch.generate.generate` traced; ops are labelled prefill / decode[i]. Cache set-up and the
-    bookkeeping between steps are not recorded."""
+    bookkeeping between steps are not recorded. On meta (with `derive`) the later decode steps are derived."""
     def run(m, phase_scope):
         return gen.generate(m, prompt, max_new_tokens, sampling or gen.Sampling(), phase_scope=phase_scope,
                             **generate_kwargs)
-    return trace_run(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate)
+    generation = symbolic_generation(prompt, max_new_tokens, generate_kwargs.get("pads")) if derive else None
+    return trace_run(model, run, rank=rank, world_size=world_size, meta=meta, replicate=replicate,
+                     generation=generation)
+
+
+def symbolic_generation(prompt: torch.Tensor, max_new_tokens: int, pads=None) -> SymbolicGeneration | None:
+    """What generating from `prompt` does, when it runs on meta (None on a real device: values decide)."""
+    if not prompt.is_meta:
+        return None
+    return SymbolicGeneration(prompt.shape[1], tuple(pads or [0] * prompt.shape[0]), max_new_tokens)
 
 
 def trace_tp_run(config, run: Callable, tp: int, rank: int, sequence_parallel: bool = False, device: str = "meta",
-                 dtype=torch.float32) -> tuple[TraceGraph, object]:
+                 dtype=torch.float32, generation: SymbolicGeneration | None = None) -> tuple[TraceGraph, object]:
     """`run(model, phase_scope)` (a generation, an encoder's pass, ...) traced on one TP rank's model against
     the fake backend (no other process). On `cpu` the weights are random and the collectives move nothing,
     so the numbers are meaningless; the ops, shapes and collectives are the real ones."""
+    build, result = _tp_traced(config, run, tp, rank, sequence_parallel, device, dtype, generation)
+    return build(), result
+
+
+def _tp_traced(config, run, tp, rank, sequence_parallel, device, dtype, generation):
     check_tp(config, tp)
     with symbolic_world(rank, tp):
         model = build_model(config, device=device, dtype=dtype)
         apply_tp(model, init_groups(Mesh(tp=tp)), sequence_parallel)
-        return trace_run(model, run, rank=rank, world_size=tp,
-                         meta={"tp": tp, "sequence_parallel": sequence_parallel})
+        return trace_lazily(model, run, rank=rank, world_size=tp, generation=generation,
+                            meta={"tp": tp, "sequence_parallel": sequence_parallel})
+
+
+def trace_tp_ranks(config, run: Callable, tp: int, sequence_parallel: bool = False, dtype=torch.float32,
+                   generation: SymbolicGeneration | None = None) -> tuple[RankTraces, object]:
+    """Every TP rank's graph of `run` on meta, and its result: rank 0 traced (trace_tp_run), its graph built
+    on first access and shared by the others (trace_tp_symbolic)."""
+    build, result = _tp_traced(config, run, tp, 0, sequence_parallel, "meta", dtype, generation)
+    ranks = RankTraces(tp)
+    ranks.put_shared(range(tp), build)
+    return ranks, result
 
 
 def trace_tp_rank(config, prompt: torch.Tensor, max_new_tokens: int, tp: int, rank: int,
                   sequence_parallel: bool = False, device: str = "meta", dtype=torch.float32,
-                  sampling=None, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
+                  sampling=None, derive: bool = True, **generate_kwargs) -> tuple[TraceGraph, "gen.GenerationResult"]:
     """The trace (and generation result) of one TP rank's generation (trace_tp_run). `prompt` is [B, T]
-    token ids."""
+    token ids. On meta (with `derive`) the later decode steps are derived."""
     def run(m, phase_scope):
         return gen.generate(m, prompt.to(device), max_new_tokens, sampling or gen.Sampling(),
                             phase_scope=phase_scope, **generate_kwargs)
-    return trace_tp_run(config, run, tp, rank, sequence_parallel, device, dtype)
+    generation = symbolic_generation(prompt.to(device), max_new_tokens, generate_kwargs.get("pads")) if derive else None
+    return trace_tp_run(config, run, tp, rank, sequence_parallel, device, dtype, generation)
 
 
 def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int,
@@ -90,26 +149,47 @@ def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int
     return ranks
 
 
-def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1,
-                      dtype=torch.float32) -> tuple[RankTraces, object]:
+def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1, dtype=torch.float32,
+                      generation: SymbolicGeneration | None = None) -> tuple["StageTraces", object]:
     """Every rank's graph of a TP x PP generation on meta, and stage 0's result. `run(model, phase_scope,
     forward)` runs the generation with a pipeline stage's forward. Each stage is traced once, as its
     representative (tp rank 0); its other TP ranks run the same ops over groups and peers translated along
     tp (Mesh.translate), so their graphs are the representative's with the collectives' ranks moved."""
     check_tp(config, mesh.tp)
-    traces, result = RankTraces(mesh.world_size), None
+    builds, result = [], None
     for stage in range(mesh.pp):
-        graph, out = trace_pp_stage(config, run, mesh, stage, beam_width, dtype)
+        build, out = _stage_traced(config, run, mesh, stage, beam_width, dtype, generation)
         result = out if stage == 0 else result
-        for rank in mesh.stage_ranks(stage):
-            traces.put_shared([rank], lambda graph=graph, rank=rank: translated(graph, mesh, rank))
-    return traces, result
+        builds.append(build)
+    return StageTraces(mesh, builds), result
+
+
+class StageTraces(RankTraces):
+    """rank -> graph of a symbolic TP x PP run: each stage's representative graph, built on first use, and
+    its other ranks' graphs translated from it when read (chakra/stage_files.py writes their files from the
+    representatives alone)."""
+
+    def __init__(self, mesh: Mesh, builds: list[Callable[[], TraceGraph]]):
+        super().__init__(mesh.world_size)
+        self.mesh = mesh
+        self._stages = [functools.cache(build) for build in builds]
+        for stage in range(mesh.pp):
+            for rank in mesh.stage_ranks(stage):
+                self.put_shared([rank], lambda stage=stage, rank=rank: translated(self.stage_graph(stage), mesh, rank))
+
+    def stage_graph(self, stage: int) -> TraceGraph:
+        return self._stages[stage]()
 
 
 def trace_pp_stage(config, run: Callable, mesh: Mesh, stage: int, beam_width: int = 1,
-                   dtype=torch.float32) -> tuple[TraceGraph, object]:
+                   dtype=torch.float32, generation: SymbolicGeneration | None = None) -> tuple[TraceGraph, object]:
     """The generation traced on `stage`'s representative rank against the fake backend: only the stage's
     layers are built (pipeline.build_stage_model), TP applied before the stage drops its other parts."""
+    build, result = _stage_traced(config, run, mesh, stage, beam_width, dtype, generation)
+    return build(), result
+
+
+def _stage_traced(config, run, mesh, stage, beam_width, dtype, generation):
     rank = mesh.representative(stage)
     with symbolic_world(rank, mesh.world_size):
         groups = init_groups(mesh, only_mine=True)
@@ -118,8 +198,9 @@ def trace_pp_stage(config, run: Callable, mesh: Mesh, stage: int, beam_width: in
         if mesh.tp > 1:
             apply_tp(model, groups.tp)
         pp_.split_stage(model, forward.stage)
-        return trace_run(model, lambda m, scope: run(m, scope, forward), rank=rank, world_size=mesh.world_size,
-                         meta={"tp": mesh.tp, "pp": mesh.pp, "stage": stage, "sequence_parallel": False})
+        return trace_lazily(model, lambda m, scope: run(m, scope, forward), rank=rank,
+                            world_size=mesh.world_size, generation=generation,
+                            meta={"tp": mesh.tp, "pp": mesh.pp, "stage": stage, "sequence_parallel": False})
 
 
 def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:

@@ -25,7 +25,8 @@ Kernel time = kernel_overhead_us + one of
 
 Profiles (the same trace, other kernels):
 - eager: one kernel per aten op, as PyTorch runs our traces; views and ops that only make metadata
-  (NO_KERNEL) launch nothing.
+  (NO_KERNEL) launch nothing. The host issues each kernel of a generation step (hw.host_overhead_us apiece),
+  and a kernel starts no earlier than it is issued (cost.add_host_waits): short kernels run at the host's rate.
 - fused: elementwise ops (FUSIBLE: bias and residual adds, activations, casts, copies) launch nothing of
   their own. Each joins a neighbouring kernel, as FasterTransformer and Megatron-LM fuse them: the kernel
   that just produced its input (a GEMM's epilogue: bias, GeLU, the KV-cache write), or else the next
@@ -105,6 +106,28 @@ def attention_us(name: str, flops: int, nbytes: int, q_shape, k_shape, dtype: st
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # [B, H, Sq] x Sk, in the op's dtype (FP16 in Megatron's softmax)
     score_bytes = passes * scores * getattr(torch, dtype).itemsize
     return kernels * hw.kernel_overhead_us + math_us(dense, dtype, hw) + memory_us(nbytes + score_bytes, hw)
+
+
+# Sorting and selecting along rows (the vocabulary, when sampling) are radix passes over them, each reading the
+# data again, not the one pass their inputs and outputs suggest:
+# - aten.sort: cub's segmented radix sort, which PyTorch's CUDA sort of a batch of rows and FasterTransformer's
+#   top-p sampling (sampling_topp_kernels.cu: cub::DeviceSegmentedRadixSort::SortPairsDescending) both run:
+#   ceil(key bits / SORT_RADIX_BITS) passes (cub device/dispatch/dispatch_radix_sort.cuh, Policy800:
+#   SEGMENTED_RADIX_BITS 6 for keys wider than a byte), each reading the keys twice (its digit counts, then the
+#   scatter) and their indices once, and writing both.
+# - aten.topk: PyTorch's radix select (aten/src/ATen/native/cuda/TensorTopK.cu, mbtopk: RADIX_BITS 8): a pass
+#   reading the input per SELECT_RADIX_BITS key bits, then gatherTopK reads it once more and writes the results.
+SORT_RADIX_BITS = 6
+SELECT_RADIX_BITS = 8
+RADIX_OPS = frozenset({"aten.sort", "aten.topk"})
+
+
+def radix_bytes(name: str, keys: int, key_bytes: int, index_bytes: int, written: int) -> int:
+    """Memory traffic of aten.sort (keys with their int indices) or aten.topk (`written`: its outputs' bytes) over
+    `keys` keys of `key_bytes` each (the comment above)."""
+    if name == "aten.sort":
+        return -(-8 * key_bytes // SORT_RADIX_BITS) * keys * (3 * key_bytes + 2 * index_bytes)
+    return (-(-8 * key_bytes // SELECT_RADIX_BITS) + 1) * keys * key_bytes + written
 
 
 def launches_kernel(data: dict) -> bool:
@@ -242,8 +265,11 @@ class _FusedPlan:
 
     def layout_only(self, node, data, inputs) -> bool:
         """A cat that only arranges the chunks of an all-gather, or the chunks for a reduce-scatter, along
-        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place."""
-        if data["name"] != "aten.cat":
+        the sequence: Megatron keeps activations [s, b, h], so its chunks are already in place. Not one along
+        the last dimension (the vocabulary-parallel logits gathered for sampling): Megatron's
+        _gather_along_last_dim copies them into rows (torch.cat), FasterTransformer's ParallelGpt too
+        (invokeTransposeAxis01 after the all-gather)."""
+        if data["name"] != "aten.cat" or self.along_last_dim(node, inputs):
             return False
         nodes, graph = self.graph.node_attrs, self.graph
         hosts = {self.host_of.get(t) for t in inputs}
@@ -252,6 +278,13 @@ class _FusedPlan:
         consumers = [c for t in graph.succs[node] for c in graph.succs[t]]
         to_collective = bool(consumers) and all(nodes[c]["kind"] == "collective" for c in consumers)
         return from_collective or to_collective
+
+    def along_last_dim(self, node, inputs) -> bool:
+        """Does the cat join its chunks along their last dimension?"""
+        nodes = self.graph.node_attrs
+        out = next((nodes[t]["shape"] for t in self.graph.succs[node]), [])
+        first = nodes[inputs[0]]["shape"] if inputs else []
+        return len(out) == len(first) >= 2 and out[:-1] == first[:-1] and out[-1] != first[-1]
 
     def flush(self):
         """Pending ops no kernel read: one kernel of their own, hosted by the first."""

@@ -27,6 +27,7 @@ import torch
 
 from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
+from syntorch.nodynamo import plain_step
 from syntorch.parallel import plans
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
@@ -63,7 +64,18 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
     return _run_stage(config, probe, stage, dtype, rank)
 
 
-def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
+def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
+                    rank: int | None = None) -> tuple[TraceGraph, dict]:
+    """The stage's optimizer step on its own, as probe_stage's ("optimizer", None, None) block: no micro-batch
+    runs; every parameter the step reads holds a gradient first (the end of backward, which the DP buckets
+    then reduce, is traced but not the optimizer's)."""
+    # no micro-batch: every bucket is launched by the end of backward itself, which overlap would have done
+    alone = dataclasses.replace(plan, overlap_grad_reduce=False, schedule="gpipe")
+    return _run_stage(config, alone, stage, dtype, rank, microbatches=0)
+
+
+def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None) -> tuple[TraceGraph, dict]:
+    """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
@@ -72,8 +84,13 @@ def _run_stage(config, plan, stage, dtype, rank) -> tuple[TraceGraph, dict]:
     with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
         groups = init_groups(mesh, config.tied_head, only_mine=True)
         run = plans.apply_plans(config, plan, groups, "meta", dtype)
+        run.optimizer.step = plain_step(run.optimizer)  # the same ops, without importing torch._dynamo
         batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
-                   for _ in range(plan.microbatches)]  # each micro-batch its own tensors, like its own data
+                   for _ in range(plan.microbatches if microbatches is None else microbatches)]
+        # (each micro-batch its own tensors, like its own data)
+        if not batches:
+            for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
+                p.grad = torch.zeros_like(p)
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
@@ -111,13 +128,13 @@ def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
     return probed - 1 if kind == "F" or m == microbatches - 1 else probed - 2
 
 
-def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> TraceGraph:
+def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False) -> TraceGraph:
     """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
     each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
     play the same part (the same micro-batch's forward, the previous backward).
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
-    the probe itself: then `probe` is finished in place and returned."""
+    the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
     stage, M = probe.graph["stage"], plan.microbatches
 
     def source(kind, m, c):
@@ -130,8 +147,9 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan) -> Tr
     order = [*steps, *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
-        _renumber_orders(probe)
-        return _finish(probe, plan, order, [start for start, _, _ in found])
+        finished = copy_graph(probe) if keep else probe
+        _renumber_orders(finished)
+        return _finish(finished, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
     out.append((probe.node_attrs[n] for n in range(prefix)),
@@ -215,6 +233,15 @@ class _Step:
         return nodes
 
 
+def copy_graph(graph: TraceGraph) -> TraceGraph:
+    """A copy whose node, edge and graph attributes can change without changing `graph`'s. Edges go in by
+    target, each one's inputs in their order, as the tracer added them (which level views keep)."""
+    out = TraceGraph(**graph.graph)
+    out.append((dict(d) for d in graph.node_attrs.values()),
+               ((u, v, dict(e)) for v, sources in graph.preds.items() for u, e in sources.items()))
+    return out
+
+
 def _state(n: int, d: dict) -> bool:
     """A parameter or buffer: a tensor the tracer named (others keep their default name t<node>)."""
     return d["kind"] == "tensor" and d["name"] != f"t{n}"
@@ -238,24 +265,39 @@ def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
 
 def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
     """For each stage, the stage whose probe it is derived from (itself when it must be traced): middle
-    stages with as many layers (probes run GPipe's order, the same on every stage)."""
+    stages whose chunks hold layers of the same kinds, as far apart (probes run GPipe's order, the same on
+    every stage; shift_stage moves every chunk's layers by one offset)."""
     source, first_middle = [], {}
     for s in range(plan.pp):
-        size = len(plan.stage(config, s).layers)
-        source.append(first_middle.setdefault(size, s) if 0 < s < plan.pp - 1 else s)
+        stage = plan.stage(config, s)
+        chunks = stage.chunks or (stage.layers,)
+        key = (tuple(tuple(layer_kind(config, i) for i in chunk) for chunk in chunks),
+               tuple(chunk[0] - stage.layers[0] for chunk in chunks))
+        source.append(first_middle.setdefault(key, s) if 0 < s < plan.pp - 1 else s)
     return source
+
+
+def layer_kind(config: ModelConfig, layer: int) -> tuple:
+    """What makes one layer's ops differ from another's: its MLP (DeepSeek's dense first layers) and window."""
+    return bool(config.n_experts) and layer >= config.first_k_dense, config.layer_window(layer)
 
 
 def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
     tensor names, global ranks (groups, peers) moved by the stage difference along pp (around the chain: a
     group holding every stage, the gradient norm's, is itself moved)."""
-    steps = to_stage - graph.graph["stage"]
-    renamed = {}
+    shift = (to_stage - graph.graph["stage"]) * mesh.stride("pp")
+    span = mesh.pp * mesh.stride("pp")
+    renamed, groups = {}, {}
 
-    def move(rank: int) -> int:
-        index = mesh.coordinate(rank)._asdict()
-        return mesh.rank_of(**{**index, "pp": (index["pp"] + steps) % mesh.pp})
+    def move(rank: int) -> int:  # pp is one digit of the rank: moved around the chain, the others kept
+        return rank - rank % span + (rank + shift) % span
+
+    def move_group(group: list) -> list:  # a group is moved once, however many nodes it is on
+        key = tuple(group)
+        if key not in groups:
+            groups[key] = sorted(map(move, group))
+        return groups[key]
 
     def rename(name: str) -> str:
         if name not in renamed:
@@ -267,7 +309,7 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
             return {**d, "name": rename(d["name"])}
         if d["kind"] == "op":
             return {**d, "module": rename(d["module"])}
-        return {**d, "module": rename(d["module"]), "group": sorted(map(move, d["group"])),
+        return {**d, "module": rename(d["module"]), "group": move_group(d["group"]),
                 "src": None if d["src"] is None else move(d["src"]),
                 "dst": None if d["dst"] is None else move(d["dst"])}
 

@@ -39,7 +39,11 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--tp", type=int, default=1, at_least=1, help="tensor parallel degree")
     p.add_argument("--pp", type=int, default=1, at_least=1, help="pipeline stages")
     p.add_argument("--cp", type=int, default=1, at_least=1, help="context parallel degree (causal models)")
-    p.add_argument("--ep", type=int, default=1, at_least=1, help="expert parallel degree, within DP (MoE models)")
+    p.add_argument("--ep", type=int, default=1, at_least=1,
+                   help="expert parallel degree (MoE models), carved out of the CP x DP ranks (Megatron-Core's layout)")
+    p.add_argument("--etp", type=int, default=None, at_least=1,
+                   help="the experts' own tensor-parallel size (Megatron-Core's --expert-tensor-parallel-size); "
+                        "divides --tp, default --tp; 1: each expert whole on a rank")
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (3: FSDP)")
     p.add_argument("--fsdp", action="store_true", help="fully sharded data parallel, as --zero 3")
@@ -56,7 +60,9 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--trace-name", help="file prefix (default <family>_<N>rank)")
     p.add_argument("--force", action="store_true", help="replace an earlier syntorch run's traces in --trace-output-dir")
     p.add_argument("--trace-wait-steps", type=int, default=1, at_least=0)
-    p.add_argument("--trace-warmup-steps", type=int, default=1, at_least=0)
+    p.add_argument("--trace-warmup-steps", type=int, default=1, at_least=1,
+                   help="profiled steps before the recorded ones (torch 2.13's profiler cannot read back a window "
+                        "without one: it fails decoding the events' names)")
     p.add_argument("--trace-active-steps", type=int, default=1, at_least=1)
 
 

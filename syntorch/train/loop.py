@@ -52,6 +52,7 @@ class TrainOptions:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # the experts' own TP size; None: tp
     sp: bool = False
     zero: int = 0
     fsdp: bool = False  # --zero 3
@@ -265,16 +266,24 @@ def capture(trainer: Trainer, opts: TrainOptions) -> dict:
     """Trains under the profiler, then links and converts this rank's traces. Every rank's files appear
     in --trace-output-dir together, after all ranks converted theirs."""
     from syntorch.capture.convert import convert_rank, write_comm_groups
+    from syntorch.capture.flight_recorder import CollectiveLog
+    from syntorch.capture.peers import find_peers, read_ranks
     from syntorch.capture.profile import make_profiler
 
-    name = opts.trace_name or f"{opts.family}_{trainer.world}rank"
+    name, log = opts.trace_name or f"{opts.family}_{trainer.world}rank", CollectiveLog()
     with trace_folder(opts, trainer.rank, trainer.world) as tmp:
         files = TraceFiles(tmp, name, trainer.rank)
-        with make_profiler(files, opts.schedule, opts.device) as profiler:
+        with make_profiler(files, opts.schedule, opts.device, log) as profiler:
             trainer.fit(profiler)
-        result = convert_rank(files.host, files.device, trainer.rank, files.et, files.merged)
-        if trainer.rank == 0:
-            write_comm_groups(result["groups"], tmp / "comm_groups.json")
+        if trainer.world > 1:  # every rank's traces are written: sends and recvs find their peers across them
+            dist.barrier()
+        ops, groups = read_ranks([(TraceFiles(tmp, name, r).host, TraceFiles(tmp, name, r).device)
+                                  for r in range(trainer.world)])
+        result = convert_rank(files.host, files.device, trainer.rank, files.et, files.merged,
+                              collectives=log.collectives,
+                              peers=find_peers(ops, groups)[trainer.rank])
+        if trainer.rank == 0:  # each rank's profiler lists the groups it is in
+            write_comm_groups({k: v for g in groups.values() for k, v in g.items()}, tmp / "comm_groups.json")
     prefix = Path(opts.trace_output_dir) / name
     return {**{k: result[k] for k in ("nodes", "collectives", "comm_bytes", "repairs", "notes")}, "prefix": str(prefix)}
 
@@ -298,6 +307,9 @@ def trace_folder(opts: TrainOptions, rank: int, world: int):
 def train_rank(opts: TrainOptions) -> dict:
     """Train on this rank (and capture, with opts.tracing). Rank 0 writes train_log.json into --save-dir
     and prints the summary; every rank returns it."""
+    if opts.tracing:  # before the process group starts: which group each collective used (capture/flight_recorder.py)
+        from syntorch.capture.flight_recorder import enable
+        enable()
     rank, world, device = join_ranks(opts.device)
     torch.manual_seed(opts.seed)  # the same initial weights on every rank, which the plan then cuts
     config, model = load_model(opts, device)

@@ -24,10 +24,14 @@ def plan_of(opts, world: int, seq: int):
     if world % model_parallel:
         raise UserError(f"tp({opts.tp}) * pp({opts.pp}) * cp({opts.cp}) = {model_parallel} does not divide the "
                         f"{world} ranks (--nproc, or torchrun's); the plan's mesh is dp * tp * pp * cp ranks")
+    if opts.ep > 1 and opts.tp > 1 and (opts.etp or opts.tp) > 1:
+        # checkpoints gather each EP rank's experts whole; TP-sharded experts would need an un-shard over ETP too
+        raise UserError(f"train with --ep {opts.ep} and --tp {opts.tp} keeps each expert whole on a rank: add --etp 1 "
+                        "(syntorch trace takes any --etp)")
     if opts.batch_size % opts.microbatches:
         raise UserError(f"--microbatches {opts.microbatches} must divide --batch-size {opts.batch_size}")
-    return TrainPlan(dp=world // model_parallel, tp=opts.tp, pp=opts.pp, cp=opts.cp, ep=opts.ep, sp=opts.sp,
-                     zero=3 if opts.fsdp else opts.zero, bucket_mb=opts.bucket_cap_mb, schedule=opts.pp_schedule,
+    return TrainPlan(dp=world // model_parallel, tp=opts.tp, pp=opts.pp, cp=opts.cp, ep=opts.ep, etp=opts.etp,
+                     sp=opts.sp, zero=3 if opts.fsdp else opts.zero, bucket_mb=opts.bucket_cap_mb, schedule=opts.pp_schedule,
                      microbatches=opts.microbatches * opts.gradient_accumulation_steps,
                      micro_batch_size=opts.batch_size // opts.microbatches, seq=seq, lr=opts.learning_rate,
                      recompute=opts.recompute, virtual_stages=opts.virtual_stages, clip_grad=opts.max_grad_norm)
@@ -117,14 +121,16 @@ class PlanSteps:
         full = getattr(self.run.grad_sync, "full_parameters", None)
         if full is not None:  # FSDP: every rank takes part in the all-gather
             full()
-        plan = self.run.plan
-        model = self.run.model if plan.tp == plan.pp == 1 else self._from_model_parallel_ranks(rank)
-        model = self._with_every_expert(model) if plan.ep > 1 else model
+        plan, model = self.run.plan, self.run.model
+        if plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
+            state = self._from_model_parallel_ranks(rank) if plan.tp > 1 or plan.pp > 1 else model.state_dict()
+            state = self._with_every_expert(state) if plan.ep > 1 else state
+            model = loaded(model.config, state) if rank == 0 else None
         if rank == 0:
             save_checkpoint(model, folder, tokenizer, "--save-dir")
 
     def _from_model_parallel_ranks(self, rank: int):
-        """The whole model on rank 0 (None elsewhere) from the TP/PP ranks of DP x CP replica 0."""
+        """The whole model's state on rank 0 (None elsewhere) from the TP/PP ranks of DP x CP replica 0."""
         from syntorch.shard import unique_state
 
         coordinate, groups = self.run.plan.mesh.coordinate(rank), self.run.groups
@@ -133,10 +139,11 @@ class PlanSteps:
             mine = (groups.tp_rank, {n: t.detach().cpu() for n, t in unique_state(self.run.model).items()})
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        return whole_model(self.run.model.config, self.run.plan.tp, [p for p in everyone if p]) if rank == 0 else None
+        plan = self.run.plan
+        return whole_state(self.run.model.config, plan.tp, [p for p in everyone if p], plan.etp) if rank == 0 else None
 
-    def _with_every_expert(self, model):
-        """EP: the whole model on rank 0 (None elsewhere), each EP rank's experts under their global index."""
+    def _with_every_expert(self, whole: dict | None) -> dict | None:
+        """EP: the whole state on rank 0 (None elsewhere), each EP rank's experts under their global index."""
         from syntorch.parallel.expert import ExpertParallelMoE, is_expert_param
 
         mine = {f"{name}.experts.{moe.first_expert + i}.{key}": t.detach().cpu()
@@ -146,17 +153,18 @@ class PlanSteps:
         dist.all_gather_object(everyone, mine, group=self.run.groups.ep)
         if dist.get_rank() != 0:
             return None
-        state = {k: t for k, t in model.state_dict().items() if not is_expert_param(k)}
+        state = {k: t for k, t in whole.items() if not is_expert_param(k)}
         for part in everyone:
             state.update(part)
-        return loaded(model.config, state)
+        return state
 
 
-def whole_model(config, tp: int, parts: list):
-    """The whole model from (tp_rank, state) parts of every stage. Where each element of a TP rank's tensor
+def whole_state(config, tp: int, parts: list, etp: int | None = None) -> dict:
+    """The whole model's state from (tp_rank, state) parts of every stage. Where each element of a TP rank's tensor
     came from is found by cutting a tensor of element numbers as the plan cut the weights (tensor.take_shard),
-    so every style, and the padded vocabulary, is undone without an inverse of its own."""
+    so every style, and the padded vocabulary, is undone without an inverse of its own. `etp` 1: experts whole."""
     from syntorch.models import build_model
+    from syntorch.parallel.expert import is_expert_param
     from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
 
     meta = build_model(config, "meta")
@@ -165,7 +173,7 @@ def whole_model(config, tp: int, parts: list):
     for tp_rank, part in parts:
         for name, shard in part.items():
             module, _, param = name.rpartition(".")
-            style = styles.get(module, "replicated")
+            style = "replicated" if etp == 1 and is_expert_param(name) else styles.get(module, "replicated")
             if style == "replicated":
                 state.setdefault(name, shard)
                 continue
@@ -175,7 +183,7 @@ def whole_model(config, tp: int, parts: list):
                                config.kv_heads)
             kept = where > 0
             full.view(-1)[where[kept].long() - 1] = shard[kept]
-    return loaded(config, state)
+    return state
 
 
 def loaded(config, state: dict):

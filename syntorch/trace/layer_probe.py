@@ -1,0 +1,167 @@
+"""Probes of a stage with fewer layers, for predictions (`syntorch trace --predict_only`).
+
+A stage's layers of one kind (the same block: dense or MoE MLP, the same attention window) run the same ops on
+the same shapes, and in a step each one's nodes -- its period: its ops, the collectives it issues (TP, CP, EP,
+FSDP's gathers and reduce-scatters) and their tensors -- read the period before as that one read its own
+predecessor's. Only the first and the last layer a step meets of a run differ (what comes before and after
+them is no layer: an FSDP gather is prefetched for the next unit). So each run of alike layers is probed
+with its first four layers, and a step of the whole stage is that probe's step with the third period it
+meets repeated for the run's other layers (`expand_step`: a copy reads the copy before it where the third
+read the second), which simulate/steps.py then simulates like a probed step. The second and third periods
+must run the same ops, else the stage is probed whole (as it is when the last backward's end handles
+every layer's gradients at once: DDP/ZeRO buckets, sequence parallel's LayerNorms). The optimizer step
+does not grow layer by layer (its multi-tensor kernels launch per chunk of tensors), so it is probed on
+its own with every parameter (training.probe_optimizer). tests/test_layer_probe.py checks the
+prediction against probing every layer.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from syntorch.config import ModelConfig
+from syntorch.models import LAYER_PATH
+from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.plans import TrainPlan
+from syntorch.trace.graph import TraceGraph
+from syntorch.trace.training import layer_kind, probe_optimizer, probe_stage
+
+
+@dataclass(frozen=True)
+class KeptLayers(TrainPlan):
+    """The plan, but stage `kept[0]` holds only the chunks `kept[1]` (each a tuple of layer indices)."""
+    kept: tuple = ()
+
+    def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
+        full = super().stage(config, index)
+        if not self.kept or index != self.kept[0]:
+            return full
+        chunks = self.kept[1]
+        return pp_.Stage(index, self.pp, tuple(i for chunk in chunks for i in chunk), chunks if full.chunks else ())
+
+
+class StageProbe(tuple):
+    """A stage's probe, which unpacks as trace/training.py's probe_stage result (graph, where each step's
+    nodes are); when layers were left out, `runs` says which: (chunk, kept layers, copies) for each run of
+    alike layers the probe kept four of, `copies` being how many more the stage has; and `optimizer` is the
+    optimizer step probed on its own ((graph, blocks), its key ("optimizer", None, None))."""
+
+    def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None):
+        probe = super().__new__(cls, (graph, blocks))
+        probe.runs, probe.optimizer = runs or [], optimizer
+        return probe
+
+
+def runs(config: ModelConfig, layers) -> list[list[int]]:
+    """`layers` cut into runs of consecutive layers of one kind."""
+    out = []
+    for i in layers:
+        if out and layer_kind(config, out[-1][-1]) == layer_kind(config, i):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
+    """(the chunks of layers a probe keeps, the runs it stands for as StageProbe.runs), or None when every
+    run of alike layers is at most four long, or the end of the last backward handles what every layer
+    made: DDP/ZeRO buckets (copied back, launched, or their shards joined), or sequence parallel's
+    LayerNorm gradients summed over TP (FSDP does both unit by unit)."""
+    full = plan.stage(config, stage)
+    chunks = [runs(config, chunk) for chunk in (full.chunks or (full.layers,))]
+    long = [(c, tuple(run[:4]), len(run) - 4) for c, chunk in enumerate(chunks) for run in chunk if len(run) > 4]
+    if not long or (plan.zero != 3 and (plan.grad_ranks > 1 or (plan.sp and plan.tp > 1))):
+        return None
+    return tuple(tuple(i for run in chunk for i in run[:4]) for chunk in chunks), long
+
+
+def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
+    """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it."""
+    cut = reduced(config, plan, stage)
+    if cut is None:
+        return whole_probe(config, plan, stage, dtype, microbatches)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+    graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype,
+                                microbatches=microbatches)
+    steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
+    if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
+        return whole_probe(config, plan, stage, dtype, microbatches)
+    return StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype))
+
+
+def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
+    return StageProbe(*probe_stage(config, plan, stage, dtype, microbatches=microbatches))
+
+
+def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGraph:
+    """Nodes [start, end) of `graph` (one step; what they read from outside it left out) with each run's
+    third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk)."""
+    out = _step_only(graph, start, end)
+    for run in runs:
+        out = _repeat(out, *_periods(out, 0, len(out), run), run[2])
+    return out
+
+
+def _step_only(graph: TraceGraph, start: int, end: int) -> TraceGraph:
+    out = TraceGraph(**graph.graph)
+    out.append((graph.node_attrs[n] for n in range(start, end)),
+               ((u - start, v - start, e) for v in range(start, end) for u, e in graph.preds[v].items() if u >= start))
+    return out
+
+
+def _periods(graph: TraceGraph, start: int, end: int, run: tuple) -> tuple[int, int, int] | None:
+    """The ends of the first, second and third period of the run's four kept layers in nodes [start, end),
+    in the order the step meets them: each period runs from after the one before to its layer's last op or
+    collective and that one's outputs. None when the second and third do not run the same ops, or the
+    step lacks them."""
+    last = {}
+    for n in range(start, end):
+        d = graph.node_attrs[n]
+        match = LAYER_PATH.match(d.get("module") or "") if d["kind"] != "tensor" else None
+        if match and int(match.group(1)) in run[1]:
+            last[int(match.group(1))] = n
+    if len(last) < 4:
+        return None
+    before, first, second, _ = sorted(_outputs_end(graph, n, end) for n in last.values())
+    if [_role(graph.node_attrs[n]) for n in range(before + 1, first + 1)] != \
+            [_role(graph.node_attrs[n]) for n in range(first + 1, second + 1)]:
+        return None
+    return before, first, second
+
+
+def _outputs_end(graph: TraceGraph, op: int, end: int) -> int:
+    """The last of the tensor nodes right after node `op` that it wrote."""
+    n = op
+    while n + 1 < end and graph.node_attrs[n + 1]["kind"] == "tensor" and op in graph.preds[n + 1]:
+        n += 1
+    return n
+
+
+def _role(d: dict) -> tuple:
+    """What a node does, whichever layer it is in."""
+    if d["kind"] == "tensor":
+        return "tensor", tuple(d["shape"]), d["dtype"]
+    module = LAYER_PATH.sub("layers", d.get("module") or "")
+    if d["kind"] == "op":
+        return "op", d["name"], module, d.get("duration_us")
+    return "collective", d["collective"], module, d["bytes"], len(d["group"]), d.get("duration_us")
+
+
+def _repeat(graph: TraceGraph, before: int, first: int, second: int, copies: int) -> TraceGraph:
+    """`graph` with its nodes (first, second] (a period) followed by `copies` copies of themselves: each
+    copy reads the one before it where the period read (before, first], the period before it; what
+    follows reads the last copy (and the one before it) where it read the period (and the one before)."""
+    size = second - first
+    out = TraceGraph(**graph.graph)
+    nodes, pred = graph.node_attrs, graph.preds
+
+    def moved(u: int, by: int) -> int:  # u as read `by` periods later
+        return u + by * size if u > before else u
+
+    period, after = range(first + 1, second + 1), range(second + 1, len(graph))
+    edges = [(u, v, e) for v in range(second + 1) for u, e in pred[v].items()]
+    for copy in range(1, copies + 1):
+        edges += [(moved(u, copy), v + copy * size, e) for v in period for u, e in pred[v].items()]
+    edges += [(moved(u, copies), v + copies * size, e) for v in after for u, e in pred[v].items()]
+    out.append([*(nodes[n] for n in range(second + 1)), *(nodes[n] for _ in range(copies) for n in period),
+                *(nodes[n] for n in after)], edges)
+    return out

@@ -1,0 +1,106 @@
+"""Predictions from probes of fewer layers (trace/layer_probe.py) against probing every layer: the same step
+time, MFU, bubble and exposed communication, on plans whose stages leave layers out (checked, so no case
+passes by probing whole) and on those that must be probed whole."""
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from syntorch.hardware import load_hw_config
+from syntorch.parallel.plans import TrainPlan
+from syntorch.simulate.prediction import predict_training
+from syntorch.trace.layer_probe import KeptLayers, expand_step, reduced
+from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
+from syntorch.workload import trace_workload
+
+HW = load_hw_config("a100-80gb")
+GPT = tiny_config("gpt2", n_layer=20, d_model=128, n_head=4, d_head=32, d_ff=512, vocab_size=128)
+LLAMA = tiny_config("llama-3-8b", n_layer=16, d_model=128, n_head=4, n_kv_head=2, d_head=32, d_ff=256, vocab_size=128)
+# DeepSeek-style: 3 dense layers, then MoE ones (two runs of alike layers on the first stage)
+MOE = tiny_config("deepseek-v3", n_layer=16, n_head=4, d_head=24, rotary_dim=8, v_head_dim=12, kv_lora_rank=16,
+                  q_lora_rank=24, n_experts=8, d_ff_expert=32, d_ff=64, moe_top_k=3, first_k_dense=3,
+                  moe_n_group=4, moe_topk_group=2, rope_original_positions=16)
+
+LEFT_OUT = {  # plans whose probes leave layers out
+    "tp": (GPT, TrainPlan(tp=2, microbatches=4, seq=32)),
+    "tp_pp_recompute": (LLAMA, TrainPlan(tp=2, pp=2, microbatches=4, seq=32, recompute="full")),
+    "interleaved": (GPT, TrainPlan(pp=2, virtual_stages=2, microbatches=4, seq=32)),
+    "uneven": (GPT, TrainPlan(pp=3, microbatches=6, seq=32, first_stage_layers=7, last_stage_layers=5)),
+    "fsdp": (GPT, TrainPlan(dp=2, pp=2, zero=3, microbatches=4, seq=32)),
+    "fsdp_unsharded": (LLAMA, TrainPlan(dp=2, zero=3, reshard_after_forward=False, microbatches=3, seq=32)),
+    "fsdp_cp": (LLAMA, TrainPlan(dp=2, cp=2, zero=3, microbatches=2, seq=32)),
+    "moe_dense_first": (MOE, TrainPlan(pp=2, microbatches=4, seq=32)),
+}
+WHOLE = {  # the last backward's end handles every layer's gradients at once: probed whole
+    "ddp": (GPT, TrainPlan(dp=2, microbatches=3, seq=32, bucket_mb=0.1)),
+    "zero1_sp": (GPT, TrainPlan(dp=2, tp=2, sp=True, zero=1, microbatches=3, seq=32)),
+}
+
+
+def summaries(config, plan):
+    out = []
+    for layer_probes in (True, False):
+        workload = trace_workload(config, plan, torch.float32, HW, schedule=False, layer_probes=layer_probes)
+        out.append((workload, predict_training(workload.probes, workload.source, plan, HW).summary))
+    return out
+
+
+def same_prediction(fewer: dict, every: dict) -> None:
+    for key in ("step_s", "busy_s", "exposed_comm_s", "mfu", "hfu", "model_flops"):
+        assert fewer[key] == pytest.approx(every[key], rel=1e-3, abs=1e-12), key
+    assert fewer["bubble_fraction"] == pytest.approx(every["bubble_fraction"], abs=1e-3)
+
+
+@pytest.mark.parametrize("name", LEFT_OUT)
+def test_a_probe_of_fewer_layers_predicts_what_probing_every_layer_does(name):
+    config, plan = LEFT_OUT[name]
+    (fewer, mine), (_, theirs) = summaries(config, plan)
+    assert any(probe.runs for probe in fewer.probes.values())  # layers were left out
+    same_prediction(mine, theirs)
+
+
+@pytest.mark.parametrize("name", WHOLE)
+def test_plans_that_synchronise_every_layers_gradients_at_the_end_are_probed_whole(name):
+    config, plan = WHOLE[name]
+    assert all(reduced(config, plan, s) is None for s in range(plan.pp))
+    (fewer, mine), (_, theirs) = summaries(config, plan)
+    assert not any(probe.runs for probe in fewer.probes.values())
+    same_prediction(mine, theirs)
+
+
+def test_runs_of_alike_layers_keep_four_each():
+    plan = TrainPlan(pp=2, microbatches=4, seq=32)
+    (kept,), runs = reduced(MOE, plan, 0)
+    assert kept == (0, 1, 2, 3, 4, 5, 6)  # the three dense layers whole, four of the five MoE ones
+    assert runs == [(0, (3, 4, 5, 6), 1)]
+
+
+def test_an_expanded_step_has_the_whole_stages_ops():
+    """A forward expanded from four layers runs the ops and FLOPs of a forward of all eight."""
+    plan = TrainPlan(tp=2, microbatches=2, seq=32)
+    config = tiny_config("gpt2", n_layer=8)
+    (kept,), runs = reduced(config, plan, 0)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+    few, few_blocks = probe_stage(config, KeptLayers(**fields, kept=(0, (kept,))), 0, microbatches=2)
+    every, blocks = probe_stage(config, plan, 0, microbatches=2)
+    for key in (("F", 1, 0), ("B", 1, 0)):
+        step = expand_step(few, *few_blocks[key], runs)
+        start, end = blocks[key]
+        whole = [every.node_attrs[n] for n in range(start, end)]
+        assert len(step) == len(whole)
+        assert [d["name"] for d in step.node_attrs.values() if d["kind"] != "tensor"] == \
+            [d["name"] for d in whole if d["kind"] != "tensor"]
+        assert sum(d.get("flops", 0) for d in step.node_attrs.values()) == sum(d.get("flops", 0) for d in whole)
+
+
+def test_a_middle_stage_is_derived_only_from_one_with_layers_of_its_kinds():
+    """DeepSeek over 8 stages: stage 1 holds the last dense layer and an MoE one, so it is traced itself;
+    stage 3 (MoE only) derived from stage 2 by shifting equals tracing it."""
+    plan = TrainPlan(pp=8, microbatches=8, seq=16)
+    assert traced_stage_for(MOE, plan) == [0, 1, 2, 2, 2, 2, 2, 7]
+    probe, blocks = probe_stage(MOE, plan, 2)
+    derived = schedule_stage(shift_stage(probe, plan.mesh, 3, 2), blocks, plan)
+    traced = trace_stage(MOE, plan, 3, replicate=False)
+    assert dict(derived.nodes(data=True)) == dict(traced.nodes(data=True))
+    assert list(derived.edges(data=True)) == list(traced.edges(data=True))
