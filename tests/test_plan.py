@@ -73,24 +73,31 @@ def test_memory_pruning_follows_the_estimate():
     assert sorted(r["memory_gb"] for r in result.rows) == sorted(v / 1e9 for v in peaks.values() if v <= limit * 1e9)
 
 
-def test_cached_prediction_is_trace_predict_only(tmp_path, capsys):
-    """The same numbers as the command, from probes traced for another micro-batch count (the same probe key)."""
-    save_model_config(TINY, tmp_path / "tiny.json")
-    assert main(["trace", "--model_config", str(tmp_path / "tiny.json"), "--dp", "2", "--tp", "2", "--pp", "2",
-                 "--sp", "--microbatches", "4", "--seq", "32", "--zero", "1", "--predict_only", "--hw_config",
-                 "a100-80gb", "--profile", "fused", "--out", str(tmp_path / "trace")]) == 0
+@pytest.mark.parametrize("options, plan, layers", [
+    ("--dp 2 --tp 2 --pp 2 --sp --zero 1", TrainPlan(dp=2, tp=2, pp=2, sp=True, microbatches=4, seq=32, zero=1), 4),
+    # FSDP over 6 alike layers: a layer probe (four layers, trace/layer_probe.py) with its own optimizer graph
+    ("--dp 2 --zero 3", TrainPlan(dp=2, zero=3, microbatches=4, seq=32), 6)])
+def test_cached_prediction_is_trace_predict_only(options, plan, layers, tmp_path, capsys):
+    """The same numbers as the command, from probes traced for another micro-batch count (the same probe key),
+    also after the durations were filled for another machine."""
+    config = dataclasses.replace(TINY, n_layer=layers)
+    save_model_config(config, tmp_path / "tiny.json")
+    assert main(["trace", "--model_config", str(tmp_path / "tiny.json"), *options.split(), "--microbatches", "4",
+                 "--seq", "32", "--predict_only", "--hw_config", "a100-80gb", "--profile", "fused",
+                 "--out", str(tmp_path / "trace")]) == 0
     capsys.readouterr()
     expected = json.loads((tmp_path / "trace" / "summary.json").read_text())["predicted"]
-    plan = TrainPlan(dp=2, tp=2, pp=2, sp=True, microbatches=4, seq=32, zero=1)
     cache = ProbeCache()
-    other = predict_plan(TINY, dataclasses.replace(plan, microbatches=8), A100, cache).summary
-    summary = predict_plan(TINY, plan, A100, cache).summary
-    assert cache.traced == 1 and other["step_s"] > summary["step_s"]
+    other = predict_plan(config, dataclasses.replace(plan, microbatches=8), PRESETS["h100-sxm"], cache).summary
+    summary = predict_plan(config, plan, A100, cache).summary
+    assert cache.traced == 1 and other["step_s"] != summary["step_s"]
+    layer_probes = [bool(probe.runs) for probe in next(iter(cache.entries.values())).probes.values()]
+    assert layer_probes == [plan.zero == 3] * len(layer_probes)
     for key in ("step_s", "bubble_fraction", "exposed_comm_s", "mfu"):
         assert summary[key] == expected[key], key
-    # another machine refills the durations of the same probes
-    h100 = predict_plan(TINY, plan, PRESETS["h100-sxm"], cache).summary
-    assert cache.traced == 1 and h100["step_s"] == predict_plan(TINY, plan, PRESETS["h100-sxm"]).summary["step_s"]
+    # the other machine's durations come back on the same probes
+    h100 = predict_plan(config, plan, PRESETS["h100-sxm"], cache).summary
+    assert cache.traced == 1 and h100["step_s"] == predict_plan(config, plan, PRESETS["h100-sxm"]).summary["step_s"]
 
 
 def test_cli_outputs_agree(tmp_path, capsys):

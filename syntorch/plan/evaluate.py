@@ -36,14 +36,15 @@ def probe_key(config: ModelConfig, plan: TrainPlan, dtype: torch.dtype) -> tuple
 
 @dataclasses.dataclass
 class Probes:
-    probes: dict  # traced stage -> (probe graph, its steps)
+    probes: dict  # traced stage -> its StageProbe (trace/layer_probe.py)
     source: list[int]  # stage -> the traced stage it copies
     filled: tuple | None = None  # (hw, profile, attention) of the durations in the graphs
 
     def fill(self, hw: HardwareConfig, profile: str, attention: str) -> None:
         if self.filled != (hw, profile, attention):
-            for graph, _ in self.probes.values():
-                fill_durations(graph, hw, profile, attention)
+            for probe in self.probes.values():  # a layer probe's optimizer step is a graph of its own
+                for graph, _ in (probe, probe.optimizer) if probe.optimizer else (probe,):
+                    fill_durations(graph, hw, profile, attention)
             self.filled = (hw, profile, attention)
 
 
