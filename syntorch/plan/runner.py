@@ -1,11 +1,12 @@
-"""Where the search's predictions run: in this process, in local worker processes
-(concurrent.futures.ProcessPoolExecutor), or as Ray tasks (`--ray ADDRESS`, `auto` for a running cluster; a
-Ray instance this process already started is used as it is). Each task is one probe key's jobs
+"""Where the search's predictions run: in this process, in local worker processes (multiprocessing.Pool,
+whose terminate() ends them at once on Ctrl-C or SIGTERM), or as Ray tasks (`--ray ADDRESS`, `auto` for a
+running cluster; a Ray instance this process already started is used as it is). Each task is one probe key's jobs
 (evaluate.evaluate_group); results come back keyed by job index, so any runner gives the same rows in the
 same order.
 """
+import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import signal
 
 from syntorch.errors import UserError
 from syntorch.plan.evaluate import evaluate_group
@@ -36,13 +37,25 @@ def _one_thread() -> None:
     torch.set_num_threads(1)  # the workers are the parallelism; tracing on meta gains nothing from threads
 
 
+def _worker_init() -> None:
+    """A worker ends at once on SIGTERM (Pool.terminate, when the search ends or fails) and leaves Ctrl-C to
+    the command, which then terminates the pool (the CLI's own handlers would make a worker finish its task)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _one_thread()
+
+
+def _pool_group(task: tuple) -> list:
+    args, group = task
+    return evaluate_group(*args, group)
+
+
 def _on_pool(args, groups, workers, advance) -> list:
-    with ProcessPoolExecutor(max_workers=min(workers, len(groups)), initializer=_one_thread) as pool:
-        futures = {pool.submit(evaluate_group, *args, group): len(group) for group in groups}
-        results = []
-        for future in as_completed(futures):
-            results.append(future.result())
-            advance(futures[future])
+    results = []
+    with multiprocessing.Pool(min(workers, len(groups)), initializer=_worker_init) as pool:  # exit: terminate
+        for out in pool.imap_unordered(_pool_group, [(args, group) for group in groups]):
+            results.append(out)
+            advance(len(out))
     return results
 
 
