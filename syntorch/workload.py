@@ -63,7 +63,7 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
 def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -> Workload:
     estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
     if hw:  # before the work: a plan that does not fit is refused, not traced
-        memory.check_fits(estimates, hw.memory_gb, hw.name)
+        memory.check_fits(estimates, hw.memory_gb, hw.name, plan.zero)
     source = traced_stage_for(config, plan)
     if not schedule:  # a prediction needs only the probes, costed
         probe = layer_probe if layer_probes else whole_probe

@@ -198,12 +198,15 @@ def estimate(config: ModelConfig, plan, dtype: torch.dtype, stage_index: int) ->
 ZERO_SHARDING = {"optimizer": 1, "gradients": 2, "weights": 3}  # the ZeRO stage that first shards each
 
 
-def check_fits(estimates: list[dict], memory_gb: float, hw_name: str) -> None:
-    """A stage whose estimate exceeds the device: one line naming it, its largest part and what to change."""
+def check_fits(estimates: list[dict], memory_gb: float, hw_name: str, zero: int = 0) -> None:
+    """A stage whose estimate exceeds the device: one line naming it, its largest part and what to change
+    (`zero`: the plan's ZeRO stage, so the advice does not ask for sharding the plan already does)."""
     for stage, est in enumerate(estimates):
         if est["total"] > memory_gb * GB:
             worst = max(("weights", "gradients", "optimizer", "activations"), key=lambda k: est[k])
+            shard = ("raise --dp (the shards shrink with it)" if zero >= ZERO_SHARDING.get(worst, 4)
+                     else f"shard the {worst} with --zero {ZERO_SHARDING.get(worst)} or above")
             advice = ("use --recompute full, --sp or --cp, or lower --micro_batch_size/--seq" if worst == "activations"
-                      else f"raise --tp/--pp (or --ep), or shard the {worst} with --zero {ZERO_SHARDING[worst]} or above")
+                      else f"raise --tp/--pp (or --ep), or {shard}")
             raise UserError(f"stage {stage} needs an estimated {est['total'] / GB:.1f} GB per rank but {hw_name} has "
                             f"{memory_gb:g} GB ({worst} {est[worst] / GB:.1f} GB); {advice}")

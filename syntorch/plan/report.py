@@ -104,6 +104,7 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter, ScalarFormatter
 
     fig = Figure(figsize=(9, 6), dpi=120)
     ax = fig.add_subplot()
@@ -127,6 +128,9 @@ def write_png(result: Result, path: Path, labelled: int = 5, limit_gb: float | N
         if limit <= 2 * max(r["memory_gb"] for r in rows):  # a line far right would squash the points
             ax.axvline(limit, color=color, lw=0.8, ls="--", label=f"{hw.name}: {limit:g} GB per rank")
     ax.set(xlabel="estimated peak memory per rank (GB)", ylabel="predicted step (s)", yscale="log")
+    # plain numbers on the log axis (matplotlib writes minor ticks as 1.5 x 10^-1 otherwise)
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
     work = result.work
     ax.set_title(f"{result.config.name}, {work.gpus:,} GPUs, {work.global_batch:,} x {work.seq:,} tokens per step",
                  fontsize=10)

@@ -266,6 +266,13 @@ def test_estimate_over_the_device_is_one_line():
     activations = [dict(weights=0, gradients=0, optimizer=0, activations=90 * memory.GB, total=90 * memory.GB)]
     with pytest.raises(UserError, match="activations 90.0 GB.*--recompute full"):
         memory.check_fits(activations, 80, "a100-80gb")
+    # weights already sharded by FSDP: the advice is more DP, not the ZeRO stage the plan runs
+    weights = [dict(weights=90 * memory.GB, gradients=0, optimizer=0, activations=0, total=90 * memory.GB)]
+    with pytest.raises(UserError, match=r"raise --dp") as e:
+        memory.check_fits(weights, 80, "a100-80gb", zero=3)
+    assert "--zero" not in str(e.value)
+    with pytest.raises(UserError, match=r"--zero 3 or above"):
+        memory.check_fits(weights, 80, "a100-80gb", zero=1)
 
 
 def test_trace_says_which_devices_an_unchecked_estimate_fits():
