@@ -12,15 +12,13 @@ def int_list(text: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    from syntorch.cli.predict import add_attention
+    from syntorch.cli.predict import add_attention, add_model
     from syntorch.options import named
-    from syntorch.config import REGISTRY
 
     p = sub.add_parser("infer", help="run inference (prefill + decode with a KV cache; BERT: one pass "
                                       "predicting masked tokens), optionally traced")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
-    m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
+    add_model(m)
     m.add_argument("--checkpoint", help="HuggingFace model folder (config.json + model.safetensors or pytorch_model.bin), "
                    "or a folder written by syntorch shard for this --tp")
     m.add_argument("--device", default="cpu", help="cpu, cuda or meta (symbolic: no memory, no real numbers)")

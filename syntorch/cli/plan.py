@@ -6,15 +6,13 @@ OUTPUTS = ["plans.csv", "plans.json", "plans.png"]
 
 
 def add_parser(sub) -> None:
-    from syntorch.cli.predict import add_attention
-    from syntorch.config import REGISTRY
+    from syntorch.cli.predict import add_attention, add_model
     from syntorch.options import named
 
     p = sub.add_parser("plan", help="search parallel layouts (TP, PP, DP, CP, EP, ZeRO, SP, recompute, micro-batches) "
                                     "ranked by predicted step time and memory per rank")
     m = p.add_argument_group("model and cluster")
-    m.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
-    m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
+    add_model(m)
     m.add_argument("--gpus", type=int, required=True, at_least=1, help="GPUs in the cluster")
     m.add_argument("--hw_config", type=named, help="hardware preset (a100-80gb, h100-sxm, h200-sxm) or JSON file "
                    "(every field, or \"base\": a preset and the fields that differ)")

@@ -6,6 +6,14 @@ PROFILES = ("eager", "fused")
 ATTENTION_KERNELS = ("flash", "unfused")  # trace/kernels.py's, named here so parsing imports no torch
 
 
+def add_model(group) -> None:
+    """--model and --model_config, alike in every command that builds a model from the registry."""
+    from syntorch.config import REGISTRY
+
+    group.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
+    group.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
+
+
 def add_attention(group, default: str | None = "flash") -> None:
     """--attention, beside --profile in every command that predicts durations."""
     group.add_argument("--attention", default=default, choices=ATTENTION_KERNELS,

@@ -3,14 +3,12 @@ written as one Chakra `.et` per rank, `comm_groups.json`, `tensor_trace_chakra.j
 
 
 def add_parser(sub) -> None:
-    from syntorch.cli.predict import add_attention
+    from syntorch.cli.predict import add_attention, add_model
     from syntorch.options import named
-    from syntorch.config import REGISTRY
 
     p = sub.add_parser("trace", help="symbolic training-step traces per rank (Chakra) for a TP x CP x PP x DP plan")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="gpt3-125m", help=f"registry name: {', '.join(REGISTRY)}")
-    m.add_argument("--model_config", help="JSON file of ModelConfig fields that override --model (or define a model)")
+    add_model(m)
     m.add_argument("--mode", default="train", choices=["train", "infer"],
                    help="train: forward, backward, optimizer; infer: the prefill forward, micro-batched through the stages")
     m.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8"],
