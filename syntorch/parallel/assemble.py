@@ -16,7 +16,8 @@ The order, and why (torchtitan's parallelize_llama composes TP, then the rest, t
 4. The stage cut drops what the stage does not own (pipeline.split_stage) and adds the loss on the last stage
    (training, or a pipeline's last stage).
 5. Weights from a checkpoint, into the sharded, cut model: each rank reads only its own tensors.
-6. Quantization (int8 weight-only, quant.py) and FP8 GEMMs (fp8.py), on the weights the rank holds.
+6. FP8 GEMMs (fp8.py), on the weights the rank holds. (Int8 quantization is inference's, applied after this
+   by inference/spec.run_model: quant.py imports parallel/tensor.py, so this package cannot import it back.)
 7. Recomputation (recompute.py) wraps what the stage kept; it changes what backward runs, not the parameters.
 8. CP (context.py): every attention reads K/V gathered across the CP group.
 The training state (gradient sync, ZeRO/FSDP, the optimizer) goes on top in plans.apply_plans.
@@ -38,7 +39,6 @@ from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.moe_load import set_load
 from syntorch.parallel.recompute import apply_recompute
 from syntorch.parallel.tensor import TPPlan, apply_tp, check_sp
-from syntorch.quant import quantize_int8_weight_only
 
 # fills the cut, sharded model on meta with this rank's tensors: (model, tp_plan, stage) -> None
 Weights = Callable[[nn.Module, TPPlan | None, pp_.Stage], None]
@@ -66,8 +66,6 @@ class RankPlan:
     # FP8 weights cast once when assembled, as an FP8 inference engine loads them (`syntorch infer --dtype fp8`);
     # else each step casts them (training, and a training plan's --mode infer)
     fp8_cast_once: bool = False
-    quant: str | None = None  # inference: "int8_weight_only" (quant.py)
-    quant_head: bool = False  # quantize the LM head too
     # symbolic runs' routing load (moe_load.py): per MoE layer, each expert's share of the routed tokens; None:
     # uniform. Real runs route by the router's values
     moe_load: tuple[tuple[float, ...], ...] | None = None
@@ -123,8 +121,6 @@ def assemble_rank(config: ModelConfig, plan: RankPlan, groups: MeshGroups, devic
         pp_.split_stage(model, stage)
     if weights:
         weights(model, tp_plan, stage)
-    if plan.quant:
-        quantize_int8_weight_only(model, head=plan.quant_head)
     if plan.fp8:
         apply_fp8(model, cast_weights=plan.fp8_cast_once)
     apply_recompute(model, plan.recompute)

@@ -95,8 +95,6 @@ class TrainPlan(RankPlan):
             raise UserError(f"--zero {self.zero} shards over the data-parallel group; it needs --dp > 1 (or --cp > 1)")
         if self.cp > 1 and self.mode == "infer":
             raise UserError("--cp splits training sequences; --mode infer does not take it, drop --cp")
-        if self.quant and self.mode == "train":
-            raise UserError(f"--quant {self.quant} quantizes weights for inference; training does not take it")
         if self.zero and self.mode == "infer":
             raise UserError("--zero shards optimizer state and gradients, which --mode infer has none of; drop --zero")
         if self.bucket_mb <= 0:
