@@ -318,17 +318,18 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
     `extra`: the model's other arguments for this micro-batch. Returns (input, output)."""
     plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
+        seq_len = plan.seq // plan.cp  # this rank's tokens of each sequence
         if stage.holds_input(chunk):
             x = tokens if context is None else context.local(tokens)
         else:
             param = next(run.model.parameters())
-            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
-                                         plan.sp)
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, seq_len, plan.tp, plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
                                  plan.virtual_stages, run.split)
         if stage.holds_loss(chunk) and context is not None:
             targets = context.local(targets)
         y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
+                              None if stage.holds_input(chunk) else seq_len,
                               **(context.inputs() if context else {}), **(extra or {}))
         if not stage.holds_loss(chunk):
             sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages, run.split))
