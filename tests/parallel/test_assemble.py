@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from syntorch.errors import UserError
 from syntorch.inference.spec import InferenceSpec, load_model
 from syntorch.models import build_model
 from syntorch.parallel import memory
@@ -73,3 +74,10 @@ def test_inference_and_training_assemble_the_same_rank(layout):
     config, _, plan = LAYOUTS[layout]
     params = [memory.stage_params(config, plan, plan.stage(config, s)) for s in range(plan.pp)]
     spawn(_rank, plan.mesh.world_size, (layout, [p.dense + p.experts for p in params]))
+
+
+def test_inference_plan_casts_fp8_weights_once_and_refuses_int8_with_it():
+    plan = InferenceSpec(tp=2, pp=2, dtype="fp8").rank_plan
+    assert (plan.tp, plan.pp, plan.mode, plan.fp8, plan.fp8_cast_once) == (2, 2, "infer", True, True)
+    with pytest.raises(UserError, match="choose one"):
+        InferenceSpec(quant="int8_weight_only", dtype="fp8")
