@@ -131,8 +131,8 @@ def no_feasible(config: ModelConfig, work: Work, enumerated: int, pruned: dict, 
 
 
 def layout_fields(config: ModelConfig, plan: TrainPlan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "vp": plan.virtual_stages,
-            "sp": plan.sp, "zero": plan.zero, "recompute": plan.recompute, "mbs": plan.micro_batch_size,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "etp": plan.etp,
+            "vp": plan.virtual_stages, "sp": plan.sp, "zero": plan.zero, "recompute": plan.recompute, "mbs": plan.micro_batch_size,
             "microbatches": plan.microbatches, "layers": layers_text(config, plan), "name": layout_name(plan)}
 
 
@@ -141,6 +141,7 @@ def layout_name(plan: TrainPlan) -> str:
     parts = [f"TP{plan.tp}", f"PP{plan.pp}" + (f"v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
              f"DP{plan.dp}"]
     parts += [f"CP{plan.cp}"] * (plan.cp > 1) + [f"EP{plan.ep}"] * (plan.ep > 1)
+    parts += [f"ETP{plan.etp}"] * (plan.etp != plan.tp)
     parts += [f"mbs{plan.micro_batch_size}", "FSDP" if plan.zero == 3 else f"ZeRO{plan.zero}"]
     parts += ["SP"] * plan.sp + [{"none": "", "selective": "sel", "full": "full"}[plan.recompute]]
     return " ".join(p for p in parts if p)
