@@ -70,35 +70,50 @@ class TraceGraph(nx.DiGraph):
         return self._succ
 
     # --- building -------------------------------------------------------------------------------
-    def _new_id(self) -> int:
-        return len(self)  # ids are dense and in traced order; nodes are never removed
+    # Nodes and edges go straight into networkx's dicts: every node is new, so add_node's checks would find
+    # nothing, and the tracer adds a node per tensor and op (10^5 a stage); networkx's cache is cleared as
+    # its own methods would.
+    def _new_node(self, data: dict) -> int:
+        node = len(self._node)  # ids are dense and in traced order; nodes are never removed
+        self._node[node], self._succ[node], self._pred[node] = data, {}, {}
+        return node
+
+    def add_data_edge(self, u: int, v: int, arg: int) -> None:
+        """add_edge(u, v, arg=arg) between nodes that exist (the tracer's hot path)."""
+        data = self._succ[u].get(v)
+        if data is None:
+            self._succ[u][v] = self._pred[v][u] = {"arg": arg}
+        else:
+            data["arg"] = arg
 
     def append(self, nodes, edges=()) -> int:
         """Copies of `nodes` (attribute dicts, numbered on from len(self)), then of `edges` (u, v, attrs)
-        into them; returns the first new id. Written straight into networkx's dicts: every node is new and
-        every edge ends at one, so add_nodes_from/add_edges_from's per-item checks would find nothing, and
-        copies of 10^5 nodes are a hot path (replicated layers, schedules, level views)."""
+        into them; returns the first new id. Every edge ends at a new node, so add_edges_from's per-item
+        checks would find nothing, and copies of 10^5 nodes are a hot path (replicated layers, schedules,
+        level views)."""
         first = len(self)
         for n, data in enumerate(nodes, first):
             self._node[n], self._succ[n], self._pred[n] = dict(data), {}, {}
         for u, v, data in edges:
             self._succ[u][v] = self._pred[v][u] = dict(data)
+        nx._clear_cache(self)
         return first
 
     def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
                    device: str = "cpu", version: int = 0, **attrs) -> int:
-        node = self._new_id()
-        self.add_node(node, kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
-                      bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs)
-        return node
+        nx._clear_cache(self)
+        node = len(self._node)
+        return self._new_node(dict(kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
+                                   bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs))
 
     def add_op(self, name: str, inputs=(), outputs=(), *, module: str = "", phase: str = "forward",
                flops: int = 0, bytes_read: int = 0, bytes_written: int = 0, is_view: bool = False,
                **attrs) -> int:
         """inputs/outputs: tensor node ids in argument order (None skips a position)."""
-        node = self._new_id()
-        self.add_node(node, kind="op", name=name, module=module, phase=phase, flops=int(flops),
-                      bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view, **attrs)
+        nx._clear_cache(self)
+        node = self._new_node(dict(kind="op", name=name, module=module, phase=phase, flops=int(flops),
+                                   bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view,
+                                   **attrs))
         self._connect(node, inputs, outputs)
         return node
 
@@ -107,21 +122,22 @@ class TraceGraph(nx.DiGraph):
                        tag: int = 0, module: str = "", phase: str = "forward", name: str = "", **attrs) -> int:
         """group: the global ranks of the process group; `order` is assigned here, per group."""
         assert collective in COLLECTIVES, f"unknown collective {collective!r}"
+        nx._clear_cache(self)
         group = [int(r) for r in group]
-        node = self._new_id()
-        self.add_node(node, kind="collective", name=name or collective, module=module, phase=phase,
-                      collective=collective, reduce_op=reduce_op, group=group, bytes=int(nbytes),
-                      src=src, dst=dst, tag=int(tag), order=self._next_order(group), **attrs)
+        node = self._new_node(dict(kind="collective", name=name or collective, module=module, phase=phase,
+                                   collective=collective, reduce_op=reduce_op, group=group, bytes=int(nbytes),
+                                   src=src, dst=dst, tag=int(tag), order=self._next_order(group), **attrs))
         self._connect(node, inputs, outputs)
         return node
 
     def _connect(self, node: int, inputs, outputs):
+        pred = self._pred[node]
         for arg, t in enumerate(inputs):
-            if t is not None and not self.has_edge(t, node):  # x * x: one edge, the first position
-                self.add_edge(t, node, arg=arg)
+            if t is not None and t not in pred:  # x * x: one edge, the first position
+                self.add_data_edge(t, node, arg)
         for arg, t in enumerate(outputs):
             if t is not None:
-                self.add_edge(node, t, arg=arg)
+                self.add_data_edge(node, t, arg)
 
     def _next_order(self, group: list[int]) -> int:
         if "_orders" not in self.__dict__:  # rebuilt after load or copy
