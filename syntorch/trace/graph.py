@@ -86,16 +86,17 @@ class TraceGraph(nx.DiGraph):
         else:
             data["arg"] = arg
 
-    def append(self, nodes, edges=()) -> int:
+    def append(self, nodes, edges=(), copy: bool = True) -> int:
         """Copies of `nodes` (attribute dicts, numbered on from len(self)), then of `edges` (u, v, attrs)
         into them; returns the first new id. Every edge ends at a new node, so add_edges_from's per-item
         checks would find nothing, and copies of 10^5 nodes are a hot path (replicated layers, schedules,
-        level views)."""
+        level views). `copy=False`: the dicts themselves, for a caller that made them for this graph."""
         first = len(self)
+        node, succ, pred = self._node, self._succ, self._pred
         for n, data in enumerate(nodes, first):
-            self._node[n], self._succ[n], self._pred[n] = dict(data), {}, {}
+            node[n], succ[n], pred[n] = dict(data) if copy else data, {}, {}
         for u, v, data in edges:
-            self._succ[u][v] = self._pred[v][u] = dict(data)
+            succ[u][v] = pred[v][u] = dict(data) if copy else data
         nx._clear_cache(self)
         return first
 
@@ -152,7 +153,7 @@ class TraceGraph(nx.DiGraph):
 
     # --- reading --------------------------------------------------------------------------------
     def nodes_of(self, kind: str) -> Iterator[tuple[int, dict]]:
-        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] == kind)
+        return ((n, d) for n, d in self._node.items() if d["kind"] == kind)
 
     def tensors(self) -> Iterator[tuple[int, dict]]:
         return self.nodes_of("tensor")
@@ -165,7 +166,7 @@ class TraceGraph(nx.DiGraph):
 
     def work(self) -> Iterator[tuple[int, dict]]:
         """Ops and collectives (everything a simulator runs) in traced order."""
-        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] != "tensor")
+        return ((n, d) for n, d in self._node.items() if d["kind"] != "tensor")
 
     def op_deps(self) -> dict[int, list[int]]:
         """For each op/collective, the ops/collectives that produced its inputs (in traced order)."""
