@@ -185,20 +185,25 @@ class RankTraces(Mapping):
 
     Ranks whose traces are identical share one graph: `put_shared` takes a builder that runs once, on first
     access, and every rank gets a read-only view of the same nodes with its own graph attributes (`rank`).
+    Which ranks share a graph is recorded as they are put (graph_kinds reads it): costs, simulations and
+    files are made once per shared graph.
     """
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._graphs: dict[int, TraceGraph] = {}
         self._pending: dict[int, tuple[list[int], Callable[[], TraceGraph]]] = {}
+        self._kind: dict[int, object] = {}  # rank -> what it shares: its put_shared call's ranks, or its graph
 
     def put(self, rank: int, graph: TraceGraph):
-        self._graphs[rank] = graph
+        """`rank`'s own graph (ranks put with one graph object share it)."""
+        self._graphs[rank] = self._kind[rank] = graph
 
     def put_shared(self, ranks, build: Callable[[], TraceGraph]):
         ranks = sorted(ranks)
         for r in ranks:
             self._pending[r] = (ranks, build)
+            self._kind[r] = ranks
 
     def __getitem__(self, rank: int) -> TraceGraph:
         if rank not in self._graphs and rank in self._pending:
@@ -214,6 +219,16 @@ class RankTraces(Mapping):
 
     def __len__(self):
         return len(set(self._graphs) | set(self._pending))
+
+
+def graph_kinds(graphs: Mapping[int, TraceGraph]) -> list[tuple[TraceGraph, list[int]]]:
+    """Each distinct graph of a rank -> graph mapping once (its first rank's), with the ranks that share it,
+    by first rank: as RankTraces recorded them; in a plain mapping, ranks given one graph object."""
+    kind_of = graphs._kind.__getitem__ if isinstance(graphs, RankTraces) else graphs.__getitem__
+    found = {}
+    for r in sorted(graphs):
+        found.setdefault(id(kind_of(r)), (graphs[r], []))[1].append(r)
+    return list(found.values())
 
 
 def with_node_attrs(graph: TraceGraph, node_attrs: dict, **attr) -> TraceGraph:
