@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from syntorch.quant import FLOP_FORMULAS
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph, no_gc
@@ -261,7 +262,7 @@ class Tracer:
                 return self.record_collective(call)
         inputs, written = _schema_inputs(op.arguments, args, kwargs)
         outputs = flat_tensors(out, keep_others=True)
-        flop_fn = flop_registry.get(func._overloadpacket)
+        flop_fn = flop_registry.get(func._overloadpacket) or FLOP_FORMULAS.get(func._overloadpacket)
         flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
         self.record_op(op.name, inputs, outputs, flops, is_view=op.is_view, written=written, duration_us=duration_us)
 
