@@ -142,10 +142,13 @@ class StageTemplate:
     """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(f, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
-    Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
+    Those attributes are appended to the node's other bytes, so their values sit at known offsets.
+    `origin`: the rank whose nodes they are, when not the representative (a rank kind's, moe_load.RankKinds):
+    the ranks written from it are moved from there."""
 
-    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh):
-        self.ids, self.mesh, self._ids_seen = ids, mesh, {}
+    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh,
+                 origin: int = 0):
+        self.ids, self.mesh, self.origin, self._ids_seen = ids, mesh, origin, {}
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
@@ -192,11 +195,11 @@ class StageTemplate:
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
         # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
         # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
-        body = self.body
-        ids = [self._group_id(k, group, rank) for k, group in enumerate(self.group_at)]
+        body, by = self.body, self.mesh.translate(rank, self.origin, back=True)  # the move from origin to rank
+        ids = [self._group_id(k, group, by) for k, group in enumerate(self.group_at)]
         for at, group_id in zip(self.group_at.values(), ids):
             body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
-        peers = [self.mesh.translate(peer, rank) for _, peer in self.peer_at]
+        peers = [self.mesh.translate(peer, by) for _, peer in self.peer_at]
         for (at, _), peer in zip(self.peer_at, peers):
             body[at:at + PEER_BYTES] = np.frombuffer(_padded_varint(peer), dtype=np.uint8)
         f.write(head)

@@ -79,22 +79,25 @@ def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
     return tuple(tuple(i for run in chunk for i in run[:4]) for chunk in chunks), long
 
 
-def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
-    """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it."""
+def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
+                rank: int | None = None) -> StageProbe:
+    """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it
+    (`rank`: the stage's rank probed, default its representative)."""
     cut = reduced(config, plan, stage)
     if cut is None:
-        return whole_probe(config, plan, stage, dtype, microbatches)
+        return whole_probe(config, plan, stage, dtype, microbatches, rank)
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
-    graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype,
+    graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
                                 microbatches=microbatches)
     steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
     if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
-        return whole_probe(config, plan, stage, dtype, microbatches)
-    return StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype))
+        return whole_probe(config, plan, stage, dtype, microbatches, rank)
+    return StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype, rank))
 
 
-def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
-    return StageProbe(*probe_stage(config, plan, stage, dtype, microbatches=microbatches))
+def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
+                rank: int | None = None) -> StageProbe:
+    return StageProbe(*probe_stage(config, plan, stage, dtype, rank, microbatches=microbatches))
 
 
 def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGraph:

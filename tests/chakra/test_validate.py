@@ -11,7 +11,7 @@ from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.chakra.writer import write_chakra
 from syntorch.trace.graph import TraceGraph
-from syntorch.chakra.validate import validate_traces
+from syntorch.chakra.validate import UNEQUAL_ALL_TO_ALL, validate_traces
 
 
 def tp_pp_rank(rank: int) -> TraceGraph:
@@ -232,3 +232,22 @@ def test_a_broken_node_shared_by_ranks_is_reported_in_each(good):
     assert read_et(good / "mix.0.et")[1][0] == read_et(good / "mix.1.et")[1][0]  # the same node in both files
     problems = [p for p in validate_traces(good) if "METADATA_NODE" in p]
     assert [p.split(":")[0] for p in problems] == ["mix.0.et", "mix.1.et"]
+
+
+@pytest.mark.parametrize("comm_type", [et.ALL_REDUCE, et.ALL_GATHER, et.REDUCE_SCATTER, et.BROADCAST, et.ALL_TO_ALL])
+def test_members_of_unequal_sizes_are_caught_an_all_to_all_with_why(good, comm_type):
+    """Rank 1 issues group 10's first collective with twice rank 0's comm_size. An all-to-all's members would
+    move what each routes (a skewed MoE load), but ASTRA-sim matches its messages by size and hangs."""
+    def sized(size):
+        def change(h, nodes):
+            node = first(nodes, et.COMM_COLL_NODE)
+            set_attr(node, "comm_type", int64_val=comm_type)
+            set_attr(node, "comm_size", int64_val=size)
+            return h, nodes
+        return change
+    rewrite(good / "mix.0.et", sized(128))
+    rewrite(good / "mix.1.et", sized(256))
+    name = et.CollectiveCommType.Name(comm_type)
+    why = UNEQUAL_ALL_TO_ALL if comm_type == et.ALL_TO_ALL else "every member must issue the group's collectives in the same order"
+    assert validate_traces(good) == [f"mix.1.et: node 1: collective #0 of group 10 is {name} of 256 B but rank 0 "
+                                     f"issues {name} of 128 B; {why}"]
