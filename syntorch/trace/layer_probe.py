@@ -2,17 +2,25 @@
 
 A stage's layers of one kind (the same block: dense or MoE MLP, the same attention window and stated routing
 load) run the same ops on the same shapes, and in a step each one's nodes -- its period: its ops, the
-collectives it issues (TP, CP, EP, FSDP's gathers and reduce-scatters) and their tensors -- read the period
-before as that one read its own predecessor's. Only the first and the last layer a step meets of a run differ
-(what comes before and after them is no layer: an FSDP gather is prefetched for the next unit). So each run of
-alike layers is probed with its first four layers, and a step of the whole stage is that probe's step with the
-third period it meets repeated for the run's other layers (`expand_step`: a copy reads the copy before it
-where the third read the second), which simulate/steps.py then simulates like a probed step. The second and
-third periods must run the same ops, else the stage is probed whole (as it is when the last backward's end
-handles every layer's gradients at once: DDP/ZeRO buckets, sequence parallel's LayerNorms). The optimizer step
-does not grow layer by layer (its multi-tensor kernels launch per chunk of tensors), so it is probed on its
-own with every parameter (training.probe_optimizer). tests/trace/test_layer_probe.py checks the prediction against
-probing every layer.
+collectives it issues (TP, CP, EP, FSDP's gathers and reduce-scatters, the DP buckets overlap launches) and
+their tensors -- read the period before as that one read its own predecessor's. Only the first and the last
+layer a step meets of a run differ (what comes before and after them is no layer: an FSDP gather is
+prefetched for the next unit). So each run of alike layers is probed with its first four layers, and a step
+of the whole stage is that probe's step with the third period it meets repeated for the run's other layers
+(`expand_step`: a copy reads the copy before it where the third read the second), which simulate/steps.py
+then simulates like a probed step. The second and third periods must run the same ops, else the stage is
+probed whole.
+
+What the end of the last backward does is not layer by layer: DDP/ZeRO buckets launched or copied back
+together, their shards joined, sequence parallel's LayerNorm gradients summed over TP in one all-reduce. So
+that end is the whole stage's, traced on its own with the optimizer step (training.probe_optimizer: every
+gradient accumulated beforehand, as backward would, so overlap has launched its buckets), and put in place of
+the probe's own (`_with_end`): the buckets it reads the reduced gradients of are those the expanded step
+launched, which must be the whole stage's (else the stage is probed whole). With overlap, buckets follow the
+layers when every layer holds a parameter at least a bucket large, as every layer of a large model does.
+FSDP ends unit by unit, inside the periods. The optimizer step does not grow layer by layer either (its
+multi-tensor kernels launch per chunk of tensors). tests/trace/test_layer_probe.py checks the prediction
+against probing every layer.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -41,12 +49,14 @@ class KeptLayers(TrainPlan):
 class StageProbe(tuple):
     """A stage's probe, which unpacks as trace/training.py's probe_stage result (graph, where each step's
     nodes are); when layers were left out, `runs` says which: (chunk, kept layers, copies) for each run of
-    alike layers the probe kept four of, `copies` being how many more the stage has; and `optimizer` is the
-    optimizer step probed on its own ((graph, blocks), its key ("optimizer", None, None))."""
+    alike layers the probe kept four of, `copies` being how many more the stage has; `optimizer` is the
+    whole stage's end of backward and optimizer step probed on their own ((graph, blocks), probe_optimizer's)
+    and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept)."""
 
-    def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None):
+    def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None,
+                finish: int | None = None):
         probe = super().__new__(cls, (graph, blocks))
-        probe.runs, probe.optimizer = runs or [], optimizer
+        probe.runs, probe.optimizer, probe.finish = runs or [], optimizer, finish
         return probe
 
     @property
@@ -68,13 +78,12 @@ def runs(config: ModelConfig, layers, load=None) -> list[list[int]]:
 
 def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
     """(the chunks of layers a probe keeps, the runs it stands for as StageProbe.runs), or None when every
-    run of alike layers is at most four long, or the end of the last backward handles what every layer
-    made: DDP/ZeRO buckets (copied back, launched, or their shards joined), or sequence parallel's
-    LayerNorm gradients summed over TP (FSDP does both unit by unit)."""
+    run of alike layers is at most four long, or the first forward gathers every ZeRO bucket
+    (overlap_param_gather), or experts and dense parameters have buckets of their own (EP without FSDP)."""
     full = plan.stage(config, stage)
     chunks = [runs(config, chunk, plan.moe_load) for chunk in (full.chunks or (full.layers,))]
     long = [(c, tuple(run[:4]), len(run) - 4) for c, chunk in enumerate(chunks) for run in chunk if len(run) > 4]
-    if not long or (plan.zero != 3 and (plan.grad_ranks > 1 or (plan.sp and plan.tp > 1))):
+    if not long or (plan.zero != 3 and (plan.ep > 1 or (plan.zero and plan.overlap_param_gather))):
         return None
     return tuple(tuple(i for run in chunk for i in run[:4]) for chunk in chunks), long
 
@@ -87,12 +96,17 @@ def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microba
     if cut is None:
         return whole_probe(config, plan, stage, dtype, microbatches, rank)
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+    finish = []
     graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
-                                microbatches=microbatches)
+                                microbatches=microbatches, finish=finish)
     steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
     if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
         return whole_probe(config, plan, stage, dtype, microbatches, rank)
-    return StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype, rank))
+    probe = StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype, rank),
+                       finish[0] if finish and plan.zero != 3 else None)
+    if None in expanded_steps(probe, plan.mesh.group(graph.graph["rank"], "dp", "cp")).values():
+        return whole_probe(config, plan, stage, dtype, microbatches, rank)
+    return probe
 
 
 def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
@@ -107,6 +121,48 @@ def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGra
     for run in runs:
         out = _repeat(out, *_periods(out, 0, len(out), run), run[2])
     return out
+
+
+def expanded_steps(probe: StageProbe, grad_group: list[int]) -> dict:
+    """{key: the step as the whole stage runs it} for every step of a probe that left layers out (not the
+    optimizer's): expand_step, and where the probe's end of backward starts, the whole stage's instead
+    (`_with_end`; None if it does not fit). `grad_group`: the ranks gradients are averaged over."""
+    graph, blocks = probe
+    out = {}
+    for key, (start, end) in blocks.items():
+        if key[0] == "optimizer":
+            continue
+        runs = [run for run in probe.runs if run[0] == key[2]]
+        if probe.finish is not None and start <= probe.finish < end:
+            whole, whole_blocks = probe.optimizer
+            out[key] = _with_end(expand_step(graph, start, probe.finish, runs), whole,
+                                 whole_blocks[("optimizer", None, None)][0], grad_group)
+        else:
+            out[key] = expand_step(graph, start, end, runs)
+    return out
+
+
+def _with_end(step: TraceGraph, whole: TraceGraph, end: int, grad_group: list[int]) -> TraceGraph | None:
+    """`step` (a new graph) followed by nodes [0, end) of `whole` (probe_optimizer's end of backward), each
+    reduced bucket read there (grad_sync.flat.<k>) written by the step's k-th bucket collective (over
+    `grad_group`); None when those collectives' outputs are not the whole stage's buckets, in number, shape
+    and type."""
+    flats = sorted((int(d["name"].rsplit(".", 1)[1]), n) for n, d in whole.node_attrs.items()
+                   if n < end and d["kind"] == "tensor" and d["name"].startswith("grad_sync.flat."))
+    written = [(n, next(v for v in step.succs[n] if step.node_attrs[v]["kind"] == "tensor"))
+               for n, d in step.collectives() if sorted(d["group"]) == grad_group and step.succs[n]]
+    if len(written) != len(flats) or any(not _like(step.node_attrs[t], whole.node_attrs[f])
+                                         for (_, t), (_, f) in zip(written, flats)):
+        return None
+    base = len(step)
+    step.append((whole.node_attrs[n] for n in range(end)),
+                ((base + u, base + v, e) for v in range(end) for u, e in whole.preds[v].items()))
+    step.append((), ((n, base + f, step.succs[n][t]) for (n, t), (_, f) in zip(written, flats)))
+    return step
+
+
+def _like(a: dict, b: dict) -> bool:
+    return a["shape"] == b["shape"] and a["dtype"] == b["dtype"]
 
 
 def _step_only(graph: TraceGraph, start: int, end: int) -> TraceGraph:
