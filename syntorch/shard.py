@@ -26,9 +26,10 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.assemble import RankPlan, assemble_rank
+from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.pipeline import Stage, split_stage, stage_layers
-from syntorch.parallel.tensor import TPPlan, apply_tp, check_tp, padded_vocab, plan_for, take_shard
+from syntorch.parallel.tensor import TPPlan, check_tp, padded_vocab, plan_for, take_shard
 
 
 def rank_file_name(rank: int) -> str:
@@ -162,17 +163,20 @@ def loaded(config: ModelConfig, state: dict, device="cpu") -> nn.Module:
     return model
 
 
-def load_rank_model(config: ModelConfig, checkpoint, device, dtype, tp_group=None, sequence_parallel: bool = False,
-                    stage: Stage | None = None) -> nn.Module:
-    """The model one rank runs, reading only its own weights: built on meta, cut to `stage`, TP applied over
-    `tp_group` (a MeshGroups or ProcessGroup; None: no TP), then filled from `checkpoint` (a shard folder:
-    this rank's file; a HuggingFace folder: this rank's slices)."""
-    model = build_model(config, device="meta", dtype=dtype)
-    plan = apply_tp(model, tp_group, sequence_parallel) if tp_group is not None else None
-    if stage is not None and stage.count > 1:  # after TP, which ties the head to the embedding both hold
-        split_stage(model, stage)
-    load_rank_weights(model, checkpoint, device, dtype, plan, stage)
-    return model.eval()
+def load_rank_model(config: ModelConfig, checkpoint, device, dtype, groups: MeshGroups | None = None,
+                    plan: RankPlan | None = None) -> nn.Module:
+    """The model one rank runs, reading only its own weights: assemble.assemble_rank under `plan` (default: an
+    inference run over the mesh of `groups`, this rank's MeshGroups; None: one rank) builds it on meta, cut
+    and sharded, then fills it from `checkpoint` (a shard folder: this rank's file; a HuggingFace folder:
+    this rank's slices)."""
+    groups = groups or MeshGroups(Mesh(), 0)
+    plan = plan or RankPlan(tp=groups.mesh.tp, pp=groups.mesh.pp, mode="infer")
+    return assemble_rank(config, plan, groups, device, dtype, weights=checkpoint_weights(checkpoint, device, dtype)).model
+
+
+def checkpoint_weights(checkpoint, device, dtype):
+    """assemble_rank's `weights` from `checkpoint`: load_rank_weights into the rank's cut, sharded model."""
+    return lambda model, tp_plan, stage: load_rank_weights(model, checkpoint, device, dtype, tp_plan, stage)
 
 
 def load_rank_weights(model: nn.Module, checkpoint, device, dtype, plan: TPPlan | None = None,
