@@ -77,7 +77,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(c.d_model, (c.n_head + 2 * c.kv_heads) * c.d_head, bias=c.qkv_bias)
         self.proj = nn.Linear(c.n_head * c.d_head, c.d_model, bias=c.proj_bias)
         self.kv_cache: KVCache | None = None  # attached by the model's setup_caches (kv_cache.py)
-        # maps this rank's K/V to the ones attention reads (context parallelism gathers them: parallel/context.py)
+        # set from outside when the K/V attention reads are not this layer's own: maps k, v to them (context
+        # parallelism gathers every rank's: parallel/context.py)
         self.kv_gather: nn.Module | None = None
 
     def local_heads(self, qkv_heads: int) -> tuple[int, int]:
