@@ -91,20 +91,37 @@ def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
 def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
     """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it."""
     cut = reduced(config, plan, stage)
-    if cut is None:
-        return whole_probe(config, plan, stage, dtype, microbatches)
+    kept = cut and kept_probe(config, plan, stage, dtype, microbatches, cut)
+    probe = kept and with_end(kept, cut[1], probe_optimizer(config, plan, stage, dtype), plan.mesh)
+    return probe or whole_probe(config, plan, stage, dtype, microbatches)
+
+
+def kept_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
+               cut: tuple) -> StageProbe | None:
+    """The probe of the layers `cut` (reduced's) keeps, without the whole stage's end; None when a run's
+    second and third periods differ."""
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
     finish = []
     graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype,
                                 microbatches=microbatches, finish=finish)
     steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
     if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
-        return whole_probe(config, plan, stage, dtype, microbatches)
-    probe = StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype),
-                       finish[0] if finish and plan.zero != 3 else None)
-    if None in expanded_steps(probe, plan.mesh.group(graph.graph["rank"], "dp", "cp")).values():
-        return whole_probe(config, plan, stage, dtype, microbatches)
-    return probe
+        return None
+    return StageProbe(graph, blocks, cut[1], None, finish[0] if finish and plan.zero != 3 else None)
+
+
+def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe | None:
+    """`kept` standing for `runs` (StageProbe.runs), with the whole stage's end of backward and optimizer step
+    (probe_optimizer's); None when that end does not fit its last backward (`_with_end`)."""
+    probe = StageProbe(*kept, runs, optimizer, kept.finish)
+    last = [key for key, (start, end) in kept[1].items() if kept.finish is not None and start <= kept.finish < end]
+    group = grad_group(kept[0], mesh)
+    return probe if all(expanded_step(probe, key, group) is not None for key in last) else None
+
+
+def grad_group(graph: TraceGraph, mesh) -> list[int]:
+    """The ranks the probed rank averages gradients over."""
+    return mesh.group(graph.graph["rank"], "dp", "cp")
 
 
 def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int) -> StageProbe:
@@ -121,22 +138,21 @@ def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGra
 
 
 def expanded_steps(probe: StageProbe, grad_group: list[int]) -> dict:
-    """{key: the step as the whole stage runs it} for every step of a probe that left layers out (not the
-    optimizer's): expand_step, and where the probe's end of backward starts, the whole stage's instead
-    (`_with_end`; None if it does not fit). `grad_group`: the ranks gradients are averaged over."""
-    graph, blocks = probe
-    out = {}
-    for key, (start, end) in blocks.items():
-        if key[0] == "optimizer":
-            continue
-        runs = [run for run in probe.runs if run[0] == key[2]]
-        if probe.finish is not None and start <= probe.finish < end:
-            whole, whole_blocks = probe.optimizer
-            out[key] = _with_end(expand_step(graph, start, probe.finish, runs), whole,
-                                 whole_blocks[("optimizer", None, None)][0], grad_group)
-        else:
-            out[key] = expand_step(graph, start, end, runs)
-    return out
+    """{key: expanded_step} of every step of a probe that left layers out, but the optimizer's."""
+    return {key: expanded_step(probe, key, grad_group) for key in probe[1] if key[0] != "optimizer"}
+
+
+def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> TraceGraph | None:
+    """The probe's step `key` as the whole stage runs it: expand_step, and where the probe's end of backward
+    starts, the whole stage's instead (`_with_end`; None if it does not fit). `grad_group`: the ranks
+    gradients are averaged over."""
+    graph, (start, end) = probe[0], probe[1][key]
+    runs = [run for run in probe.runs if run[0] == key[2]]
+    if probe.finish is None or not start <= probe.finish < end:
+        return expand_step(graph, start, end, runs)
+    whole, whole_blocks = probe.optimizer
+    return _with_end(expand_step(graph, start, probe.finish, runs), whole, whole_blocks[("optimizer", None, None)][0],
+                     grad_group)
 
 
 def _with_end(step: TraceGraph, whole: TraceGraph, end: int, grad_group: list[int]) -> TraceGraph | None:

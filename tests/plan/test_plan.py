@@ -90,14 +90,13 @@ def test_cached_prediction_is_trace_predict_only(options, plan, layers, tmp_path
     cache = ProbeCache()
     other = predict_plan(config, dataclasses.replace(plan, microbatches=8), PRESETS["h100-sxm"], cache).summary
     summary = predict_plan(config, plan, A100, cache).summary
-    assert cache.traced == 1 and other["step_s"] != summary["step_s"]
-    layer_probes = [bool(probe.runs) for probe in next(iter(cache.entries.values())).probes.values()]
-    assert layer_probes == [plan.zero == 3] * len(layer_probes)
+    assert cache.traced == 2 and other["step_s"] != summary["step_s"]  # two stages, or kept layers and the end
+    assert any(key[0] == "optimizer" for key in cache.entries) == (plan.zero == 3)  # kept layers, or whole
     for key in ("step_s", "bubble_fraction", "exposed_comm_s", "mfu"):
         assert summary[key] == expected[key], key
     # the other machine's durations come back on the same probes
     h100 = predict_plan(config, plan, PRESETS["h100-sxm"], cache).summary
-    assert cache.traced == 1 and h100["step_s"] == predict_plan(config, plan, PRESETS["h100-sxm"]).summary["step_s"]
+    assert cache.traced == 2 and h100["step_s"] == predict_plan(config, plan, PRESETS["h100-sxm"]).summary["step_s"]
 
 
 def test_cli_outputs_agree(tmp_path, capsys):
