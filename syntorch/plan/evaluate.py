@@ -47,11 +47,12 @@ def probe_key(config: ModelConfig, plan: TrainPlan, dtype: torch.dtype) -> tuple
 
 
 def share_key(config: ModelConfig, plan: TrainPlan, dtype: torch.dtype) -> tuple:
-    """What layouts whose stages share kept-layer probes agree on (layer_key but the stage's part)."""
+    """What layouts that share probes agree on: layer_key's but the micro-batch size, the recomputation (which
+    share the end of backward and optimizer) and the stage's part."""
     fields = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
-                   if f.init and f.name not in ACROSS_LAYOUTS)
+                   if f.init and f.name not in (*ACROSS_LAYOUTS, "micro_batch_size", "recompute"))
     dp = plan.dp if plan.zero >= 2 else plan.dp > 1  # ZeRO-2 and FSDP shards are 1/dp of a bucket or unit
-    return repr(config), str(dtype), fields, dp, min(plan.microbatches, COST_MICROBATCHES)
+    return repr(config), str(dtype), fields, dp
 
 
 def layer_key(config: ModelConfig, plan: TrainPlan, stage: int, dtype: torch.dtype) -> tuple:
@@ -61,7 +62,8 @@ def layer_key(config: ModelConfig, plan: TrainPlan, stage: int, dtype: torch.dty
                   tuple((layer_kind(config, run[0], plan.moe_load), min(len(run), 4), len(run) > 4)
                         for run in runs(config, chunk, plan.moe_load)))
                  for c, chunk in enumerate(full.chunks or (full.layers,)))
-    return share_key(config, plan, dtype), part
+    return (share_key(config, plan, dtype), plan.micro_batch_size, plan.recompute,
+            min(plan.microbatches, COST_MICROBATCHES), part)
 
 
 def optimizer_key(config: ModelConfig, plan: TrainPlan, stage: int, dtype: torch.dtype) -> tuple:
@@ -70,11 +72,12 @@ def optimizer_key(config: ModelConfig, plan: TrainPlan, stage: int, dtype: torch
 
 
 class ProbeCache:
-    """The probes (and their graphs' durations) of the last `size` keys: a search hands each worker the
-    layouts of one share_key at a time."""
+    """The probes (and their graphs' durations) of the last `size` layer or whole probe keys and of the last
+    `ends` optimizer keys (small graphs, one per stage of each pipeline depth): a search hands each worker the
+    layouts of one share_key, those that share kept layers one after another (evaluate_group)."""
 
-    def __init__(self, size: int = 24):
-        self.size, self.entries, self.traced = size, OrderedDict(), 0
+    def __init__(self, size: int = 8, ends: int = 64):
+        self.layers, self.ends, self.traced = _Recent(size), _Recent(ends), 0
 
     def probes(self, config: ModelConfig, plan: TrainPlan, dtype: torch.dtype, software: tuple) -> tuple[dict, list]:
         """({traced stage: its StageProbe, durations for software = (hw, profile, attention)}, source)."""
@@ -84,9 +87,9 @@ class ProbeCache:
     def _stage(self, config, plan, stage, dtype, software):
         cut = reduced(config, plan, stage) if plan.ep == 1 else None  # expert groups stay where they were traced
         if cut:
-            kept, mesh = self._get(layer_key(config, plan, stage, dtype), software, lambda: (
+            kept, mesh = self._get(self.layers, layer_key(config, plan, stage, dtype), software, lambda: (
                 kept_probe(config, plan, stage, dtype, COST_MICROBATCHES, cut), plan.mesh))
-            optimizer = self._get(optimizer_key(config, plan, stage, dtype), software,
+            optimizer = self._get(self.ends, optimizer_key(config, plan, stage, dtype), software,
                                   lambda: StageProbe(*probe_optimizer(config, plan, stage, dtype)))
             # the kept layers (named as where they were traced) standing for this stage's runs
             runs_ = [(c, layers, mine[2]) for (c, layers, _), mine in zip(kept.runs, cut[1])] if kept else []
@@ -94,7 +97,7 @@ class ProbeCache:
                                       plan.mesh)
             if probe:
                 return probe
-        return self._get((*probe_key(config, plan, dtype), stage), software,
+        return self._get(self.layers, (*probe_key(config, plan, dtype), stage), software,
                          lambda: whole_probe(config, plan, stage, dtype, COST_MICROBATCHES))
 
     @staticmethod
@@ -106,22 +109,32 @@ class ProbeCache:
             recost_collectives(graph, *software)
         return StageProbe(graph, kept[1], finish=kept.finish)
 
-    def _get(self, key: tuple, software: tuple, make):
-        """The cached value of `key` (made by `make()` if missing), its graphs' durations for `software`."""
-        if key not in self.entries:
-            self.entries[key] = [make(), None]
+    def _get(self, cache: "_Recent", key: tuple, software: tuple, make):
+        """The value of `key` in `cache` (made by `make()` if missing), its graphs' durations for `software`."""
+        if key not in cache:
+            cache.put(key, [make(), None])
             self.traced += 1
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        self.entries.move_to_end(key)
-        entry = self.entries[key]
+        cache.move_to_end(key)
+        entry = cache[key]
         if entry[1] != software:
-            value = entry[0]
-            probe = value if isinstance(value, StageProbe) else value[0]  # (kept probe or None, mesh)
+            probe = entry[0] if isinstance(entry[0], StageProbe) else entry[0][0]  # (kept probe or None, mesh)
             for graph in probe.graphs if probe else ():
                 fill_durations(graph, *software)
             entry[1] = software
         return entry[0]
+
+
+class _Recent(OrderedDict):
+    """The last `size` entries put, least recently used first."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 def predict_plan(config: ModelConfig, plan: TrainPlan, hw: HardwareConfig, cache: ProbeCache | None = None,
@@ -136,7 +149,8 @@ def evaluate_group(config: ModelConfig, dtype: str, profile: str, attention: str
     """A task of the search: jobs (index, plan, hw) sharing one share_key -> (index, summary figures or None,
     the one-line reason a plan was refused). Runs in a worker process or a Ray task (runner.py)."""
     cache, out = ProbeCache(), []
-    for index, plan, hw in jobs:
+    # those sharing kept layers one after another (the cache keeps few of them), each machine's in turn
+    for index, plan, hw in sorted(jobs, key=lambda job: (job[2].name, job[1].micro_batch_size, job[1].recompute)):
         try:
             summary = predict_plan(config, plan, hw, cache, getattr(torch, dtype), profile, attention).summary
         except UserError as e:
