@@ -27,6 +27,7 @@ class Template:
     starts: np.ndarray  # where each node message's own bytes start in `body`, and end
     ends: np.ndarray
     comm: dict  # message index -> its node, for the communication nodes
+    comms: dict  # message index -> what the checks across ranks read of it (validate.Comm)
     count: int  # nodes
     problems: object  # what validate.py found of its nodes (validate.NodeProblems)
 
@@ -37,40 +38,54 @@ class RankTemplates:
     def __init__(self):
         self.by_length: dict[int, list[Template]] = {}
 
-    def add(self, messages: list[bytes], nodes: list[et.Node], problems) -> None:
+    def add(self, messages: list[bytes], nodes: list[et.Node], problems, comm_of) -> list:
+        """Keeps a checked file's body, its communication nodes (as they are and as `comm_of` reads them) and
+        `problems`; returns what `comm_of` read, in file order."""
         lengths = np.array([len(m) for m in messages], dtype=np.int64)
         prefixes = np.array([len(varint(n)) for n in lengths.tolist()], dtype=np.int64)
         ends = np.cumsum(prefixes + lengths)
         body = np.frombuffer(b"".join(varint(len(m)) + m for m in messages), dtype=np.uint8)
         comm = {i: node for i, node in enumerate(nodes) if node.type in COMM_NODES}
-        self.by_length.setdefault(len(body), []).append(Template(body, ends - lengths, ends, comm, len(nodes), problems))
+        comms = {i: comm_of(node) for i, node in comm.items()}
+        self.by_length.setdefault(len(body), []).append(Template(body, ends - lengths, ends, comm, comms, len(nodes),
+                                                                 problems))
+        return list(comms.values())
 
-    def match(self, body: bytes, path) -> tuple[Template, dict[int, tuple[et.Node, bytes]]] | None:
-        """The template `body` is a copy of but for some communication nodes, and those nodes decoded with
-        their bytes (by message index); None when there is none."""
-        data = np.frombuffer(body, dtype=np.uint8)
+    def match(self, data: bytes, start: int, path) -> tuple[Template, dict[int, tuple[et.Node, bytes]]] | None:
+        """The template the node messages of `data` (from `start`) are a copy of but for some communication
+        nodes, and those nodes decoded with their bytes (by message index); None when there is none."""
+        body = np.frombuffer(data, dtype=np.uint8, offset=start)
         for template in self.by_length.get(len(body), ()):
-            if not self._only_comm(template, np.flatnonzero(data[::SAMPLE] != template.body[::SAMPLE]) * SAMPLE):
+            if not _only_comm(template, np.flatnonzero(body[::SAMPLE] != template.body[::SAMPLE]) * SAMPLE):
                 continue
-            differ = np.flatnonzero(data != template.body)
-            found = self._decoded(template, body, differ, path) if self._only_comm(template, differ) else None
+            differ = _differ(body, template.body)
+            found = _decoded(template, data, start, differ, path) if _only_comm(template, differ) else None
             if found is not None:
                 return found
         return None
 
-    @staticmethod
-    def _only_comm(template: Template, at: np.ndarray) -> bool:
-        """Whether the byte offsets `at` all lie inside communication nodes' own bytes (not their lengths)."""
-        index = np.searchsorted(template.ends, at, side="right")
-        return bool((at >= template.starts[index]).all()) and all(i in template.comm for i in set(index.tolist()))
 
-    @staticmethod
-    def _decoded(template: Template, body: bytes, differ: np.ndarray, path):
-        index = sorted(set(np.searchsorted(template.ends, differ, side="right").tolist()))
-        messages = [body[template.starts[i]:template.ends[i]] for i in index]
-        nodes = parse_nodes(messages, path)
-        for i, node in zip(index, nodes):
-            mine = template.comm[i]
-            if (node.id, list(node.data_deps), list(node.ctrl_deps)) != (mine.id, list(mine.data_deps), list(mine.ctrl_deps)):
-                return None
-        return template, {i: pair for i, pair in zip(index, zip(nodes, messages))}
+def _differ(body: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """The offsets where two bodies of one length differ, compared eight bytes at a time."""
+    whole = len(body) // 8 * 8
+    words = np.flatnonzero(body[:whole].view(np.uint64) != other[:whole].view(np.uint64))
+    at = np.concatenate([(words[:, None] * 8 + np.arange(8)).ravel(), np.arange(whole, len(body))])
+    return at[body[at] != other[at]]
+
+
+def _only_comm(template: Template, at: np.ndarray) -> bool:
+    """Whether the byte offsets `at` all lie inside communication nodes' own bytes (not their lengths)."""
+    index = np.searchsorted(template.ends, at, side="right")
+    return bool((at >= template.starts[index]).all()) and all(i in template.comm for i in set(index.tolist()))
+
+
+def _decoded(template: Template, data: bytes, start: int, differ: np.ndarray, path):
+    """The differing nodes decoded, if each keeps its template node's id and dependencies."""
+    index = sorted(set(np.searchsorted(template.ends, differ, side="right").tolist()))
+    messages = [data[start + template.starts[i]:start + template.ends[i]] for i in index]
+    nodes = parse_nodes(messages, path)
+    for i, node in zip(index, nodes):
+        mine = template.comm[i]
+        if (node.id, list(node.data_deps), list(node.ctrl_deps)) != (mine.id, list(mine.data_deps), list(mine.ctrl_deps)):
+            return None
+    return template, {i: pair for i, pair in zip(index, zip(nodes, messages))}

@@ -8,6 +8,7 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
@@ -33,11 +34,31 @@ UNEQUAL_ALL_TO_ALL = ("ASTRA-sim matches an all-to-all's messages by size, so it
                       "(a skewed --moe_load gives EP ranks their own; CollectiveOrder)")
 
 
+class Comm(NamedTuple):
+    """What the checks across ranks read of a communication node (an integer attribute that is missing or
+    not an integer is None; pg_name "" when missing or not a string: _check_node reports those)."""
+    id: int
+    type: int
+    pg: str
+    comm_type: int | None
+    size: int | None
+    src: int | None
+    dst: int | None
+    tag: int | None
+
+
+def comm_of(node: et.Node) -> Comm:
+    attrs = _attrs(node)
+    pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
+    return Comm(node.id, node.type, pg, *(_int_attr(attrs, name) for name in
+                                          ("comm_type", "comm_size", "comm_src", "comm_dst", "comm_tag")))
+
+
 @dataclass
 class RankTrace:
     path: Path
     rank: int
-    nodes: list = field(default_factory=list)
+    comms: list[Comm] = field(default_factory=list)  # its communication nodes, in file order
 
     def where(self, node=None) -> str:
         return f"{self.path.name}: node {node.id}" if node is not None else self.path.name
@@ -70,20 +91,20 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     for rank, f in files:
         data = read_bytes(f)
         header, start = split_header(data, f)
-        found = templates.match(data[start:], f)
+        found = templates.match(data, start, f)
         if found is None:  # decoded and checked whole: a template for the ranks after it
             _, body = split_messages(data, f)
             nodes = parse_nodes(body, f)
             checked = node_problems(nodes, groups, len(files), roofline, body, node_checks)
-            templates.add(body, nodes, checked)
+            comms = templates.add(body, nodes, checked, comm_of)
             mine, count = checked.flat(), len(nodes)
         else:  # its template's findings, with its own communication nodes checked again
             template, moved = found
             own = {i: [(node.id, p) for p in _checked(node, message, groups, len(files), roofline, node_checks)]
                    for i, (node, message) in moved.items()}
-            nodes = [moved[i][0] if i in moved else node for i, node in template.comm.items()]
+            comms = [comm_of(moved[i][0]) if i in moved else comm for i, comm in template.comms.items()]
             mine, count = template.problems.flat(own), template.count
-        trace = RankTrace(f, rank, nodes)
+        trace = RankTrace(f, rank, comms)
         if header is None:
             problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
                             "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
@@ -175,19 +196,14 @@ def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
     """What depends on the file's rank: it issues collectives only of groups it is in, and a send's
     source (a recv's destination), when given, is itself (ASTRA-sim throws otherwise)."""
     problems = []
-    for node in trace.nodes:
-        if node.type not in COMM_NODES:
-            continue
-        attrs = _attrs(node)
-        if node.type == et.COMM_COLL_NODE and "pg_name" in attrs:
-            name = attrs["pg_name"].string_val
-            if name in groups and trace.rank not in groups[name]:
-                problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
-                                f"{groups[name]} without being in it")
-        own = {et.COMM_SEND_NODE: "comm_src", et.COMM_RECV_NODE: "comm_dst"}.get(node.type)
-        value = _int_attr(attrs, own) if own else None  # one that is not an integer is reported by _check_node
+    for comm in trace.comms:
+        if comm.type == et.COMM_COLL_NODE and comm.pg in groups and trace.rank not in groups[comm.pg]:
+            problems.append(f"{trace.where(comm)}: rank {trace.rank} issues a collective of group {comm.pg} "
+                            f"{groups[comm.pg]} without being in it")
+        own, value = {et.COMM_SEND_NODE: ("comm_src", comm.src), et.COMM_RECV_NODE: ("comm_dst", comm.dst)}.get(
+            comm.type, (None, None))  # one that is not an integer is reported by _check_node
         if value is not None and value != trace.rank:
-            problems.append(f"{trace.where(node)}: {own} is {value} in rank {trace.rank}'s file; "
+            problems.append(f"{trace.where(comm)}: {own} is {value} in rank {trace.rank}'s file; "
                             f"drop it or make it {trace.rank}")
     return problems
 
@@ -232,7 +248,8 @@ def _check_comm(node, attrs, groups, world) -> list[str]:
             problems.append(f"comm_type {name} throws in ASTRA-sim; express it as ALL_REDUCE, ALL_GATHER, "
                             "REDUCE_SCATTER, ALL_TO_ALL or send/recv")
     pg = attrs.get("pg_name")
-    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0", *groups):
+    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in groups \
+            and pg.string_val not in ("", "0"):
         problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
     for peer in ("comm_src", "comm_dst"):
         value = _int_attr(attrs, peer)
@@ -286,12 +303,9 @@ class CollectiveOrder:
 
     def add(self, trace: RankTrace) -> list[str]:
         issued = defaultdict(list)
-        for node in trace.nodes:
-            if node.type == et.COMM_COLL_NODE:
-                attrs = _attrs(node)
-                pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
-                issued["0" if pg == "" else pg].append(
-                    (node.id, _int_attr(attrs, "comm_type"), _int_attr(attrs, "comm_size")))
+        for comm in trace.comms:
+            if comm.type == et.COMM_COLL_NODE:
+                issued[comm.pg or "0"].append((comm.id, comm.comm_type, comm.size))
         problems = []  # a collective of a group the rank is not in: check_rank_fields says so
         for pg in ["0", *self.member_of[trace.rank]]:
             mine = issued.get(pg, [])
@@ -309,15 +323,11 @@ class PointToPoint:
         self.sends, self.recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [where]
 
     def add(self, trace: RankTrace) -> None:
-        for node in trace.nodes:
-            if node.type not in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
-                continue
-            attrs = _attrs(node)
-            tag, size = _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size")
-            if node.type == et.COMM_SEND_NODE:
-                self.sends[(trace.rank, _int_attr(attrs, "comm_dst"), tag, size)].append(trace.where(node))
-            else:
-                self.recvs[(_int_attr(attrs, "comm_src"), trace.rank, tag, size)].append(trace.where(node))
+        for comm in trace.comms:
+            if comm.type == et.COMM_SEND_NODE:
+                self.sends[(trace.rank, comm.dst, comm.tag, comm.size)].append(trace.where(comm))
+            elif comm.type == et.COMM_RECV_NODE:
+                self.recvs[(comm.src, trace.rank, comm.tag, comm.size)].append(trace.where(comm))
 
     def finish(self) -> list[str]:
         problems = []

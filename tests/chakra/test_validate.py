@@ -200,7 +200,7 @@ def test_ranks_checked_as_their_template_get_every_verdict_of_a_whole_check(good
     match = RankTemplates.match
     monkeypatch.setattr(RankTemplates, "match", lambda self, *a: matched.append(match(self, *a)) or matched[-1])
     fast = validate_traces(good)
-    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: None)
+    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: None)  # every rank checked whole
     assert fast == validate_traces(good)
     assert fast or (break_it, rank) == (_foreign_send, 1)  # comm_src 1 is rank 1's own
     assert any(matched)  # rank 1 (TP peer of rank 0) or 3 (of rank 2): the same bytes but for group ids and peers
