@@ -200,9 +200,9 @@ def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
         if comm.type == et.COMM_COLL_NODE and comm.pg in groups and trace.rank not in groups[comm.pg]:
             problems.append(f"{trace.where(comm)}: rank {trace.rank} issues a collective of group {comm.pg} "
                             f"{groups[comm.pg]} without being in it")
-        own, value = {et.COMM_SEND_NODE: ("comm_src", comm.src), et.COMM_RECV_NODE: ("comm_dst", comm.dst)}.get(
-            comm.type, (None, None))  # one that is not an integer is reported by _check_node
-        if value is not None and value != trace.rank:
+        # a peer that is not an integer is reported by _check_node
+        own, value = ("comm_src", comm.src) if comm.type == et.COMM_SEND_NODE else ("comm_dst", comm.dst)
+        if comm.type != et.COMM_COLL_NODE and value is not None and value != trace.rank:
             problems.append(f"{trace.where(comm)}: {own} is {value} in rank {trace.rank}'s file; "
                             f"drop it or make it {trace.rank}")
     return problems
