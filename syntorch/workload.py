@@ -7,7 +7,9 @@ Steps: trace each pipeline stage once on meta (trace/training.py) -> durations f
 Chakra nodes of each stage's representative rank (chakra/nodes.py) -> every rank's file from its stage's
 nodes, serialized once, with only what differs per rank patched in (chakra/writer.py's StageTemplate): the
 comm-group id of each communication node and the peer of each send and recv. Comm-group ids are those of
-every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py.
+every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py. Under a routing
+load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
+per rank kind, and every rank's file is made from its kind's nodes the same way.
 """
 import json
 import types
