@@ -235,4 +235,5 @@ def summarize(workload: Workload, figures: dict, level: str) -> dict:
                                         for k, group in enumerate(kinds.groups)]
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
-            "attention": workload.attention, "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}
+            "attention": workload.attention, "traced_stages": workload.traced_stages, "kinds_per_stage": kinds.count,
+            "rank_layout": ORDER, "stages": stages}
