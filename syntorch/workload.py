@@ -231,8 +231,8 @@ def summarize(workload: Workload, figures: dict, level: str) -> dict:
             "memory_bytes": workload.memory[s] if workload.memory else None,
         })
         if kinds.count > 1:
-            stages[-1]["rank_kinds"] = [{"ep_ranks": group, "ranks": kinds.ranks(k), **{f: figures[s, k][f] for f in FIGURES}}
-                                        for k, group in enumerate(kinds.groups)]
+            stages[-1]["rank_kinds"] = [{"ep_ranks": group, "ranks": kinds.ranks(k),
+                                         **{f: figures[s, k][f] for f in FIGURES}} for k, group in enumerate(kinds.groups)]
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
             "attention": workload.attention, "traced_stages": workload.traced_stages, "kinds_per_stage": kinds.count,

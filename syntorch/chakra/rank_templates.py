@@ -85,7 +85,11 @@ def _decoded(template: Template, data: bytes, start: int, differ: np.ndarray, pa
     messages = [data[start + template.starts[i]:start + template.ends[i]] for i in index]
     nodes = parse_nodes(messages, path)
     for i, node in zip(index, nodes):
-        mine = template.comm[i]
-        if (node.id, list(node.data_deps), list(node.ctrl_deps)) != (mine.id, list(mine.data_deps), list(mine.ctrl_deps)):
+        if _links(node) != _links(template.comm[i]):
             return None
     return template, {i: pair for i, pair in zip(index, zip(nodes, messages))}
+
+
+def _links(node: et.Node) -> tuple:
+    """What the checks of ids, dependencies and cycles read of a node."""
+    return node.id, list(node.data_deps), list(node.ctrl_deps)
