@@ -1,13 +1,14 @@
-"""A CPU decode step captured once per run (issue 24): `torch.jit.trace` of one decode step, frozen, replays
-every later step without Python. A GPT-2 124M fp32 step runs ~300 small ops between its matrix products,
+"""A CPU decode step captured once per run (issue 24): the `torch.jit.trace` of one decode step replays every
+later step without Python. A GPT-2 124M fp32 step runs ~300 small ops between its matrix products,
 and each pays Python, nn.Module calls and dispatch, cold after the weights streamed past evicted the caches;
-the frozen graph runs the same aten ops (the same logits, bit for bit) without that Python.
+the traced graph runs the same aten ops (the same logits, bit for bit) without that Python.
 
-Measured on GPT-2 124M, fp32, batch 1, one thread (bench/cpu_decode.py, CPU time): the trace and freeze take
-0.27 s; a step is 2.0-2.5 ms faster; so capture pays back after 110-135 steps. It is used only where it pays
-(`MIN_STEPS`) and only where one traced step holds every later one: the decode steps differ only in their
-cache slot, which the step reads from the length of its `slots` input (the tracer records a tensor's size as
-a graph value, so the slot stays an input of the graph, not a constant). Everything else keeps eager:
+Measured on GPT-2 124M, fp32, batch 1, one thread, CPU time on a loaded machine: the trace takes 0.11 s (a
+module's trace and `torch.jit.freeze` took 0.27 s and saved no more); a step is 2.5-3.4 ms faster; so capture
+pays back after 32-45 steps. It is used only where it pays (`MIN_STEPS`) and only where one traced step
+holds every later one: the decode steps differ only in their cache slot, which the step reads from the length
+of its `slots` input (the tracer records a tensor's size as a graph value, so the slot stays an input of the
+graph, not a constant). Everything else keeps eager:
 prefill, beam search, padded batches, sliding windows (the mask depends on the slot), mixture-of-experts
 (routing is data-dependent), models with hooks (tracing, tensor parallelism) or more than one process.
 """
@@ -20,8 +21,8 @@ from syntorch.generate import LocalForward
 
 log = logging.getLogger(__name__)
 
-# twice the measured break-even (110-135 steps, above), so the capture pays for itself with a margin
-MIN_STEPS = 256
+# twice the measured break-even (32-45 steps, above), so the capture pays for itself with a margin
+MIN_STEPS = 96
 
 
 def capturable(model, device: torch.device, steps: int) -> bool:
@@ -35,19 +36,8 @@ def capturable(model, device: torch.device, steps: int) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-class _Step(torch.nn.Module):
-    """One decode step at cache slot `len(slots) - 1`: a size, so the trace keeps it as an input."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.model(idx, start=slots.shape[0] - 1, last_only=True)[:, -1]
-
-
 class CapturedForward(LocalForward):
-    """LocalForward whose decode steps after the first run the frozen trace of the first; the prefill and
+    """LocalForward whose decode steps after the first run the trace of the first; the prefill and
     the first decode step run eagerly (the first is traced as it runs). If tracing fails, every step runs
     eagerly."""
 
@@ -67,13 +57,22 @@ class CapturedForward(LocalForward):
             return self.step(idx, slots)
 
     def _capture(self, model, idx, slots) -> torch.Tensor:
-        step = _Step(model)
+        def step(idx, slots):  # the cache slot as a size: the trace keeps it an input of the graph
+            return model(idx, start=slots.shape[0] - 1, last_only=True)[:, -1]
+
+        # a function's trace holds the weights as constants (the same tensors, no copy), which may not require grad
+        trainable = [p for p in model.parameters() if p.requires_grad]
         try:
+            for p in trainable:
+                p.requires_grad_(False)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the slot's size as a value is intended
                 warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 points to torch.compile: 120 s here
-                self.step = torch.jit.freeze(torch.jit.trace(step.eval(), (idx, slots), check_trace=False))
+                self.step = torch.jit.trace(step, (idx, slots), check_trace=False)
         except RuntimeError as e:
             log.warning("decode step capture failed, decoding eagerly: %s", e)
             self.failed = True
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
         return step(idx, slots)  # the traced run wrote this slot already: writing it again changes nothing

@@ -30,8 +30,22 @@ def test_the_captured_steps_generate_what_recomputing_the_sequence_does(base, kv
     prompt = torch.randint(0, 128, (1, 5))
     forward = CapturedForward(5 + 12)
     tokens = generate(model, prompt, 12, Sampling(temperature=0), forward=forward).tokens[0]
-    assert forward.step is not None and not forward.failed  # the later steps ran the frozen graph
+    assert forward.step is not None and not forward.failed  # the later steps ran the traced graph
     assert tokens == recomputed(model, prompt, 12)
+    assert all(p.requires_grad for p in model.parameters())  # as they were before the trace
+
+
+def test_a_step_that_cannot_be_traced_decodes_eagerly(monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("not traceable")
+
+    monkeypatch.setattr(torch.jit, "trace", fail)
+    model = build_model(tiny_config("gpt2"))
+    init_weights(model, std=0.5)
+    prompt = torch.randint(0, 128, (1, 5))
+    forward = CapturedForward(5 + 6)
+    assert generate(model, prompt, 6, Sampling(temperature=0), forward=forward).tokens[0] == recomputed(model, prompt, 6)
+    assert forward.failed and all(p.requires_grad for p in model.parameters())
 
 
 def test_generate_captures_only_runs_long_enough_to_pay_for_it(monkeypatch, one_thread):
