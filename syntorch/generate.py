@@ -222,10 +222,14 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
 
     On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
     The model's parameters are left as they are (values and memory); KV caches are attached for the run and
-    removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster.
+    removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster, and a long
+    enough run replays its decode steps from a captured graph (decode_capture.py).
     """
     _check_request(model, prompt, max_new_tokens, beam_width, pads)
     pads = pads if pads and any(pads) else None  # without padding the model's own causal mask does it
+    from syntorch.decode_capture import CapturedForward, capturable  # it builds on LocalForward, here
+    if forward is None and beam_width == 1 and not pads and capturable(model, prompt.device, max_new_tokens - 1):
+        forward = CapturedForward(prompt.shape[1] + max_new_tokens)
     run = _Run(model, phase_scope or _no_scope, forward or LocalForward(),
                Padding([p for p in pads for _ in range(beam_width)], prompt.device) if pads else None)
     stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
