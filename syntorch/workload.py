@@ -7,7 +7,9 @@ Steps: trace each pipeline stage once on meta (trace/training.py) -> durations f
 Chakra nodes of each stage's representative rank (chakra/nodes.py) -> every rank's file from its stage's
 nodes, serialized once, with only what differs per rank patched in (chakra/writer.py's StageTemplate): the
 comm-group id of each communication node and the peer of each send and recv. Comm-group ids are those of
-every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py.
+every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py. Under a routing
+load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
+per rank kind, and every rank's file is made from its kind's nodes the same way.
 """
 import json
 import types
@@ -25,6 +27,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel import memory
 from syntorch.parallel.mesh import ORDER
+from syntorch.parallel.moe_load import RankKinds, rank_kinds
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.prediction import TIMELINE, Prediction
@@ -48,13 +51,15 @@ class Workload:
     profile: str = "eager"  # software profile of the durations, when hw is set
     attention: str = "flash"  # the attention kernel of the durations (trace/kernels.py), when hw is set
     memory: list[dict] = field(default_factory=list)  # per stage: parallel/memory.py's estimate of one rank
+    kinds: RankKinds | None = None  # the rank kinds of each stage (moe_load.py; one under a uniform load)
+    kind_probes: dict = field(default_factory=dict)  # with more than one kind: (traced stage, kind) -> its probe
 
 
 def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager",
                    attention: str = "flash", layer_probes: bool = True) -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
-    `layer_probes` each probe keeps one and two layers of each run of alike layers (trace/layer_probe.py),
+    `layer_probes` each probe keeps four layers of each run of alike layers (trace/layer_probe.py),
     else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
         return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
@@ -64,25 +69,34 @@ def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -
     estimates = [memory.estimate(config, plan, dtype, s) for s in range(plan.pp)]
     if hw:  # before the work: a plan that does not fit is refused, not traced
         memory.check_fits(estimates, hw.memory_gb, hw.name, plan.zero)
-    source = traced_stage_for(config, plan)
+    source, kinds = traced_stage_for(config, plan), rank_kinds(plan.mesh, plan.moe_load)
+    traced = [(s, k) for s in sorted(set(source)) for k in range(kinds.count)]  # one rank per stage and kind
     if not schedule:  # a prediction needs only the probes, costed
         probe = layer_probe if layer_probes else whole_probe
-        probes = {s: probe(config, plan, s, dtype, COST_MICROBATCHES) for s in sorted(set(source))}
+        probes = {key: probe(config, plan, key[0], dtype, COST_MICROBATCHES, rank=kinds.representative(*key))
+                  for key in traced}
         for graph in (graph for probe in probes.values() for graph in probe.graphs) if hw else ():
             fill_durations(graph, hw, *software)
-        return Workload(config, plan, [], hw, len(probes), probes, source, *software, estimates)
+        return _workload(config, plan, [], hw, probes, source, software, estimates, kinds)
     # copies need one more micro-batch than costs do
-    probes = {s: StageProbe(*probe_stage(config, plan, s, dtype, microbatches=PROBE_MICROBATCHES))
-              for s in sorted(set(source))}
+    probes = {key: StageProbe(*probe_stage(config, plan, key[0], dtype, kinds.representative(*key),
+                                           microbatches=PROBE_MICROBATCHES)) for key in traced}
     for graph, _ in probes.values() if hw else ():
         fill_durations(graph, hw, *software)  # before scheduling: a copied node keeps its duration
     stages = StageGraphs(config, plan, probes, source, hw, software)
-    return Workload(config, plan, stages, hw, len(probes), probes, source, *software, estimates)
+    return _workload(config, plan, stages, hw, probes, source, software, estimates, kinds)
+
+
+def _workload(config, plan, stages, hw, probes, source, software, estimates, kinds) -> Workload:
+    """`probes` by (stage, kind): Workload.probes holds kind 0's by stage, kind_probes all when several."""
+    return Workload(config, plan, stages, hw, len(set(source)), {s: p for (s, k), p in probes.items() if k == 0},
+                    source, *software, estimates, kinds, probes if kinds.count > 1 else {})
 
 
 class StageGraphs(Sequence):
     """Workload.stages: each stage's scheduled graph (its representative's training step), made from its
-    probe when asked for and not kept, so that one stage's whole step is alive at a time (write_workload)."""
+    probe when asked for and not kept, so that one stage's whole step is alive at a time (write_workload);
+    `kind_graph` makes any rank kind's of a stage."""
 
     def __init__(self, config, plan, probes, source, hw, software):
         self.config, self.plan, self.probes, self.source, self.hw, self.software = \
@@ -94,7 +108,11 @@ class StageGraphs(Sequence):
     def __getitem__(self, s: int) -> TraceGraph:
         if not 0 <= s < self.plan.pp:
             raise IndexError(s)
-        traced, (graph, blocks) = self.source[s], self.probes[self.source[s]]
+        return self.kind_graph(s, 0)
+
+    def kind_graph(self, s: int, kind: int) -> TraceGraph:
+        """Stage s's graph as its rank kind `kind`'s representative runs it (probes: by (stage, kind))."""
+        traced, (graph, blocks) = self.source[s], self.probes[self.source[s], kind]
         if traced != s:
             first = [self.plan.stage(self.config, k).layers[0] for k in (s, traced)]
             graph = shift_stage(graph, self.plan.mesh, s, first[0] - first[1])
@@ -114,36 +132,31 @@ def write_workload(workload: Workload, out_dir, level: str = "module", force: bo
 
 
 def _write_workload(workload, out_dir, level, force, progress, prediction) -> dict:
-    config, plan = workload.config, workload.plan
+    config, plan, kinds = workload.config, workload.plan, workload.kinds
     mesh, world = plan.mesh, plan.mesh.world_size
     ids = group_ids(ranks for _, ranks in mesh.process_groups(config.tied_head))
-    notes = rewrite_notes(graph for graph, _ in workload.probes.values())  # the stages' collectives are theirs
-    templates, figures, node_counts = [], [], []
-    for stage, graph in enumerate(workload.stages):  # one stage's graph and view alive at a time
-        figures.append(stage_figures(graph))
-        view = level_view(graph, level)
-        specs = chakra_nodes(view, ids)
-        header = global_metadata(view, config.name, level, notes, any(s.duration_micros for s in specs))
-        if stage == 0:  # rank 0 is stage 0's representative: its nodes as they are
-            rank0 = (global_metadata(types.SimpleNamespace(graph={**view.graph, "rank": 0}), config.name,
-                                     level, notes, any(s.duration_micros for s in specs)), specs)
-        del header.attr[[a.name for a in header.attr].index("rank")]
-        templates.append(StageTemplate(specs, header, ids, mesh))
-        node_counts.append(len(specs))
-        del graph, view, specs
-    total, variants = 0, set()
+    # the stages' collectives are theirs
+    notes = rewrite_notes(graph for graph, _ in (workload.kind_probes or workload.probes).values())
+    by_kind = {}  # (stage, kind) -> its ranks
+    for rank in range(world):
+        by_kind.setdefault((mesh.coordinate(rank).pp, kinds.of(rank)), []).append(rank)
+    figures, total, variants = {}, 0, set()
     with atomic_output_dir(out_dir, force=force) as tmp:
-        write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
-        del rank0
-        for rank in _ranks(world, progress):
-            with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
-                written, variant = templates[mesh.coordinate(rank).pp].write(f, rank)
-            total += written
-            variants.add(variant)
+        for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
+            # one template alive at a time: its graph, view and nodes, then its ranks' files
+            template, figures[stage, kind], rank0 = _template(workload, stage, kind, ids, notes, level)
+            if rank0:
+                write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
+            for rank in ranks:
+                with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
+                    written, variant = template.write(f, rank)
+                total += written
+                variants.add((stage, kind, *variant[1:]))  # its template and what it patched in
+            del template, rank0
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
         (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile,
-                                                       workload.attention))
-        summary = summarize(workload, figures, node_counts, level)
+                                                       workload.attention, kinds.groups))
+        summary = summarize(workload, figures, level)
         summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
         if prediction is not None:
             summary["predicted"] = prediction.summary
@@ -152,11 +165,30 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
 
 
-def _ranks(world: int, progress: bool):
+def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[StageTemplate, dict, tuple | None]:
+    """The StageTemplate of a stage's rank kind (every rank of the kind is written from it), its figures
+    (stage_figures, with its Chakra node count) and, for rank 0 (stage 0's representative), its header and
+    nodes as they are."""
+    graph = workload.stages.kind_graph(stage, kind)
+    figures = stage_figures(graph)
+    view = level_view(graph, level)
+    specs = chakra_nodes(view, ids)
+    timed = any(s.duration_micros for s in specs)
+    header = global_metadata(view, workload.config.name, level, notes, timed)
+    rank0 = None
+    if stage == kind == 0:
+        rank0 = global_metadata(types.SimpleNamespace(graph={**view.graph, "rank": 0}), workload.config.name,
+                                level, notes, timed), specs
+    del header.attr[[a.name for a in header.attr].index("rank")]
+    template = StageTemplate(specs, header, ids, workload.plan.mesh, workload.kinds.representative(stage, kind))
+    return template, {**figures, "chakra_nodes": len(specs)}, rank0
+
+
+def _progress(kinds: list, world: int, progress: bool):
     if not progress:
-        return range(world)
+        return kinds
     from rich.progress import track
-    return track(range(world), description=f"writing {world} rank traces", transient=True)
+    return track(kinds, description=f"writing {world} rank traces", transient=True)
 
 
 def stage_figures(graph: TraceGraph) -> dict:
@@ -184,20 +216,26 @@ def stage_figures(graph: TraceGraph) -> dict:
             "schedule": graph.graph["pipeline_schedule"]}
 
 
-def summarize(workload: Workload, figures: list[dict], node_counts: list[int], level: str) -> dict:
-    """Per stage: its figures (stage_figures), Chakra node count (as in the files), layers and ranks."""
-    plan, mesh = workload.plan, workload.plan.mesh
+FIGURES = ("flops", "compute_bytes", "comm_bytes", "comm", "ops", "chakra_nodes", "compute_us", "comm_us")
+
+
+def summarize(workload: Workload, figures: dict, level: str) -> dict:
+    """Per stage: its representative's figures (stage_figures, `figures` by (stage, kind)), its Chakra node
+    count (as in the files), layers and ranks; under a load that makes rank kinds, each kind's figures too."""
+    plan, mesh, kinds = workload.plan, workload.plan.mesh, workload.kinds
     stages = []
-    for s, (figure, node_count) in enumerate(zip(figures, node_counts)):
-        stage = plan.stage(workload.config, s)
+    for s in range(plan.pp):
+        stage, figure = plan.stage(workload.config, s), figures[s, 0]
         stages.append({
             "stage": s, "layers": [stage.layers[0], stage.layers[-1]],
             "chunks": [[chunk[0], chunk[-1]] for chunk in stage.chunks or (stage.layers,)],
-            "ranks": mesh.stage_ranks(s),
-            **{k: figure[k] for k in ("flops", "compute_bytes", "comm_bytes", "comm", "ops")},
-            "chakra_nodes": node_count, **{k: figure[k] for k in ("compute_us", "comm_us", "schedule")},
+            "ranks": mesh.stage_ranks(s), **{k: figure[k] for k in FIGURES}, "schedule": figure["schedule"],
             "memory_bytes": workload.memory[s] if workload.memory else None,
         })
+        if kinds.count > 1:
+            stages[-1]["rank_kinds"] = [{"ep_ranks": group, "ranks": kinds.ranks(k),
+                                         **{f: figures[s, k][f] for f in FIGURES}} for k, group in enumerate(kinds.groups)]
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
-            "attention": workload.attention, "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}
+            "attention": workload.attention, "traced_stages": workload.traced_stages, "kinds_per_stage": kinds.count,
+            "rank_layout": ORDER, "stages": stages}

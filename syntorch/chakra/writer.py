@@ -25,8 +25,7 @@ from syntorch.chakra.nodes import NodeSpec, chakra_nodes, global_metadata, rewri
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.mesh import Mesh
-from syntorch.trace.cost import shared_key
-from syntorch.trace.graph import RankTraces
+from syntorch.trace.graph import RankTraces, graph_kinds
 from syntorch.trace import levels
 
 JSON_FORM = "tensor_trace_chakra.json"
@@ -76,17 +75,15 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
     out_dir = Path(out_dir)
     model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
-    graphs = {r: graphs_by_rank[r] for r in ranks}
-    # one level view per distinct graph: the ranks sharing it share its encoding too
-    distinct = {}
-    for graph in graphs.values():
-        if shared_key(graph) not in distinct:
-            distinct[shared_key(graph)] = chakra_level(graph, level)
-    groups, notes = graph_group_ids(distinct.values()), rewrite_notes(distinct.values())
-    encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
+    # one level view and one encoding per distinct graph, which the ranks sharing it share
+    kinds = graph_kinds(graphs_by_rank)
+    distinct = [chakra_level(graph, level) for graph, _ in kinds]
+    kind_of = {r: k for k, (_, kind_ranks) in enumerate(kinds) for r in kind_ranks}
+    groups, notes = graph_group_ids(distinct), rewrite_notes(distinct)
+    encoded, total = {}, 0  # kind -> (node bytes, node count, has durations)
     with atomic_output_dir(out_dir, force, flag) as tmp:
         for rank in ranks:
-            graph, key = graphs[rank], shared_key(graphs[rank])
+            graph, key = graphs_by_rank[rank], kind_of[rank]
             if key not in encoded:
                 specs = chakra_nodes(distinct[key], groups)
                 encoded[key] = (serialize(specs), len(specs), any(s.duration_micros for s in specs))
@@ -145,10 +142,13 @@ class StageTemplate:
     """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(f, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
-    Those attributes are appended to the node's other bytes, so their values sit at known offsets."""
+    Those attributes are appended to the node's other bytes, so their values sit at known offsets.
+    `origin`: the rank whose nodes they are, when not the representative (a rank kind's, moe_load.RankKinds):
+    the ranks written from it are moved from there."""
 
-    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh):
-        self.ids, self.mesh, self._ids_seen = ids, mesh, {}
+    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh,
+                 origin: int = 0):
+        self.ids, self.mesh, self.origin, self._ids_seen = ids, mesh, origin, {}
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
@@ -195,11 +195,11 @@ class StageTemplate:
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
         # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
         # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
-        body = self.body
-        ids = [self._group_id(k, group, rank) for k, group in enumerate(self.group_at)]
+        body, by = self.body, self.mesh.translate(rank, self.origin, back=True)  # the move from origin to rank
+        ids = [self._group_id(k, group, by) for k, group in enumerate(self.group_at)]
         for at, group_id in zip(self.group_at.values(), ids):
             body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
-        peers = [self.mesh.translate(peer, rank) for _, peer in self.peer_at]
+        peers = [self.mesh.translate(peer, by) for _, peer in self.peer_at]
         for (at, _), peer in zip(self.peer_at, peers):
             body[at:at + PEER_BYTES] = np.frombuffer(_padded_varint(peer), dtype=np.uint8)
         f.write(head)

@@ -98,7 +98,7 @@ def run(args) -> int:
     from syntorch.hardware import load_hw_config
     from syntorch.outdir import check_output_dir
     from syntorch.parallel.fp8 import check_fp8
-    from syntorch.parallel.moe_load import check_one_kind, parse_load
+    from syntorch.parallel.moe_load import parse_load
     from syntorch.parallel.plans import TrainPlan
     from syntorch.cli.predict import print_prediction
     from syntorch.errors import UserError
@@ -116,7 +116,6 @@ def run(args) -> int:
     plan = from_args(TrainPlan, args, seq=config.n_positions if args.seq is None else args.seq,
                      fp8=args.dtype == "fp8", moe_load=parse_load(args.moe_load, config))
     plan.check(config, args.world_size, args.global_batch)
-    check_one_kind(plan.moe_load, plan.ep)
     if args.predict_only and not args.hw_config:
         raise UserError("--predict_only predicts from a hardware model; give --hw_config")
     check_profile(args.profile)
@@ -125,7 +124,8 @@ def run(args) -> int:
         check_fp8(hw)
     workload = trace_workload(config, plan, torch_dtype(args.dtype), hw, schedule=not args.predict_only,
                               profile=args.profile, attention=args.attention)
-    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile, args.attention) \
+    prediction = predict_training(workload.probes, workload.source, plan, hw, args.profile, args.attention,
+                                  workload.kind_probes) \
         if hw else None
     if args.predict_only:
         record = {"model": config.name, "plan": vars(plan), "world_size": plan.mesh.world_size,
@@ -143,7 +143,8 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
-                        f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced)")
+                        f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced"
+                        + (f" x {summary['kinds_per_stage']} rank kinds" if summary["kinds_per_stage"] > 1 else "") + ")")
     for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms",
                    "memory GB"):
         table.add_column(column, justify="right")

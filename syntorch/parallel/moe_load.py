@@ -12,7 +12,9 @@ share list (MoE.symbolic_load), which MoE.tokens_per_expert rounds into counts o
 parallelism every rank routes alike, so an EP rank receives, from each rank of its EP group, its own experts'
 share of the pairs, and computes its experts on them (expert.py): ranks holding busier experts move and
 compute more. Which EP ranks run the same program follows from the shares of the experts each holds, layer
-by layer (`ep_kinds`); under a uniform load, one kind.
+by layer (`ep_kinds`); under a uniform load, one kind. `RankKinds` names, per pipeline stage, the ranks of
+each kind and the one traced for it (syntorch trace traces one rank per stage and kind and translates it to
+the others of its kind, workload.py).
 """
 import math
 
@@ -92,16 +94,6 @@ def set_load(model, load: Load | None) -> None:
             module.symbolic_load = list(load[int(LAYER_PATH.match(name).group(1)) - first])
 
 
-def check_one_kind(load: Load | None, ep: int) -> None:
-    """`syntorch trace` writes one program per pipeline stage (workload.py): a load under which EP ranks
-    differ is refused there (trace/training.py's trace_stage traces any one rank)."""
-    kinds = ep_kinds(load, ep)
-    if len(kinds) > 1:
-        raise UserError(f"--moe_load makes the {ep} EP ranks differ ({len(kinds)} kinds: EP ranks "
-                        f"{'; '.join(','.join(map(str, k)) for k in kinds)}), and syntorch trace writes one program "
-                        "per pipeline stage; give a load under which every EP rank's experts get equal shares")
-
-
 def ep_kinds(load: Load | None, ep: int) -> list[list[int]]:
     """EP indices grouped by the shares of the experts each holds, layer by layer, in order of their first
     index: ranks of one group receive and compute alike (module docstring)."""
@@ -112,3 +104,33 @@ def ep_kinds(load: Load | None, ep: int) -> list[list[int]]:
     for i in range(ep):
         kinds.setdefault(tuple(row[i * per_rank:(i + 1) * per_rank] for row in load), []).append(i)
     return list(kinds.values())
+
+
+class RankKinds:
+    """The rank kinds of a mesh's stages, from `groups` (ep_kinds: EP indices that run alike): ranks whose EP
+    indices are of one group run one program, translations of its representative's (the kind's lowest rank:
+    dp 0, cp 0, tp 0 but for its EP index, which mesh.translate moves onto the kind's others). Kind 0 holds the
+    stage's representative (EP index 0)."""
+
+    def __init__(self, mesh, groups: list[list[int]] | None = None):
+        self.mesh, self.groups = mesh, groups or [list(range(mesh.ep))]
+        self.count = len(self.groups)
+        self.of_index = [0] * mesh.ep
+        for kind, group in enumerate(self.groups):
+            for i in group:
+                self.of_index[i] = kind
+
+    def of(self, rank: int) -> int:
+        return self.of_index[self.mesh.index(rank, "ep")] if self.count > 1 else 0
+
+    def representative(self, stage: int, kind: int) -> int:
+        return self.mesh.rank_of(pp=stage, ep=self.groups[kind][0])
+
+    def ranks(self, kind: int) -> int:
+        """How many ranks of a stage are of `kind`."""
+        return self.mesh.world_size // self.mesh.pp // self.mesh.ep * len(self.groups[kind])
+
+
+def rank_kinds(mesh, load: Load | None) -> RankKinds:
+    """The rank kinds `load` makes of `mesh`'s stages."""
+    return RankKinds(mesh, ep_kinds(load, mesh.ep))

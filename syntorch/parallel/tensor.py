@@ -138,7 +138,8 @@ def plan_for(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     # one as its own region: the same f and g)
     mla = {"attn": "moe_region", "attn.q": "colwise", "attn.q_b": "colwise", "attn.kv_b": "colwise"} \
         if model.config.mla else {}
-    rules = {**TP_PLAN, **gated, **moe, **mla, **(SP_PLAN if sequence_parallel else {})}
+    # a region (MoE layer, MLA attention) gathers its own input under SP: its style wins over SP_PLAN's
+    rules = {**TP_PLAN, **gated, **(SP_PLAN if sequence_parallel else {}), **moe, **mla}
     plan = {}
     for name, _ in model.named_modules():
         for suffix, style in rules.items():
@@ -297,10 +298,19 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
     elif style == "sequence_gather_input":
         module.register_forward_pre_hook(
             lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.sequence.split else args)
-    elif style == "moe_region":
-        module.register_forward_pre_hook(lambda m, args: (comm.copy_to_tp(args[0], tp.group), *args[1:]))
-        module.register_forward_hook(lambda m, inp, out: comm.reduce_from_tp(out, tp.group))
+    elif style == "moe_region":  # f and g around the region; under SP the all-gather and reduce-scatter of
+        # the sequence instead (Megatron-Core's all-gather token dispatcher for TP-split experts)
+        module.register_forward_pre_hook(lambda m, args: (_region_input(args[0], tp), *args[1:]))
+        module.register_forward_hook(lambda m, inp, out: _region_output(out, tp))
     return module
+
+
+def _region_input(x, tp: TPGroup):
+    return comm.gather_from_sp(x, 1, tp.group) if tp.sequence.split else comm.copy_to_tp(x, tp.group)
+
+
+def _region_output(y, tp: TPGroup):
+    return comm.reduce_scatter_to_sp(y, 1, tp.group) if tp.sequence.split else comm.reduce_from_tp(y, tp.group)
 
 
 def resolve_group(mesh_or_group):
@@ -314,10 +324,6 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     config = model.config
     check_tp(config, size)
-    if sequence_parallel and config.n_experts:  # experts see tokens, not a sequence to split
-        raise UserError(f"--sp is not supported for {config.name}'s mixture-of-experts layers; drop --sp")
-    if sequence_parallel and config.mla:
-        raise UserError(f"--sp is not supported for {config.name}'s latent attention (MLA); drop --sp")
     tp = TPGroup(group, rank, size, sequence_parallel)
     plan = TPPlan(size, rank, sequence_parallel, padded_vocab(config.vocab_size, size),
                   styles=plan_for(model, sequence_parallel))

@@ -14,9 +14,10 @@ module-level node: a roofline of its summed FLOPs and bytes, not its kernels' ti
 
 Our writer (workload.py) writes every rank of a stage from one template in which only comm-group ids and
 p2p peers differ (chakra/writer.py's StageTemplate), and leaves RANK_KINDS beside the files: the mesh and
-each file's size and modification time. When every file is still as written there, each stage's
-representative is read and simulated for all its ranks (graphs.MeshFrame); otherwise (a file changed, or
-traces we did not write) every rank is read and simulated on its own.
+each file's size and modification time, and the EP indices of each rank kind (parallel/moe_load.py). When
+every file is still as written there, each stage's representative (one per rank kind) is read and simulated
+for all its ranks (graphs.MeshFrame); otherwise (a file changed, or traces we did not write) every rank is
+read and simulated on its own.
 """
 import json
 import re
@@ -29,6 +30,7 @@ from syntorch.chakra.validate import load_comm_groups
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig, config_from_dict
 from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.moe_load import RankKinds
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, RankFrame, graph_program
 from syntorch.simulate.prediction import Prediction, run_summary
@@ -45,12 +47,13 @@ DTYPES = {"BFloat16": "bfloat16", "Half": "float16", "float": "float32", "double
 
 
 def rank_kinds_json(model: str, mesh: Mesh, folder: Path, hw: HardwareConfig | None = None,
-                    profile: str | None = None, attention: str = "flash") -> str:
-    """The mesh, each rank's file as written (size and modification time: the quick check rsync and make
-    use; a file rewritten since, even to the same size, shows a new time) and what its durations are from."""
+                    profile: str | None = None, attention: str = "flash", ep_kinds: list | None = None) -> str:
+    """The mesh, the EP indices of each rank kind of a stage (moe_load.RankKinds), each rank's file as written
+    (size and modification time: the quick check rsync and make use; a file rewritten since, even to the
+    same size, shows a new time) and what its durations are from."""
     stats = [(folder / f"{model}.{rank}.et").stat() for rank in range(mesh.world_size)]
     return json.dumps({"format": "syntorch rank kinds 1", "prefix": model,
-                       "mesh": mesh.to_json(),
+                       "mesh": mesh.to_json(), "ep_kinds": ep_kinds or [list(range(mesh.ep))],
                        "files": [[st.st_size, st.st_mtime_ns] for st in stats],
                        "durations": {"hw_config": hw.to_dict(), "profile": profile, "attention": attention}
                        if hw else None})
@@ -68,15 +71,16 @@ def _predict_traces(path, hw, profile, attention) -> Prediction:
     folder = files[0][1].parent
     groups = {k: sorted(v) for k, v in load_comm_groups(folder / "comm_groups.json", explicit=False).items()}
     world = len(files)
-    mesh, why, written = _symmetric_mesh(folder, files)
+    rank_kinds, why, written = _symmetric_mesh(folder, files)
     replay = _replays(written, hw, profile, attention)
     if replay:
         hw, profile, attention = config_from_dict(written["hw_config"]), written["profile"], _attention(written)
-    if mesh is not None:
-        paths = dict(files)
-        kinds = [(f"stage {s}", mesh.representative(s), paths[mesh.representative(s)], mesh.size("dp", "cp", "tp"))
-                 for s in range(mesh.pp)]
-        frame, note = MeshFrame(mesh), f"one program per pipeline stage, from {RANK_KINDS}"
+    if rank_kinds is not None:
+        paths, mesh = dict(files), rank_kinds.mesh
+        kinds = [(f"stage {s}" + (f" EP kind {k}" if rank_kinds.count > 1 else ""), rank_kinds.representative(s, k),
+                  paths[rank_kinds.representative(s, k)], rank_kinds.ranks(k))
+                 for s in range(mesh.pp) for k in range(rank_kinds.count)]
+        frame, note = MeshFrame(mesh, rank_kinds), f"one program per pipeline stage and rank kind, from {RANK_KINDS}"
     else:
         kinds = [(f"rank {rank}", rank, f, 1) for rank, f in files]
         frame, note = RankFrame(), f"every rank simulated on its own: {why}"
@@ -122,19 +126,20 @@ def _durations_note(hw, profile, attention, replay: bool) -> str:
     return f"durations from --hw_config {hw.name}'s model of each node as the files hold it"
 
 
-def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str, dict | None]:
-    """The mesh of RANK_KINDS and what its durations are from (None: no hardware) when every file is still
-    as our writer left it (by size and time), else (None, why not, None)."""
+def _symmetric_mesh(folder, files) -> tuple[RankKinds | None, str, dict | None]:
+    """The rank kinds of RANK_KINDS and what its durations are from (None: no hardware) when every file is
+    still as our writer left it (by size and time), else (None, why not, None)."""
     path = folder / RANK_KINDS
     if not path.is_file():
         return None, f"no {RANK_KINDS} (traces not written by syntorch trace)", None
     data = read_json(path, "rank kinds file")
     try:
         mesh = Mesh(**data["mesh"])
+        kinds = RankKinds(mesh, data.get("ep_kinds"))
         written = [(int(size), int(mtime)) for size, mtime in data["files"]]
         prefix = str(data["prefix"])
         durations = data.get("durations")
-    except (KeyError, TypeError, ValueError, UserError):
+    except (KeyError, TypeError, ValueError, IndexError, UserError):
         raise UserError(f"{path}: not a {RANK_KINDS} written by syntorch trace; delete it to simulate every rank") from None
     if [r for r, _ in files] != list(range(mesh.world_size)) or len(written) != mesh.world_size:
         return None, f"{RANK_KINDS} is for {mesh.world_size} ranks, the folder has {len(files)}", None
@@ -142,7 +147,7 @@ def _symmetric_mesh(folder, files) -> tuple[Mesh | None, str, dict | None]:
         st = f.stat()
         if not f.name.startswith(prefix + ".") or (st.st_size, st.st_mtime_ns) != written[rank]:
             return None, f"{f.name} changed since syntorch trace wrote it (a copy keeps the fast path with cp -p)", None
-    return mesh, "", durations
+    return kinds, "", durations
 
 
 def chakra_graph(path, rank: int, world: int, groups: dict) -> TraceGraph:

@@ -4,10 +4,13 @@ A frame says which ranks share a program and how the communication of one progra
 - `RankFrame`: every rank its own program (foreign traces, and the reference the symmetric form is tested
   against); a collective waits for every rank of its group, a recv for its sender's send.
 - `MeshFrame`: the ranks of a pipeline stage run one graph (trace/training.py traces its representative,
-  dp 0, cp 0 and tp 0; the others are translations along dp, cp and tp, Mesh.translate). A group inside one
-  stage (TP, CP, DP) has one member program: its ranks reach it at the same time. A group across stages
-  (pipeline pairs, the tied embedding) meets the other stages' representatives, which name it by the same
-  translation-free form: each rank moved back by the place of the group's lowest rank (Mesh.translate).
+  dp 0, cp 0 and tp 0; the others are translations along dp, cp and tp, Mesh.translate), or, under a routing
+  load that makes EP ranks differ, one graph per rank kind of the stage (moe_load.RankKinds: its
+  representative differs from the stage's in its EP index only). A group whose members are of one kind has
+  one member program: its ranks reach it at the same time. A group of several kinds (the EP all-to-all of
+  skewed ranks, pipeline pairs, the tied embedding) meets the other kinds' representatives, which name it
+  by the same translation-free form: each rank moved back by the place of the group's lowest rank along
+  every dimension but EP's (Mesh.translate), so that a kind's pipeline pairs stay its own.
 """
 from syntorch.parallel.mesh import DIMS, Mesh
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync
@@ -37,25 +40,29 @@ class RankFrame:
 
 
 class MeshFrame:
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
-        self.pp_stride = mesh.stride("pp")
-        self.labels, self.stages_in = {}, {}  # per group: its label (from every member's coordinates), its stages
+    """`kinds` (moe_load.RankKinds, default one per stage): the rank kinds of each stage."""
 
-    def kind(self, rank: int) -> int:  # its stage: plain arithmetic, asked for every member of a group
-        return rank // self.pp_stride % self.mesh.pp
+    def __init__(self, mesh: Mesh, kinds=None):
+        self.mesh, self.kinds = mesh, kinds
+        self.pp_stride = mesh.stride("pp")
+        self.labels, self.kinds_of = {}, {}  # per group: its label (from every member's coordinates), its kinds
+
+    def kind(self, rank: int) -> int:
+        """Its stage (plain arithmetic, asked for every member of a group), and its kind in the stage."""
+        stage = rank // self.pp_stride % self.mesh.pp
+        return stage if self.kinds is None else stage * self.kinds.count + self.kinds.of(rank)
 
     def kinds_in(self, group) -> int:
-        """How many stages meet in `group` (once per group: the gradient norm's may hold every rank)."""
+        """How many kinds meet in `group` (once per group: the gradient norm's may hold every rank)."""
         key = tuple(group)
-        if key not in self.stages_in:
-            self.stages_in[key] = len({self.kind(r) for r in group})
-        return self.stages_in[key]
+        if key not in self.kinds_of:
+            self.kinds_of[key] = len({self.kind(r) for r in group})
+        return self.kinds_of[key]
 
     def canonical(self, ranks) -> tuple:
-        """The group as its stage representatives name it: moved back by its lowest rank's place."""
-        lowest = min(ranks)
-        return tuple(self.mesh.translate(r, lowest, back=True) for r in ranks)
+        """The group as the kinds' representatives name it: moved back by its lowest rank's place but EP's."""
+        origin = self.mesh.first(min(ranks), "ep")
+        return tuple(self.mesh.translate(r, origin, back=True) for r in ranks)
 
     def label(self, group) -> str:
         """The communicator's kind, which names its stream: every group of a rank has its own (the mesh's

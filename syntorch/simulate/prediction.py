@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 
 from syntorch.hardware import HardwareConfig
+from syntorch.parallel.moe_load import RankKinds, rank_kinds
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.pipeline import schedule
 from syntorch.simulate.engine import Program, Run, simulate
@@ -12,7 +13,8 @@ from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
 from syntorch.simulate.steps import pipeline_programs, stage_costs, step_costs
 from syntorch.simulate.timeline import timeline_events, write_events
-from syntorch.trace.cost import op_dtype, shared_key
+from syntorch.trace.cost import op_dtype
+from syntorch.trace.graph import graph_kinds
 from syntorch.trace.graph import no_gc
 
 TIMELINE = "timeline.json"
@@ -66,43 +68,70 @@ def run_summary(run: Run, model_flops: float = 0.0, hw_flops: float = 0.0, peak_
 
 
 def predict_training(probes: dict, source: list[int], plan, hw: HardwareConfig, profile: str | None = None,
-                     attention: str | None = None) -> Prediction:
+                     attention: str | None = None, kind_probes: dict | None = None) -> Prediction:
     """A training step (or pipelined prefill) from per-stage probes ({stage: trace/layer_probe.py's StageProbe,
-    or probe_stage's (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of)."""
+    or probe_stage's (graph, blocks)} with durations filled; `source[s]`: the probed stage stage s is a copy of).
+    `kind_probes` ({(stage, kind): probe}, workload.Workload's): under a load that makes rank kinds, each
+    kind's (moe_load.RankKinds), which then runs its own pipeline programs (_kind_programs)."""
     with no_gc():  # many small lists, none cyclic
-        return _predict_training(probes, source, plan, hw, profile, attention)
+        return _predict_training(kind_probes or {(s, 0): p for s, p in probes.items()}, source, plan, hw, profile,
+                                 attention)
 
 
 def _predict_training(probes, source, plan, hw, profile, attention) -> Prediction:
     mesh, M, virtual = plan.mesh, plan.microbatches, getattr(plan, "virtual_stages", 1)
     sync_tp = not getattr(plan, "async_tp_allreduce", True)  # an inference plan has no backward
-    costs = {s: stage_costs(probe, mesh, sync_tp) for s, probe in probes.items()}
-    optimizer = {s: next((c for key, c in probed.items() if key[0] == "optimizer"), None)
-                 for s, probed in costs.items()}
+    kinds = rank_kinds(mesh, plan.moe_load) if any(k for _, k in probes) else RankKinds(mesh)
+    costs = {key: stage_costs(probe, mesh, sync_tp) for key, probe in probes.items()}
+    optimizer = {key: next((c for k, c in probed.items() if k[0] == "optimizer"), None)
+                 for key, probed in costs.items()}
     if plan.mode == "train":
         schedules = [schedule(plan.schedule, s, plan.pp, M, virtual) for s in range(plan.pp)]
     else:
         schedules = [[("F", m, 0) for m in range(M)] for _ in range(plan.pp)]
-    per_step = [step_costs(costs[source[s]], schedules[s], M) for s in range(plan.pp)]
-    ranks = mesh.world_size // mesh.pp  # a stage's DP, CP and TP ranks run its program
-    programs = pipeline_programs(schedules, per_step, plan.pp, virtual, [optimizer[source[s]] for s in range(plan.pp)],
-                                 ranks=ranks)
-    run = simulate(programs)
-    hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
-    # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
-    flops = sum(c.model_flops for stage in per_step for c in stage) if plan.mode == "train" else hw_flops
-    dense = sum(c.model_flops_dense for stage in per_step for c in stage) // (1 if plan.mode == "train" else 3)
-    summary = run_summary(run, ranks * flops, ranks * hw_flops, hw.peak_flops(_main_dtype(probes)), ranks * dense)
-    for kind, s in zip(summary["rank_kinds"], range(plan.pp)):
-        kind["stage"] = s
+    by_kind, flops = [], [0, 0, 0]  # model, hardware, model with dense attention: summed over every rank
+    for kind in range(kinds.count):
+        per_step = [step_costs(costs[source[s], kind], schedules[s], M) for s in range(plan.pp)]
+        ranks = kinds.ranks(kind)  # a stage's DP, CP and TP ranks of the kind run its program
+        by_kind.append(_kind_programs(pipeline_programs(schedules, per_step, plan.pp, virtual,
+                                                     [optimizer[source[s], kind] for s in range(plan.pp)],
+                                                     ranks=ranks), kind, kinds.count))
+        flops = [total + ranks * kind_flops for total, kind_flops in zip(flops, _flops(per_step, plan.mode))]
+    run = simulate([programs[s] for s in range(plan.pp) for programs in by_kind])  # by stage, then kind
+    summary = run_summary(run, flops[0], flops[1], hw.peak_flops(_main_dtype(probes)), flops[2])
+    for kind, (s, k) in zip(summary["rank_kinds"], ((s, k) for s in range(plan.pp) for k in range(kinds.count))):
+        kind.update(stage=s, **({"ep_kind": k} if kinds.count > 1 else {}))
     summary["stages"] = summary["rank_kinds"]
     summary.update(hw_config=hw.name, profile=profile, attention=attention, level="pipeline step", microbatches=M, virtual_stages=virtual)
     return Prediction(run, summary)
 
 
+def _flops(per_step: list[list], mode: str) -> tuple[int, int, int]:
+    """One rank's model, hardware and dense-attention model FLOPs, from the StepCost of each scheduled step."""
+    hw_flops = sum(c.hw_flops for stage in per_step for c in stage)
+    # a forward-only run's model FLOPs are what it runs (model_flops counts the backward a step would add)
+    flops = sum(c.model_flops for stage in per_step for c in stage) if mode == "train" else hw_flops
+    dense = sum(c.model_flops_dense for stage in per_step for c in stage) // (1 if mode == "train" else 3)
+    return flops, hw_flops, dense
+
+
+def _kind_programs(programs: list[Program], kind: int, count: int) -> list[Program]:
+    """One rank kind's pipeline programs, apart from the other kinds': its sends, recvs and collectives
+    across stages meet its own kind's (the same EP index, moved along pp). The kinds of a stage also meet in
+    every MoE layer's all-to-all, which a probed step simulates on its own rank kind, at its own size (the
+    larger of what the kind sends and receives): so the busiest kind's steps are as long as that all-to-all
+    makes them and the step is its pipeline's, but a lighter kind does not wait for it there."""
+    if count == 1:
+        return programs
+    for p in programs:
+        p.name += f" EP kind {kind}"
+        p.syncs = {i: sync._replace(key=(kind, *sync.key)) for i, sync in p.syncs.items()}
+    return programs
+
+
 def _main_dtype(probes: dict) -> str:
     """The dtype of the op with the most FLOPs: what MFU's peak is taken for."""
-    graph = probes[min(probes)][0]
+    graph = probes[min(probes)][0]  # the first stage's representative
     biggest = max((n for n, d in graph.node_attrs.items() if d["kind"] == "op"),
                   key=lambda n: graph.node_attrs[n]["flops"], default=None)
     return "float32" if biggest is None else op_dtype(graph, biggest)
@@ -129,12 +158,10 @@ def predict_inference(traces, hw_name: str, profile: str | None = None, attentio
 def rank_programs(traces) -> tuple[list[Program], list[tuple]]:
     """One program per distinct graph of `traces` (rank -> graph; RankTraces' ranks that share a graph run
     one program), and per program (its graph, the graph node of each task)."""
-    kinds = {}  # shared graph -> (graph, its ranks)
-    for rank in sorted(traces):
-        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
-    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
+    kinds = graph_kinds(traces)  # (shared graph, its ranks)
+    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds) for r in ranks})
     programs, tasks = [], []
-    for graph, ranks in kinds.values():
+    for graph, ranks in kinds:
         name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
         program, nodes = graph_program(graph, name, frame, len(ranks))
         programs.append(program)

@@ -215,8 +215,4 @@ def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
                 "src": None if d["src"] is None else mesh.translate(d["src"], rank),
                 "dst": None if d["dst"] is None else mesh.translate(d["dst"], rank)}
 
-    nodes = {n: moved(d) for n, d in graph.node_attrs.items()}
-    if nodes:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
-        first = next(iter(nodes))
-        nodes[first] = dict(nodes[first])
-    return with_node_attrs(graph, nodes, rank=rank)
+    return with_node_attrs(graph, {n: moved(d) for n, d in graph.node_attrs.items()}, rank=rank)

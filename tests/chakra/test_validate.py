@@ -11,7 +11,8 @@ from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.chakra.writer import write_chakra
 from syntorch.trace.graph import TraceGraph
-from syntorch.chakra.validate import validate_traces
+from syntorch.chakra.rank_templates import RankTemplates
+from syntorch.chakra.validate import UNEQUAL_ALL_TO_ALL, validate_traces
 
 
 def tp_pp_rank(rank: int) -> TraceGraph:
@@ -184,6 +185,27 @@ def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
     assert expected in out and re.search(r"^\d+ problems? in 4 ranks$", out, re.M)
 
 
+BREAKS = [_dangling, _cycle, _duplicate, _metadata, _string_comm_type, _no_comm_size, _unknown_pg, _not_member,
+          _reorder, _unmatched_send, _no_header, _cpu_comm, _reduce, _zero_size, _int64_peer, _foreign_send]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("break_it", BREAKS)
+def test_ranks_checked_as_their_template_get_every_verdict_of_a_whole_check(good, monkeypatch, break_it, rank):
+    """A rank that is a checked rank's file but for some communication nodes is checked as that template with
+    those nodes checked again (rank_templates.py): the problems are those of checking every rank whole, with
+    the broken rank the template (rank 0) or one compared with it (1)."""
+    rewrite(good / f"mix.{rank}.et", break_it)
+    matched = []
+    match = RankTemplates.match
+    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: matched.append(match(self, *a)) or matched[-1])
+    fast = validate_traces(good)
+    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: None)  # every rank checked whole
+    assert fast == validate_traces(good)
+    assert fast or (break_it, rank) == (_foreign_send, 1)  # comm_src 1 is rank 1's own
+    assert any(matched)  # rank 1 (TP peer of rank 0) or 3 (of rank 2): the same bytes but for group ids and peers
+
+
 def test_roofline_needs_ops_and_bytes(good):
     assert validate_traces(good, roofline=True) == []
     rewrite(good / "mix.1.et", lambda h, nodes: (h, [set_attr(nodes[0], "num_ops", int64_val=0) or n for n in nodes]))
@@ -232,3 +254,22 @@ def test_a_broken_node_shared_by_ranks_is_reported_in_each(good):
     assert read_et(good / "mix.0.et")[1][0] == read_et(good / "mix.1.et")[1][0]  # the same node in both files
     problems = [p for p in validate_traces(good) if "METADATA_NODE" in p]
     assert [p.split(":")[0] for p in problems] == ["mix.0.et", "mix.1.et"]
+
+
+@pytest.mark.parametrize("comm_type", [et.ALL_REDUCE, et.ALL_GATHER, et.REDUCE_SCATTER, et.BROADCAST, et.ALL_TO_ALL])
+def test_members_of_unequal_sizes_are_caught_an_all_to_all_with_why(good, comm_type):
+    """Rank 1 issues group 10's first collective with twice rank 0's comm_size. An all-to-all's members would
+    move what each routes (a skewed MoE load), but ASTRA-sim matches its messages by size and hangs."""
+    def sized(size):
+        def change(h, nodes):
+            node = first(nodes, et.COMM_COLL_NODE)
+            set_attr(node, "comm_type", int64_val=comm_type)
+            set_attr(node, "comm_size", int64_val=size)
+            return h, nodes
+        return change
+    rewrite(good / "mix.0.et", sized(128))
+    rewrite(good / "mix.1.et", sized(256))
+    name = et.CollectiveCommType.Name(comm_type)
+    why = UNEQUAL_ALL_TO_ALL if comm_type == et.ALL_TO_ALL else "every member must issue the group's collectives in the same order"
+    assert validate_traces(good) == [f"mix.1.et: node 1: collective #0 of group 10 is {name} of 256 B but rank 0 "
+                                     f"issues {name} of 128 B; {why}"]

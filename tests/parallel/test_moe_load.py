@@ -1,6 +1,6 @@
 """A stated routing load for symbolic MoE runs (parallel/moe_load.py): parsing and its one-line refusals, the
 all-to-all sizes of each EP rank following it (checked against the rows each rank must send and receive when
-every rank routes alike), the EP ranks it makes differ, and the expert GEMMs of a one-rank run."""
+every rank routes alike), the EP ranks it makes differ (written as their kinds), and the expert GEMMs of a one-rank run."""
 import json
 
 import pytest
@@ -88,11 +88,16 @@ def test_without_ep_the_expert_gemms_follow_the_load(tmp_path):
     assert rows == [8, 24]
 
 
-def test_trace_refuses_a_load_that_makes_ep_ranks_differ_until_kinds_are_written(tmp_path):
+def test_trace_writes_a_load_that_makes_ep_ranks_differ_as_their_kinds(tmp_path):
     config = tmp_path / "moe.json"
     save_model_config(MOE, config)
     args = ["trace", "--model_config", str(config), "--seq", "16", "--dp", "2", "--ep", "2", "--no_progress"]
     skewed = load_file(tmp_path, {"tokens_per_expert": ROWS})
     even = load_file(tmp_path, {"tokens_per_expert": [[1, 1, 1, 1], [3, 1, 3, 1]]}, "even.json")
-    assert main([*args, "--moe_load", skewed, "--out", str(tmp_path / "a")]) == 2
+    assert main([*args, "--moe_load", skewed, "--out", str(tmp_path / "a")]) == 0
     assert main([*args, "--moe_load", even, "--out", str(tmp_path / "b")]) == 0  # each EP rank's experts get half
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in "ab"]
+    assert [s["kinds_per_stage"] for s in summaries] == [2, 1]
+    kinds = [s["stages"][0].get("rank_kinds") for s in summaries]
+    assert [k["ep_ranks"] for k in kinds[0]] == [[0], [1]] and kinds[1] is None
+    assert kinds[0][0]["comm_bytes"] > kinds[0][1]["comm_bytes"]  # EP rank 0's experts get every pair of layer 0
