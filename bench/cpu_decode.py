@@ -3,9 +3,11 @@ memory-bandwidth floor, each run as a whole command in a fresh process.
 
     python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32] [--compile] [--thp]
 
-The same random weights (HF `GPT2Config()`, saved once) run in three kinds of child process, alternated `reps`
-times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate), HF (`generate`,
-as bench/infer_speed.py runs it) and the floor; with --compile a fourth, syntorch under torch.compile. Decoding one row is memory-bound: each step must read every weight
+The same random weights (HF `GPT2Config()`, saved once) run in four kinds of child process, alternated `reps`
+times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate: its decode steps
+replayed from a captured graph when the run is long enough to pay for it, syntorch/decode_capture.py), syntorch
+with every step eager, HF (`generate`, as bench/infer_speed.py runs it) and the floor; with --compile a fifth,
+syntorch under torch.compile. Decoding one row is memory-bound: each step must read every weight
 matrix once (the LM head included) and the KV cache written so far. The floor child times the weights' part as
 infer_speed does (one vector-matrix product per matrix), which also measures the bandwidth; the KV part is its
 bytes over that bandwidth. Per-step times are compared at their 10th percentile over all reps (other processes
@@ -32,11 +34,15 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))  # infer_speed's functions, imported where a child needs them
 
 
-def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> dict:
+def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False,
+                   capture: bool = True) -> dict:
+    from syntorch import decode_capture
     from syntorch.checkpoints import load_checkpoint
     from syntorch.generate import Sampling, generate, stream_friendly_weights
     _, model = load_checkpoint(folder, dtype=torch.float32)
     stream_friendly_weights(model)
+    if not capture:  # every step eager, whatever the run's length
+        decode_capture.MIN_STEPS = sys.maxsize
     if compile:  # one graph for every cache length; the first steps pay the compile time
         model.forward = torch.compile(model.forward, dynamic=True)
     stamps = []
@@ -53,7 +59,11 @@ def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: 
 
 
 def compiled_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
-    return syntorch_child(folder, prompt, new_tokens, compile=True)
+    return syntorch_child(folder, prompt, new_tokens, compile=True, capture=False)
+
+
+def eager_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    return syntorch_child(folder, prompt, new_tokens, capture=False)
 
 
 def hf_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
@@ -107,7 +117,8 @@ def save_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
     return {}
 
 
-CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "compiled": compiled_child}
+CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "eager": eager_child,
+            "compiled": compiled_child}
 
 
 def run_child(kind: str, folder: str, threads: int, args) -> dict:
@@ -139,8 +150,9 @@ def per_token(runs: dict, clock: str) -> dict:
 
 
 def bench(folder: str, threads: int, args) -> None:
-    kinds = [*CHILDREN][:4 if args.compile else 3]
+    kinds = [*CHILDREN][:5 if args.compile else 4]
     runs = {kind: [] for kind in kinds}
+    timed = [k for k in kinds if k != "floor"]
     for _ in range(args.reps):
         for kind in kinds:
             runs[kind].append(run_child(kind, folder, threads, args))
@@ -155,19 +167,19 @@ def bench(folder: str, threads: int, args) -> None:
         floor = weight_s + floors["kv_bytes"] / bandwidth
         print(f"  per step in {label} time: floor {1e3 * floor:.2f} ms/token ({1e3 * weight_s:.2f} weights + "
               f"{1e3 * (floor - weight_s):.2f} KV at {bandwidth / 1e9:.1f} GB/s; median {1e3 * step['floor'][1]:.2f})")
-        for kind in kinds[:2] + kinds[3:]:
+        for kind in timed:
             print(f"    {kind:8s} {1e3 * step[kind][0]:6.2f} ms/token (median {1e3 * step[kind][1]:6.2f})  "
                   f"{100 * floor / step[kind][0]:5.1f}% of floor")
         print(f"    syntorch / HF generate: {step['hf'][0] / step['syntorch'][0]:.2f}x per decode step "
               f"(medians {step['hf'][1] / step['syntorch'][1]:.2f}x)")
-    for kind in kinds[:2] + kinds[3:]:
+    for kind in timed:
         best = {k: min(r[k] for r in runs[kind]) for k in ("wall", "cpu", "rss_mb")}
         print(f"  whole command, best of {args.reps}: {kind:8s} wall {best['wall']:5.2f} s  CPU {best['cpu']:5.2f} s  "
               f"peak RSS {best['rss_mb']:4.0f} MB")
-    if args.compile:
-        first = {k: min(r["first_s"] for r in runs[k]) for k in ("syntorch", "compiled")}
-        print(f"  torch.compile: prefill + first two decode steps {first['compiled']:.1f} s against {first['syntorch']:.2f} s "
-              f"eager (wall)")
+    first = {k: min(r["first_s"] for r in runs[k]) for k in kinds if k not in ("hf", "floor")}
+    print(f"  prefill + first two decode steps (wall): {first['syntorch']:.2f} s (captured if the run is long enough, "
+          f"decode_capture.py) against {first['eager']:.2f} s eager"
+          + (f", {first['compiled']:.1f} s under torch.compile" if args.compile else ""))
 
 
 def main():

@@ -26,8 +26,8 @@ from syntorch.checkpoints import checkpoint_config, load_checkpoint, save_checkp
 from syntorch.config import get_config
 from syntorch.models import build_model
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.shard import load_rank_model, stages, write_shards
+from syntorch.parallel.mesh import Mesh, MeshGroups, init_groups
+from syntorch.shard import load_rank_model, write_shards
 
 
 def peak_mb() -> float:
@@ -50,7 +50,7 @@ def load(kind: str, folder: str, rank: int, queue) -> None:
             model = load_rank_model(config, folder, "cpu", torch.float32, init_groups(Mesh(tp=2)))
     else:  # pp2: stage `rank`
         config = checkpoint_config(folder)
-        model = load_rank_model(config, folder, "cpu", torch.float32, stage=stages(config, 2)[rank])
+        model = load_rank_model(config, folder, "cpu", torch.float32, MeshGroups(Mesh(pp=2), rank))
     tensors = [] if model is None else list({id(t): t for t in model.state_dict().values()}.values())
     for t in tensors:  # touch every weight, as the first forward does: memory-mapped pages count once read
         t.sum()

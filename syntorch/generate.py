@@ -2,7 +2,8 @@
 
 Greedy, temperature, top-k, top-p (seeded, so every tensor-parallel rank that sees the same logits picks
 the same token), beam search with HuggingFace's semantics, and stop tokens. Works on `meta` symbolically.
-The model stays plain PyTorch: caches are attached from outside and phases are labelled through a callback.
+The model stays plain PyTorch and owns its KV caches (models/kv_cache.py: set up for a run, reordered by beam
+search, reset after it); phases are labelled through a callback.
 
 A step's work outside the layers is traced as it runs (on meta the choice is made on the device, so the trace
 and the Chakra files hold it): the new token's embedding lookup, the logits all-gathered over TP ranks, the
@@ -20,8 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from syntorch.errors import UserError
-from syntorch.models.layers import Attention, KVCache
-from syntorch.models.mla import MLA
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +72,6 @@ class GenerationResult:
         return sum(map(len, self.new_tokens)) / total if total > 0 else 0.0
 
 
-def setup_caches(model: torch.nn.Module, batch: int, max_seq: int) -> None:
-    """Attach an empty KVCache for `batch` rows of up to `max_seq` positions to every attention layer."""
-    # the model's float dtype (a weight may be stored int8: syntorch/quant.py)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    for attn in model.modules():
-        if isinstance(attn, MLA):  # the latent and the shared rotary key, whole on every TP rank
-            attn.kv_cache = attn.new_cache(batch, max_seq, dtype)
-        elif isinstance(attn, Attention):
-            weight = attn.qkv.weight
-            # K/V heads only (grouped-query attention), and this rank's, so a TP-sharded qkv works
-            _, n_kv = attn.local_heads(weight.shape[0] // attn.d_head)
-            attn.kv_cache = KVCache(batch, n_kv, max_seq, attn.d_head, dtype, weight.device)
-
-
 def stream_friendly_weights(model: torch.nn.Module) -> None:
     """Keep each CPU Linear weight [out, in] as a transposed view of [in, out] memory: same shapes and values,
     but `x @ weight.t()` then runs MKL's non-transposed product, which streams the weights ~1.3x faster when
@@ -100,12 +85,6 @@ def stream_friendly_weights(model: torch.nn.Module) -> None:
             if (isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
                     and m.weight.is_contiguous()):
                 m.weight.data = m.weight.data.t().contiguous().t()
-
-
-def clear_caches(model: torch.nn.Module) -> None:
-    for attn in model.modules():
-        if isinstance(attn, Attention):
-            attn.kv_cache = None
 
 
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, list[int]]:
@@ -243,15 +222,19 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
 
     On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
     The model's parameters are left as they are (values and memory); KV caches are attached for the run and
-    removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster.
+    removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster, and a long
+    enough run replays its decode steps from a captured graph (decode_capture.py).
     """
     _check_request(model, prompt, max_new_tokens, beam_width, pads)
     pads = pads if pads and any(pads) else None  # without padding the model's own causal mask does it
+    from syntorch.decode_capture import CapturedForward, capturable  # it builds on LocalForward, here
+    if forward is None and beam_width == 1 and not pads and capturable(model, prompt.device, max_new_tokens - 1):
+        forward = CapturedForward(prompt.shape[1] + max_new_tokens)
     run = _Run(model, phase_scope or _no_scope, forward or LocalForward(),
                Padding([p for p in pads for _ in range(beam_width)], prompt.device) if pads else None)
     stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
     with torch.inference_mode():
-        setup_caches(model, prompt.shape[0] * beam_width, prompt.shape[1] + max_new_tokens)
+        model.setup_caches(prompt.shape[0] * beam_width, prompt.shape[1] + max_new_tokens)
         try:
             if beam_width > 1:
                 if not sampling.greedy and sampling != Sampling(seed=sampling.seed):
@@ -260,7 +243,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
             else:
                 tokens = _sample(run, prompt, max_new_tokens, sampling, stop_tokens)
         finally:
-            clear_caches(model)
+            model.reset_caches()
     pads = pads or [0] * prompt.shape[0]
     return GenerationResult([row[p:] for row, p in zip(tokens, pads)], [prompt.shape[1] - p for p in pads],
                             run.times[0], run.times[1:])
@@ -279,18 +262,18 @@ class _Run:
         self.times: list[float] = []
 
     def step(self, idx: torch.Tensor, start: int, select, sizes: list[int],
-             cache_rows: torch.Tensor | None = None):
+             cache_order: torch.Tensor | None = None):
         """Logits of the last position of idx (cache slots start..) handed as float32 to `select` (on CPU;
         on meta as they are, so the choice is traced too), whose result -- a tuple of 1-D long tensors of
         `sizes` -- is shared by the forward (a pipeline's last stage sends it to the others) and returned
         (None without `select`). idx is [B, T], or the [B] tokens the last step chose: they are fed in here,
-        inside the step, so a trace links each step to the one that chose its input. `cache_rows` (beam
+        inside the step, so a trace links each step to the one that chose its input. `cache_order` (beam
         search) reorders the KV cache first, inside the step too, so its copies are traced."""
         phase = "prefill" if start == 0 else f"decode[{len(self.times) - 1}]"
         begin = time.perf_counter()
         with self.phase_scope(phase):
-            if cache_rows is not None:
-                reorder_caches(self.model, cache_rows.to(self.device))
+            if cache_order is not None:
+                self.model.reorder_caches(cache_order.to(self.device))
             if idx.dim() == 1:
                 idx = idx[:, None].to(self.device)  # [B, 1]
             inputs = self.padding.inputs(start, idx.shape[1]) if self.padding else {}
@@ -355,7 +338,7 @@ def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> 
     beams = None if run.symbolic else _Beams(prompt.cpu(), beam_width, T + max_new_tokens, stop_tokens)
     idx, rows = prompt.repeat_interleave(beam_width, 0), None  # [R, T]: every beam starts from its row's prompt
     for i in range(max_new_tokens):
-        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None, [R, R, 1], cache_rows=rows)
+        chosen = run.step(idx, T + i - 1 if i else 0, beams.update if beams else None, [R, R, 1], cache_order=rows)
         if (bool(chosen[2]) if beams else i == max_new_tokens - 1):
             break
         # [R] tokens and the cache row each beam continues; the next step feeds them
@@ -364,13 +347,6 @@ def _beam_search(run: _Run, prompt, max_new_tokens, beam_width, stop_tokens) -> 
         return torch.cat((_known(prompt), torch.zeros(B, max_new_tokens, dtype=torch.long)), 1).tolist()
     # the best beams are known where the choices were made (a pipeline's last stage), which shares them
     return run.forward.share_rows(beams.best() if beams.chooses else None, B, T + max_new_tokens)
-
-
-def reorder_caches(model: torch.nn.Module, rows: torch.Tensor) -> None:
-    """Cache row b becomes the old row rows[b] in every attention layer (beam search)."""
-    for attn in model.modules():
-        if isinstance(attn, Attention) and attn.kv_cache is not None:
-            attn.kv_cache.reorder(rows)
 
 
 class _Beams:

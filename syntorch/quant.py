@@ -11,12 +11,11 @@ tensor subclass whose F.linear runs the int8 product, so nn.Linear and the TP mo
 F.linear(x, self.weight, self.bias)) work unchanged. Under TP it runs after sharding: each rank's scales
 are those of its own rows (column-parallel) or of its own part of every row (row-parallel), which is what
 quantizing that rank's matrix means. On meta it runs too, so traces carry int8 weights and the fused op
-(FLOPs registered below), and predicted decode time follows the bytes.
+(its FLOPs in FLOP_FORMULAS below), and predicted decode time follows the bytes.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.flop_counter import register_flop_formula
 
 from syntorch.errors import UserError
 from syntorch.models.router import DeepSeekRouter
@@ -68,11 +67,15 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
         return y if bias is None else y + bias
 
 
-@register_flop_formula(torch.ops.aten._weight_int8pack_mm)
-def _int8_mm_flops(x_shape, w_shape, scale_shape, *args, out_shape=None, **kwargs) -> int:
+def _int8_mm_flops(x: torch.Tensor, w: torch.Tensor, *args, **kwargs) -> int:
     # the product's 2·M·N·K, plus dequantizing each weight once (convert and scale: one multiply)
-    (m, k), n = x_shape, w_shape[0]
+    (m, k), n = x.shape, w.shape[0]
     return 2 * m * n * k + n * k
+
+
+# FLOP formulas of the ops above that torch's flop_counter has none for, called as its registry's are (the op's
+# arguments, out_val=): the tracer (trace/tracer.py) reads them beside torch's, which stays untouched
+FLOP_FORMULAS = {torch.ops.aten._weight_int8pack_mm: _int8_mm_flops}
 
 
 def quantize_weight(w: torch.Tensor) -> Int8Weight:

@@ -20,14 +20,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from syntorch.checkpoints import RANK_KEY, SHARD_INDEX, ShardIndex, check_shard_layout, lazy_checkpoint, rank_file
+from syntorch.checkpoints import (RANK_KEY, SHARD_INDEX, ShardIndex, check_shard_layout, lazy_checkpoint,
+                                  rank_file, read_shard_index)
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model
 from syntorch.outdir import atomic_output_dir
-from syntorch.parallel.mesh import Mesh
+from syntorch.parallel.assemble import RankPlan, assemble_rank
+from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.pipeline import Stage, split_stage, stage_layers
-from syntorch.parallel.tensor import TPPlan, apply_tp, check_tp, padded_vocab, plan_for, take_shard
+from syntorch.parallel.tensor import TPPlan, check_tp, padded_vocab, plan_for, take_shard
 
 
 def rank_file_name(rank: int) -> str:
@@ -80,16 +82,22 @@ def rank_tensors(names, full: dict, styles: dict[str, str], tp_rank: int, tp: in
 def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> ShardIndex:
     """`syntorch shard`: one safetensors file per rank plus SHARD_INDEX, written into a folder that appears
     whole or not at all. Tensors keep the checkpoint's dtype; a run casts them to its --dtype."""
-    from safetensors.torch import save_file
-
     if (Path(checkpoint) / SHARD_INDEX).is_file():
         raise UserError(f"{checkpoint} is already a sharded folder; give the HuggingFace folder it was made from")
     config, full = lazy_checkpoint(checkpoint, dtype=None)
+    return write_state_shards(config, full, out_dir, tp, pp, force)
+
+
+def write_state_shards(config: ModelConfig, full: dict, out_dir, tp: int, pp: int, force: bool = False,
+                       flag: str = "--out", tokenizer=None) -> ShardIndex:
+    """`full` (name -> whole tensor, or a lazy one) cut into one file per TP x PP rank and SHARD_INDEX, with
+    `tokenizer.save(folder)`'s files when given (`syntorch train --save_format sharded`)."""
+    from safetensors.torch import save_file
+
     check_tp(config, tp)
-    layout = stages(config, pp)
     files, tensors, layers = {}, {}, {}
-    with atomic_output_dir(out_dir, force, "--out") as tmp:
-        for stage in layout:
+    with atomic_output_dir(out_dir, force, flag) as tmp:
+        for stage in stages(config, pp):
             model = stage_model(config, stage)
             styles = plan_for(model, sequence_parallel=False) if tp > 1 else {}
             for tp_rank in range(tp):
@@ -104,20 +112,72 @@ def write_shards(checkpoint, out_dir, tp: int, pp: int, force: bool = False) -> 
         (tmp / SHARD_INDEX).write_text(json.dumps(index.to_dict(), indent=1) + "\n")
         for name in files.values():  # safetensors writes 0600; give the files the index's mode (umask applied)
             os.chmod(tmp / name, (tmp / SHARD_INDEX).stat().st_mode & 0o777)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
     return index
 
 
-def load_rank_model(config: ModelConfig, checkpoint, device, dtype, tp_group=None, sequence_parallel: bool = False,
-                    stage: Stage | None = None) -> nn.Module:
-    """The model one rank runs, reading only its own weights: built on meta, cut to `stage`, TP applied over
-    `tp_group` (a MeshGroups or ProcessGroup; None: no TP), then filled from `checkpoint` (a shard folder:
-    this rank's file; a HuggingFace folder: this rank's slices)."""
-    model = build_model(config, device="meta", dtype=dtype)
-    plan = apply_tp(model, tp_group, sequence_parallel) if tp_group is not None else None
-    if stage is not None and stage.count > 1:  # after TP, which ties the head to the embedding both hold
-        split_stage(model, stage)
-    load_rank_weights(model, checkpoint, device, dtype, plan, stage)
-    return model.eval()
+def merged_state(folder) -> tuple[ModelConfig, dict]:
+    """(config, the whole model's state) from a shard folder: every rank's file put back together."""
+    index = read_shard_index(folder)
+    mesh = Mesh(pp=index.pp, tp=index.tp)
+    parts = []
+    for rank in sorted(index.files):
+        getters = rank_file(folder, index, rank)
+        parts.append((mesh.coordinate(rank).tp, {name: read() for name, read in getters.items()}))
+    return index.config, whole_state(index.config, index.tp, parts)
+
+
+def whole_state(config: ModelConfig, tp: int, parts: list, etp: int | None = None) -> dict:
+    """The whole model's state from (tp_rank, state) parts of every stage: rank_tensors undone. Where each
+    element of a TP rank's tensor came from is found by cutting a tensor of element numbers as the plan cut
+    the weights (take_shard), so every style, and the padded vocabulary, is undone without an inverse of its
+    own. `etp` 1: experts whole on every rank (`syntorch train --etp 1`)."""
+    from syntorch.parallel.expert import is_expert_param
+
+    meta = build_model(config, "meta")
+    styles, shapes = plan_for(meta, sequence_parallel=False) if tp > 1 else {}, meta.state_dict()
+    state = {}
+    for tp_rank, part in parts:
+        for name, shard in part.items():
+            module, _, param = name.rpartition(".")
+            style = "replicated" if etp == 1 and is_expert_param(name) else styles.get(module, "replicated")
+            if style == "replicated":
+                state.setdefault(name, shard)
+                continue
+            full = state.setdefault(name, torch.zeros(shapes[name].shape, dtype=shard.dtype))
+            numbers = torch.arange(1, full.numel() + 1, dtype=torch.float64).view(full.shape)  # 0: vocab padding
+            where = take_shard(style, param, numbers, tp_rank, tp, padded_vocab(config.vocab_size, tp), config.d_head,
+                               config.kv_heads)
+            kept = where > 0
+            full.view(-1)[where[kept].long() - 1] = shard[kept]
+    return state
+
+
+def loaded(config: ModelConfig, state: dict, device="cpu") -> nn.Module:
+    """A whole model on `device` holding `state`; only aliases (a tied head) may be left out of it."""
+    model = build_model(config, device)
+    unset = set(model.load_state_dict(state, strict=False).missing_keys) & set(unique_state(model))
+    if unset:
+        raise RuntimeError(f"the ranks' parts leave {sorted(unset)} unset")
+    return model
+
+
+def load_rank_model(config: ModelConfig, checkpoint, device, dtype, groups: MeshGroups | None = None,
+                    plan: RankPlan | None = None) -> nn.Module:
+    """The model one rank runs, reading only its own weights: assemble.assemble_rank under `plan` (default: an
+    inference run over the mesh of `groups`, this rank's MeshGroups; None: one rank) builds it on meta, cut
+    and sharded, then fills it from `checkpoint` (a shard folder: this rank's file; a HuggingFace folder:
+    this rank's slices)."""
+    groups = groups or MeshGroups(Mesh(), 0)
+    plan = plan or RankPlan(tp=groups.mesh.tp, pp=groups.mesh.pp, mode="infer")
+    weights = checkpoint_weights(checkpoint, device, dtype)
+    return assemble_rank(config, plan, groups, device, dtype, weights=weights).model
+
+
+def checkpoint_weights(checkpoint, device, dtype):
+    """assemble_rank's `weights` from `checkpoint`: load_rank_weights into the rank's cut, sharded model."""
+    return lambda model, tp_plan, stage: load_rank_weights(model, checkpoint, device, dtype, tp_plan, stage)
 
 
 def load_rank_weights(model: nn.Module, checkpoint, device, dtype, plan: TPPlan | None = None,

@@ -436,9 +436,6 @@ CASES = [
         ("--checkpoint {ws}/gemma", "model_type 'gemma' (architectures ['GemmaForCausalLM']) is not supported"),
         ("--model_config {ws}/kv6.json --tp 4 --device meta", "--tp 4 neither divides nor is a multiple of"),
     ]),
-    *cases(TRACE, "out/", [
-        ("--model_config {ws}/moe.json --tp 2 --sp", "--sp is not supported for mixtral-8x7b's mixture-of-experts layers"),
-    ]),
     *cases("predict --out {out}", "out/", [
         ("{ws}/nothing", "no <prefix>.<rank>.et files at"),
         ("{ws}/corrupt", "bad.0.et: corrupt .et"),

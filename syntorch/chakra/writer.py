@@ -25,8 +25,7 @@ from syntorch.chakra.nodes import NodeSpec, chakra_nodes, global_metadata, rewri
 from syntorch.errors import UserError
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.mesh import Mesh
-from syntorch.trace.cost import shared_key
-from syntorch.trace.graph import RankTraces
+from syntorch.trace.graph import RankTraces, graph_kinds
 from syntorch.trace import levels
 
 JSON_FORM = "tensor_trace_chakra.json"
@@ -76,17 +75,15 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
     out_dir = Path(out_dir)
     model = re.sub(r"[^\w.+-]", "_", model_name or graphs_by_rank[0].graph.get("model") or "trace")  # a file name
-    graphs = {r: graphs_by_rank[r] for r in ranks}
-    # one level view per distinct graph: the ranks sharing it share its encoding too
-    distinct = {}
-    for graph in graphs.values():
-        if shared_key(graph) not in distinct:
-            distinct[shared_key(graph)] = chakra_level(graph, level)
-    groups, notes = graph_group_ids(distinct.values()), rewrite_notes(distinct.values())
-    encoded, total = {}, 0  # graph key -> (node bytes, node count, has durations)
+    # one level view and one encoding per distinct graph, which the ranks sharing it share
+    kinds = graph_kinds(graphs_by_rank)
+    distinct = [chakra_level(graph, level) for graph, _ in kinds]
+    kind_of = {r: k for k, (_, kind_ranks) in enumerate(kinds) for r in kind_ranks}
+    groups, notes = graph_group_ids(distinct), rewrite_notes(distinct)
+    encoded, total = {}, 0  # kind -> (node bytes, node count, has durations)
     with atomic_output_dir(out_dir, force, flag) as tmp:
         for rank in ranks:
-            graph, key = graphs[rank], shared_key(graphs[rank])
+            graph, key = graphs_by_rank[rank], kind_of[rank]
             if key not in encoded:
                 specs = chakra_nodes(distinct[key], groups)
                 encoded[key] = (serialize(specs), len(specs), any(s.duration_micros for s in specs))

@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
                          ("pp", "pipeline stages (default: divisors of --gpus up to the layers)"),
                          ("cp", "context parallel (default: 1, 2, ... while each rank keeps >= 4,096 tokens)"),
                          ("ep", "expert parallel, MoE models (default: divisors of the experts)"),
+                         ("etp", "the experts' own tensor parallel, MoE models (default: 1 and --tp)"),
                          ("dp", "data parallel, what TP x PP x CP leave of --gpus (default: any)"),
                          ("virtual_stages", "interleaved 1F1B chunks per stage (default: 1-4)"),
                          ("micro_batch_size", "sequences per micro-batch (default: 1, 2, 4, 8, 16)")):
@@ -113,12 +114,16 @@ def run(args) -> int:
     per_node = args.gpus_per_node or hws[0].devices_per_node
     hws = [dataclasses.replace(hw, devices_per_node=per_node) for hw in hws]
     work = Work(args.gpus, args.global_batch or args.tokens_per_step // seq, seq, per_node)
-    choices = Choices(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp=args.dp, virtual_stages=args.virtual_stages,
-                      micro_batch_size=args.micro_batch_size, zero=args.zero,
+    choices = Choices(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, dp=args.dp,
+                      virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size, zero=args.zero,
                       sp={"true": (True,), "false": (False,), "both": (False, True)}[args.sp],
                       recompute=("none",) if args.no_recompute else args.recompute)
     result = search(config, work, choices, hws, args.dtype, args.max_memory_gb, args.profile, args.attention,
                     args.workers or default_workers(), args.ray, not args.no_progress, args.all_recompute)
+    if not result.rows and result.refused:
+        first = result.refused[0]
+        raise UserError(f"no layout could be predicted: all {len(result.refused):,} were refused, e.g. "
+                        f"{first['name']}: {first['reason']}")
     out = console()
     out.print(report.pruning_line(result), highlight=False)
     out.print(report.compare_table(result, min(args.top, 5)) if len(hws) > 1 else report.table(result, args.top))

@@ -14,7 +14,8 @@ from syntorch.hardware import load_hw_config
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.prediction import rank_programs
 from syntorch.simulate.timeline import timeline_events, write_events
-from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations, shared_key
+from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations
+from syntorch.trace.graph import graph_kinds
 
 ARGS = ("module", "phase", "flops", "bytes_read", "bytes_written", "collective", "reduce_op", "group",
         "bytes", "src", "dst", "tag", "order", "num_ops")
@@ -37,7 +38,7 @@ def trace_events(graphs, hw_config: str | None = None, profile: str = "eager", a
 
 def _ranks(graphs) -> dict:
     if isinstance(graphs, Mapping):
-        return dict(graphs)
+        return graphs  # as it is: a RankTraces knows which ranks share a graph
     return {rank: graphs for rank in range(graphs.graph.get("world_size", 1))}
 
 
@@ -49,7 +50,7 @@ def export(graphs, path, level: str | None = None, hw_config: str | None = None,
         fill_rank_durations(by_rank, load_hw_config(hw_config), check_profile(profile), check_attention(attention))
     if level:
         from syntorch.trace.levels import level_view
-        views = {shared_key(g): level_view(g, level) for g in by_rank.values()}  # shared graphs stay shared
-        by_rank = {r: views[shared_key(g)] for r, g in by_rank.items()}
+        views = [(level_view(g, level), ranks) for g, ranks in graph_kinds(by_rank)]  # shared graphs stay shared
+        by_rank = {r: view for view, ranks in views for r in ranks}
     write_events(trace_events(by_rank)["traceEvents"], path)
 

@@ -27,7 +27,7 @@ from syntorch.inference.spec import (InferenceSpec, check_checkpoint_layout, che
 from syntorch.outdir import atomic_output_dir
 from syntorch.parallel.launch import check_devices, init_distributed, spawn, under_torchrun
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, check_pipeline, stage_of
+from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, check_pipeline
 from syntorch.parallel.tensor import check_tp
 from syntorch.trace.decode_steps import SymbolicGeneration
 from syntorch.trace.generation import trace_pp_symbolic, trace_run, trace_tp_ranks
@@ -106,10 +106,10 @@ def _symbolic(spec, config, prompt, out_dir, outputs) -> dict:
     if spec.pp > 1:
         traces, result = trace_pp_symbolic(
             config, lambda m, scope, forward: run_model(spec, config, m, prompt, scope, forward),
-            Mesh(pp=spec.pp, tp=spec.tp), spec.beam_width, dtype, generation)
+            spec.rank_plan, spec.beam_width, dtype, generation)
     else:
         traces, result = trace_tp_ranks(config, lambda m, scope: run_model(spec, config, m, prompt, scope),
-                                        spec.tp, spec.sp, dtype, generation)
+                                        spec.rank_plan, dtype, generation)
     return _finish(spec, config, prompt, result, None, out_dir, outputs, traces)
 
 
@@ -144,10 +144,7 @@ def tp_inference_rank(spec, out_dir: str, outputs: RunOutputs) -> None:
     chain = chain_group(mesh) if spec.pp > 1 else None
     config = resolve_config(spec)
     prompt = make_prompt(spec, config)
-    stage = stage_of(groups, config.n_layer) if spec.pp > 1 else None
-    # only this rank's stage and shard (TP before the stage cut, as apply_plans: a tied head is sharded like
-    # the embedding while both exist)
-    model = load_model(spec, config, groups.tp if spec.tp > 1 else None, stage)
+    model = load_model(spec, config, groups)  # only this rank's stage and shard (parallel/assemble.py)
     forward = PipelineForward(groups, chain, config.n_layer, spec.beam_width) if spec.pp > 1 else None
     stream_friendly_weights(model)
     graph, result = _run(spec, config, model, prompt, outputs, forward, rank=rank, world_size=world,

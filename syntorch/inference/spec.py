@@ -15,10 +15,9 @@ from syntorch.config import ModelConfig, torch_dtype
 from syntorch.errors import UserError
 from syntorch.fill_mask import predict_masked
 from syntorch.generate import Sampling, check_context, generate, left_pad
-from syntorch.models import build_model
-from syntorch.parallel.fp8 import apply_fp8
-from syntorch.parallel.pipeline import Stage, split_stage
-from syntorch.parallel.tensor import apply_tp, check_sp
+from syntorch.parallel.assemble import RankPlan, assemble_rank
+from syntorch.parallel.mesh import Mesh, MeshGroups
+from syntorch.parallel.tensor import check_sp
 from syntorch.quant import check_quant, quantize_int8_weight_only
 from syntorch.shard import load_rank_model
 from syntorch.userfiles import read_lines
@@ -79,6 +78,13 @@ class InferenceSpec:
                 raise UserError(f"--{flag} needs --tokenizer DIR (a local HuggingFace tokenizer folder)")
         check_device(self.device)
         check_quant(self.quant, self.quant_head, self.device)
+        if self.quant and self.dtype == "fp8":  # two weight formats: int8 with scales, or FP8 (assemble.py)
+            raise UserError(f"--quant {self.quant} and --dtype fp8 each set the weights' format; choose one")
+
+    @property
+    def rank_plan(self) -> RankPlan:
+        """What shapes each rank's model (assemble.py): an inference over --tp x --pp, FP8 weights cast once."""
+        return RankPlan(tp=self.tp, pp=self.pp, sp=self.sp, mode="infer", fp8=self.dtype == "fp8", fp8_cast_once=True)
 
     @property
     def output_tokens(self) -> int:
@@ -118,20 +124,17 @@ def _default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def load_model(spec: InferenceSpec, config: ModelConfig, tp_group=None, stage: Stage | None = None):
-    """The model this rank runs, TP-sharded over `tp_group` and cut to pipeline `stage` when given. From
-    --checkpoint each rank reads only its own weights (its file of a `syntorch shard` folder, or its slices of
-    a HuggingFace folder); random weights are drawn whole from the seed, as one process draws them, then cut."""
+def load_model(spec: InferenceSpec, config: ModelConfig, groups: MeshGroups | None = None):
+    """The model this rank runs (assemble.assemble_rank under spec.rank_plan): over `groups`, this rank's
+    MeshGroups of the --tp x --pp mesh (None: one rank), TP-sharded and cut to its stage, in FP8 if asked.
+    From --checkpoint each rank reads only its own weights (its file of a `syntorch shard` folder, or its
+    slices of a HuggingFace folder); random weights are drawn whole from the seed, as one process draws them,
+    then cut."""
+    dtype = torch_dtype(spec.dtype)
     if spec.checkpoint:
-        return load_rank_model(config, spec.checkpoint, spec.device, torch_dtype(spec.dtype), tp_group, spec.sp,
-                               stage)
+        return load_rank_model(config, spec.checkpoint, spec.device, dtype, groups, spec.rank_plan)
     torch.manual_seed(spec.seed)
-    model = build_model(config, device=spec.device, dtype=torch_dtype(spec.dtype))
-    if tp_group is not None:
-        apply_tp(model, tp_group, spec.sp)
-    if stage is not None:  # after TP, which ties the head to the embedding both still hold
-        split_stage(model, stage)
-    return model
+    return assemble_rank(config, spec.rank_plan, groups or MeshGroups(Mesh(), 0), spec.device, dtype).model
 
 
 def check_checkpoint_layout(spec: InferenceSpec) -> None:
@@ -256,11 +259,10 @@ def mask_token_id(spec: InferenceSpec, config: ModelConfig) -> int:
 def run_model(spec: InferenceSpec, config: ModelConfig, model, prompt: Prompt, phase_scope=None, forward=None):
     """What the model does at inference, the same in every kind of run: a decoder generates
     (GenerationResult), an encoder predicts its masked tokens in one pass (MaskedPrediction). `forward`:
-    a pipeline stage's (generate.LocalForward otherwise)."""
-    if spec.quant:  # here, after loading and TP, so a symbolic run (whose model the tracer builds) quantizes too
+    a pipeline stage's (generate.LocalForward otherwise). `model` is assembled under spec.rank_plan (FP8
+    included) by load_model, or for a symbolic run by the tracer (trace/generation.py)."""
+    if spec.quant:  # here, after assembly, so a symbolic run (whose model the tracer builds) quantizes too
         quantize_int8_weight_only(model, head=spec.quant_head)
-    if spec.dtype == "fp8":  # the same place, for the same reason: the model is bf16, its Linear GEMMs FP8
-        apply_fp8(model, cast_weights=True)
     if config.encoder:
         return predict_masked(model, prompt.ids, mask_token_id(spec, config), phase_scope=phase_scope,
                               lengths=[len(row) for row in prompt.rows])

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from syntorch.config import ModelConfig
+from syntorch.models.kv_cache import DecoderCaches
 from syntorch.models.layers import MLP, Attention, make_norm, rotary_tables
 from syntorch.models.mla import MLA
 from syntorch.models.moe import MoE
@@ -33,7 +34,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
+class GPT(DecoderCaches, nn.Module):
+    """The decoder; its KV-cache methods (setup_caches, reorder_caches, cache_rows, reset_caches) come from
+    kv_cache.DecoderCaches."""
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c

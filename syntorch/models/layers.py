@@ -9,34 +9,8 @@ import torch.nn.functional as F
 from syntorch.config import ModelConfig
 from syntorch.models.causal import causal_pairs
 from syntorch.models.gpt_oss import AttentionSinks, clamped_swiglu, sink_attention
+from syntorch.models.kv_cache import KVCache
 from syntorch.models.yarn import yarn_attention_factor, yarn_frequencies
-
-
-class KVCache(nn.Module):
-    """A preallocated cache: decode writes one position in place, never concatenates."""
-
-    def __init__(self, batch: int, n_head: int, max_seq: int, d_head: int, dtype, device):
-        super().__init__()
-        shape = (batch, n_head, max_seq, d_head)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.rows: torch.Tensor | None = None  # set by reorder, applied by the next update
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        # k, v: [B, H, T, D] for positions start..start+T; returns the cache up to start+T
-        if self.rows is not None:
-            self.k.copy_(self.k.index_select(0, self.rows))
-            self.v.copy_(self.v.index_select(0, self.rows))
-            self.rows = None
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def reorder(self, index: torch.Tensor):
-        """Beam search: row b of the cache becomes row index[b], when the layer next runs (so the copy is
-        part of the layer's work, as in every layer's step)."""
-        self.rows = index
 
 
 def rope_frequencies(c: ModelConfig, device=None) -> torch.Tensor:
@@ -102,7 +76,10 @@ class Attention(nn.Module):
         # q, k and v in one matrix laid out [q heads, k heads, v heads] x d_head along the output dim
         self.qkv = nn.Linear(c.d_model, (c.n_head + 2 * c.kv_heads) * c.d_head, bias=c.qkv_bias)
         self.proj = nn.Linear(c.n_head * c.d_head, c.d_model, bias=c.proj_bias)
-        self.kv_cache: KVCache | None = None  # attached by generate.setup_caches
+        self.kv_cache: KVCache | None = None  # attached by the model's setup_caches (kv_cache.py)
+        # set from outside when the K/V attention reads are not this layer's own: maps k, v to them (context
+        # parallelism gathers every rank's: parallel/context.py)
+        self.kv_gather: nn.Module | None = None
 
     def local_heads(self, qkv_heads: int) -> tuple[int, int]:
         """(query heads, K/V heads) of a qkv output holding `qkv_heads` heads in all: the model's, or one TP
@@ -110,6 +87,23 @@ class Attention(nn.Module):
         (replicated, as Megatron and vLLM do; then fewer than one K/V head's worth is left by the formula)."""
         kv = max(1, self.n_kv_head * qkv_heads // (self.n_head + 2 * self.n_kv_head))
         return qkv_heads - 2 * kv, kv
+
+    def new_cache(self, batch: int, max_seq: int, dtype) -> KVCache:
+        """A cache of this layer's K/V heads only (grouped-query attention), and this rank's, so a TP-sharded
+        qkv works."""
+        weight = self.qkv.weight
+        _, n_kv = self.local_heads(weight.shape[0] // self.d_head)
+        shape = (batch, n_kv, max_seq, self.d_head)
+        return KVCache(shape, shape, dtype, weight.device)
+
+    def keys_values(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        """The keys and values attention reads, from this step's k, v [B, H, T, D] at slots start..: gathered
+        (kv_gather), or after those the cache holds (kv_cache), or as they are."""
+        if self.kv_gather is not None:
+            return self.kv_gather(k, v)
+        if self.kv_cache is not None:
+            return self.kv_cache.update(start, k, v)
+        return k, v
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         B, T, _ = x.shape
@@ -122,8 +116,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope, self.rotary_style), apply_rotary(k, *rope, self.rotary_style)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start, k, v)
+        k, v = self.keys_values(start, k, v)
         mask, is_causal = self.attention_mask(start, T, k.shape[2], mask, x.device)
         gqa = {"enable_gqa": True} if n_q != n_kv else {}  # each K/V head serves n_q / n_kv query heads
         if self.sinks is not None:

@@ -20,25 +20,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
-from syntorch.models.layers import Attention, KVCache, apply_rotary
+from syntorch.models.kv_cache import KVCache
+from syntorch.models.layers import Attention, apply_rotary
 from syntorch.models.yarn import yarn_mscale
 
 LATENT_EPS = 1e-6  # the latent norms' epsilon: HF builds them with its default, not rms_norm_eps
 
 
-class LatentCache(KVCache):
-    """A KVCache whose `k` holds the latent [B, 1, S, kv_lora_rank] and `v` the rotary key [B, 1, S, rotary_dim];
-    update, reorder (beam search) and a pipeline's per-micro-batch rows work on them unchanged."""
-
-    def __init__(self, batch: int, max_seq: int, latent: int, rope: int, dtype, device):
-        nn.Module.__init__(self)
-        self.register_buffer("k", torch.zeros(batch, 1, max_seq, latent, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(batch, 1, max_seq, rope, dtype=dtype, device=device), persistent=False)
-        self.rows = None
-
-
 class MLA(Attention):
-    """An Attention (same kv_cache slot, masks and place in the block) with MLA's projections."""
+    """An Attention (same kv_cache and kv_gather slots, masks and place in the block) with MLA's projections."""
 
     def __init__(self, c: ModelConfig):
         nn.Module.__init__(self)  # none of Attention's projections: MLA has its own
@@ -59,10 +49,14 @@ class MLA(Attention):
         self.scale = c.d_head ** -0.5
         if c.rope_scaling == "yarn" and c.yarn_softmax_mscale and c.rope_mscale_all_dim:
             self.scale *= yarn_mscale(c.rope_factor, c.rope_mscale_all_dim) ** 2
-        self.kv_cache: LatentCache | None = None  # attached by generate.setup_caches
+        self.kv_cache: KVCache | None = None  # attached by the model's setup_caches (kv_cache.py)
+        self.kv_gather: nn.Module | None = None  # as Attention's
 
-    def new_cache(self, batch: int, max_seq: int, dtype) -> LatentCache:
-        return LatentCache(batch, max_seq, self.latent, self.rope_dim, dtype, self.kv_a.weight.device)
+    def new_cache(self, batch: int, max_seq: int, dtype) -> KVCache:
+        """The normed latent [B, 1, S, kv_lora_rank] as K and the rotated shared key [B, 1, S, rotary_dim] as V,
+        whole on every TP rank."""
+        return KVCache((batch, 1, max_seq, self.latent), (batch, 1, max_seq, self.rope_dim), dtype,
+                       self.kv_a.weight.device)
 
     def forward(self, x, start: int = 0, rope=None, mask=None):
         B, T, _ = x.shape
@@ -74,8 +68,7 @@ class MLA(Attention):
         q_rope = apply_rotary(q_rope, *rope, self.rotary_style).transpose(1, 2)  # [B, H, T, rope]
         # [B, 1, T, rope]: one rotary key shared by the heads
         k_rope = apply_rotary(k_rope[:, :, None], *rope, self.rotary_style).transpose(1, 2)
-        if self.kv_cache is not None:
-            latent, k_rope = self.kv_cache.update(start, latent, k_rope)
+        latent, k_rope = self.keys_values(start, latent, k_rope)
         mask, is_causal = self.attention_mask(start, T, latent.shape[2], mask, x.device)
         attend = self._absorbed if self.kv_cache is not None and T == 1 else self._expanded
         y = attend(q_nope.transpose(1, 2), q_rope, latent, k_rope, mask, is_causal)  # [B, H, T, v_head_dim]

@@ -9,8 +9,9 @@ next to Q under GQA, and one collective per layer overlaps less but is simpler t
 (K/V passed round the group, attention accumulated per step) is not offered.
 
 Nothing in a model knows of CP. The plan
-- puts a `GatheredKV` where each attention takes its K/V from (the slot a KV cache uses: `update(start, k,
-  v)` returns the keys and values attention reads), so every family whose attention has that slot works;
+- puts a `GatheredKV` in each attention's `kv_gather` hook (models/layers.Attention.keys_values: this rank's
+  K/V in, the keys and values attention reads out), so every family built on Attention works (MLA gathers
+  its latent and rotary key); a layer that gathers keeps no KV cache (CP here splits training sequences);
 - gives the model explicit per-token `positions` (embeddings, rotary) and a causal `mask` built from the
   global positions of the local queries and of the gathered keys, so a key is attended iff it comes
   no later than the query in the whole sequence;
@@ -22,8 +23,9 @@ import torch
 import torch.nn as nn
 
 from syntorch.errors import UserError
-from syntorch.parallel import comm
 from syntorch.models.causal import causal_pairs
+from syntorch.models.layers import Attention
+from syntorch.parallel import comm
 
 
 def check_cp(cp: int, seq: int, tp: int = 1, sp: bool = False) -> None:
@@ -42,14 +44,14 @@ def chunk_positions(seq: int, cp: int, cp_rank: int, device=None) -> torch.Tenso
 
 
 class GatheredKV(nn.Module):
-    """In attention's K/V slot: this rank's K and V [B, H, T/cp, D] -> the whole sequence's [B, H, T, D],
-    in CP-rank order (so key j's position is `ContextSplit.key_positions[j]`); gradients reduce-scattered."""
+    """Attention's kv_gather: this rank's K and V [B, H, T/cp, D] -> the whole sequence's [B, H, T, D], in
+    CP-rank order (so key j's position is `ContextSplit.key_positions[j]`); gradients reduce-scattered."""
 
     def __init__(self, group):
         super().__init__()
         self.group = group
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+    def forward(self, k: torch.Tensor, v: torch.Tensor):
         return comm.gather_from_sp(k, 2, self.group), comm.gather_from_sp(v, 2, self.group)
 
 
@@ -76,7 +78,10 @@ class ContextSplit:
 
 
 def apply_cp(model: nn.Module, group) -> None:
-    """Every attention of `model` (a module with a `kv_cache` slot) reads K/V gathered across `group`."""
+    """Every attention of `model` reads K/V gathered across `group`."""
     for module in model.modules():
-        if hasattr(module, "kv_cache"):
-            module.kv_cache = GatheredKV(group)
+        if isinstance(module, Attention):
+            if module.kv_cache is not None:
+                raise UserError("context parallelism splits training sequences; this model holds KV caches (it is "
+                                "generating): reset its caches first")
+            module.kv_gather = GatheredKV(group)

@@ -4,7 +4,7 @@ stage holds at its peak. Mixed precision with Adam unless the model dtype is FP3
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5): Ψ is what the rank holds of the model:
 its stage's layers (pipeline), their TP shards as apply_tp cuts them, its 1/ep of the experts (the rest is
 replicated over EP), each expert's 1/etp shard (--etp, the experts' own TP size; expert.py), counted on the
-stage model built on meta. With mixed precision a rank keeps 2Ψ of
+rank's model as assemble.py builds it on meta. With mixed precision a rank keeps 2Ψ of
 weights, 2Ψ of gradients and KΨ of optimizer states, K = 12 (FP32 master weights, Adam's two FP32 moments);
 in FP32, 4Ψ + 4Ψ + 8Ψ. ZeRO divides over N_d, the ranks gradients are averaged over (DP x CP; for the
 experts their expert-DP group, the replicas of one expert shard: TP x CP x DP / (etp x ep), mesh.py):
@@ -53,15 +53,21 @@ min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1
 worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
 4.2.3, give it); GPipe all m. Chunks of uneven size (layout.py) count their own layers at the peak.
 """
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.assemble import RankPlan, assemble_rank
+from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.expert import is_expert_param
-from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
+from syntorch.parallel.mesh import init_groups
+from syntorch.parallel.tensor import padded_vocab
 
 GB = 1e9
 
@@ -76,27 +82,32 @@ class StageParams:
 
 
 def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
-    """Counted on the stage model built on meta, TP (experts: ETP) shards as apply_tp cuts them, tied weights once."""
-    model = pp_.split_stage(pp_.build_stage_model(config, stage, "meta"), stage)
-    styles = plan_for(model, plan.sp) if plan.tp > 1 else {}
-    vocab = padded_vocab(config.vocab_size, plan.tp)
+    """Counted on the model a rank of `stage` holds, as assemble_rank builds it on meta (every rank of a stage
+    holds as many: equal TP and ETP shards, 1/ep of the experts), tied weights once."""
+    assert stage == plan.stage(config, stage.index), f"{stage} is not one of the plan's stages"
     dense = experts = 0
     units: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        module, _, param = name.rpartition(".")
-        style = styles.get(module, "replicated")
+    for name, p in _rank_model(config, plan, stage.index).named_parameters():
         expert = is_expert_param(name)
-        t = plan.etp if expert else plan.tp
-        n = take_shard(style, param, p, 0, t, vocab, config.d_head, config.kv_heads).numel() if t > 1 else p.numel()
         if expert:
-            n //= plan.ep
-            experts += n
+            experts += p.numel()
         else:
-            dense += n
+            dense += p.numel()
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
         unit += ".experts" if expert and plan.ep > 1 else ""
-        units[unit] = units.get(unit, 0) + n
+        units[unit] = units.get(unit, 0) + p.numel()
     return StageParams(dense, experts, max(units.values()))
+
+
+def _rank_model(config: ModelConfig, plan, stage: int) -> nn.Module:
+    """The model of stage `stage`'s representative rank, assembled on meta against the fake backend, on the
+    smallest mesh whose ranks hold as much: parameters do not depend on DP or CP, so neither is kept but for
+    the DP replicas EP is carved out of (mesh.py)."""
+    dp = plan.ep // math.gcd(plan.ep, plan.tp // plan.etp)
+    small = RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)} | dict(dp=dp, cp=1))
+    rank = small.mesh.representative(stage)
+    with symbolic_world(rank, small.mesh.world_size):
+        return assemble_rank(config, small, init_groups(small.mesh, only_mine=True), "meta").model
 
 
 def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:

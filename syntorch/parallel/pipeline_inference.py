@@ -21,14 +21,10 @@ Activations of the n-th micro-batch a stage sends in the whole generation travel
 (pipeline.tag), so every send meets exactly one recv with the same peer and tag, in order. Under TP each TP
 rank of a stage sends to the same TP rank of the next stage, and the chain groups are the mesh's pp groups.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from syntorch.errors import UserError
-from syntorch.models.layers import Attention
 from syntorch.parallel import comm
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.mesh import Mesh, MeshGroups
@@ -95,7 +91,7 @@ class PipelineForward:
         self.device, outs, sends = param.device, [], []
         for r0 in range(0, R, size):
             rows = slice(r0, r0 + size)
-            with _cache_rows(model, rows):
+            with model.cache_rows(rows):  # the prefill's micro-batches may be smaller than the decode's
                 if self.stage.first:
                     x = idx[rows]
                 else:
@@ -108,7 +104,6 @@ class PipelineForward:
             if self.stage.last:
                 outs.append(y[:, -1])
         pp_.wait_sends(sends)  # every micro-batch on its way before this stage waits on the chosen tokens
-        _reordered(model)
         return torch.cat(outs) if self.stage.last else None
 
     def share(self, choice: tuple | None, sizes: list[int]) -> tuple:
@@ -135,46 +130,3 @@ class PipelineForward:
         buf = torch.empty(numel, dtype=torch.long, device=device) if flat is None else flat.to(device)
         comm.broadcast(buf, self.last_rank, self.chain)
         return buf if device.type == "meta" else buf.cpu()
-
-
-@contextlib.contextmanager
-def _cache_rows(model, rows: slice):
-    """Each attention layer's KV cache narrowed to `rows` for one micro-batch (module docstring: the
-    prefill's micro-batches may be smaller than the decode's, so the batch keeps one cache per layer)."""
-    attns = [m for m in model.modules() if isinstance(m, Attention) and m.kv_cache is not None]
-    whole = [a.kv_cache for a in attns]
-    for attn, cache in zip(attns, whole):
-        attn.kv_cache = CacheRows(cache, rows)
-    try:
-        yield
-    finally:
-        for attn, cache in zip(attns, whole):
-            attn.kv_cache = cache
-
-
-class CacheRows(nn.Module):
-    """Rows of a whole batch's KVCache, used by one micro-batch. Attention calls `update` as on a KVCache, so
-    the narrowing runs inside the layer (a trace keeps the cache's data flow from step to step there)."""
-
-    def __init__(self, cache, rows: slice):
-        super().__init__()  # a module only because Attention's kv_cache slot takes modules
-        self.__dict__.update(cache=cache, rows=rows)  # not a child: the cache's buffers keep their one name
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        # k, v: [b, H, T, D] for this micro-batch's rows at slots start..start+T; returns its cache up to there
-        cache, rows, end = self.cache, self.rows, start + k.shape[2]
-        out = []
-        for buf, new in ((cache.k, k), (cache.v, v)):
-            mine = buf[rows]
-            if cache.rows is not None:  # a pending beam reorder (KVCache.reorder): a row's beams share a micro-batch
-                mine.copy_(mine.index_select(0, cache.rows[rows] - rows.start))
-            mine[:, :, start:end] = new
-            out.append(mine[:, :, :end])
-        return tuple(out)
-
-
-def _reordered(model) -> None:
-    """After every micro-batch applied its part of a beam reorder, none is pending on the whole caches."""
-    for m in model.modules():
-        if isinstance(m, Attention) and m.kv_cache is not None:
-            m.kv_cache.rows = None

@@ -5,25 +5,13 @@
     run = apply_plans(config, plan, groups, device="meta")
     train_step(run, batches)
 
-`apply_plans` composes the parallelisms in a fixed order (torchtitan does the same: TP, then PP, then DDP):
-1. EP (expert parallel) keeps each MoE layer's share of the experts (expert.py; the EP groups are carved out
-   of the stage's TP x CP x DP ranks as Megatron-Core's, mesh.py), before TP, so TP's region around each MoE
-   layer wraps the layer that runs. TP (+SP) on a model holding the stage's layers and still both ends: the
-   vocab-parallel head is tied to the vocab-parallel embedding while both exist, so the last stage's copy of a
-   tied embedding is sharded alike. TP shards the experts too, unless --etp differs from --tp: then they are
-   set aside while TP runs and sharded over their own expert-TP ranks (whole for etp 1).
-2. PP drops what the stage does not own (other layers, the embeddings off the first stage, the head off
-   the last) and adds the loss on the last stage.
-3. FP8 (`fp8`, fp8.py) sends the stage's Linear GEMMs through FP8 casts and `_scaled_mm`.
-   Recomputation (none, selective, full) wraps the blocks or attention cores the stage kept
-   (recompute.py); it changes what backward runs, not the parameters.
-4. CP (context.py) makes each attention read K/V gathered across the CP group; each micro-batch's tokens are
-   taken at this rank's positions when it runs.
-5. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
+`apply_plans` takes this rank's model from assemble.assemble_rank, which composes EP, TP, the stage cut, FP8,
+recomputation and CP in one fixed order for every caller (assemble.py says why), and adds what training holds:
+1. DP/ZeRO buckets the parameters the stage kept, or FSDP (zero 3, fsdp.py) shards them; it goes last because
    its buckets or shards must be the final ones. Gradients are averaged over DP x CP (the grad group);
    experts are synchronised (ZeRO/FSDP: sharded) over their expert-DP group instead (the replicas of the
    same expert shards), averaged over DP x CP too.
-6. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards. Its step
+2. The optimizer (AdamW) gets what this rank updates: its parameters, or its ZeRO/FSDP shards. Its step
    clips the gradients by their global norm first (clip.py), as Megatron does.
 """
 from contextlib import nullcontext
@@ -35,27 +23,23 @@ import torch.nn as nn
 from syntorch.config import MAX_ELEMENTS, ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
-from syntorch.parallel.clip import clip_factor, copies_of, shard_weights, tp_replicated
-from syntorch.parallel.context import ContextSplit, apply_cp, check_cp
+from syntorch.parallel.assemble import RankPlan, assemble_rank
+from syntorch.parallel.clip import clip_factor, copies_of, shard_weights
+from syntorch.parallel.context import ContextSplit, check_cp
 from syntorch.parallel.buckets import GradSync, GradSyncs
-from syntorch.parallel.expert import apply_ep, check_ep, check_etp, experts_aside, is_expert_param, shard_experts
-from syntorch.parallel.fp8 import apply_fp8
+from syntorch.parallel.expert import check_ep, check_etp, is_expert_param
 from syntorch.parallel.fsdp import FullyShard, check_grad_options
-from syntorch.parallel.layout import Layout, check_layout
-from syntorch.parallel.mesh import Mesh, MeshGroups
-from syntorch.parallel.moe_load import check_load, set_load
-from syntorch.parallel.recompute import apply_recompute, check_recompute
+from syntorch.parallel.layout import check_layout
+from syntorch.parallel.mesh import MeshGroups
+from syntorch.parallel.moe_load import check_load
+from syntorch.parallel.recompute import check_recompute
 from syntorch.parallel.precision import MixedPrecision
-from syntorch.parallel.tensor import apply_tp, check_sp, check_tp
+from syntorch.parallel.tensor import check_sp, check_tp
 
 
 @dataclass(frozen=True)
-class TrainPlan:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # expert parallel: carved out of a stage's TP x CP x DP ranks after etp (mesh.py)
-    sp: bool = False
+class TrainPlan(RankPlan):
+    """A RankPlan (the parallelisms that shape each rank's model, assemble.py) and one training step's options."""
     zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2, 3: fully sharded (FSDP)
     bucket_mb: float = 25.0
     schedule: str = "1f1b"
@@ -63,12 +47,7 @@ class TrainPlan:
     micro_batch_size: int = 1
     seq: int = 1024
     lr: float = 1e-4
-    mode: str = "train"  # "infer": forwards only (the prefill), micro-batches flowing through the stages
-    recompute: str = "none"  # activation recomputation in backward: "none" | "selective" | "full"
-    virtual_stages: int = 1  # interleaved 1F1B: each stage holds this many non-contiguous chunks of layers
-    cp: int = 1  # context parallel: each sequence split over cp ranks (context.py)
     scatter_gather: bool = True  # with TP, stages exchange 1/t of the stream each and all-gather it (pipeline.py)
-    fp8: bool = False  # Linear GEMMs in FP8 as Transformer Engine runs them (fp8.py); the model dtype stays bf16
     # Megatron-Core's --overlap-grad-reduce / --overlap-param-gather (data.py). Megatron-Core defaults both to
     # False; NeMo's performance recipes turn them on. Here: the gradient reduce overlaps backward (NeMo's
     # choice, and what the calibration was fitted with); ZeRO's parameter all-gather follows the optimizer
@@ -81,26 +60,11 @@ class TrainPlan:
     # validate_published.py's 2021 rows): the Chakra files do not carry the synchronisation yet
     async_tp_allreduce: bool = True
     clip_grad: float = 1.0  # gradient clipping by the global norm (clip.py), Megatron's default; 0: none
-    # uneven pipeline stages, Megatron-Core's options (layout.py): layers on the first / last stage, or the
-    # embedding / loss counted as a layer in the split
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    account_for_embedding: bool = False
-    account_for_loss: bool = False
     reshard_after_forward: bool = True  # FSDP2's option (fsdp.py): false keeps layers whole until backward
     # "fp32": gradients reduced over DP in FP32 (data.py, fsdp.py), as Llama 3 and Megatron-Core's bf16 default.
     # Default "model": FSDP2's default (reduce_dtype None: the parameters' dtype), torch DDP's, and what the
     # calibration tables were fitted with; predictions of earlier plans stay as they were
     grad_reduce_dtype: str = "model"
-    etp: int | None = None  # the experts' own TP size (Megatron-Core's --expert-tensor-parallel-size); None: tp
-    # symbolic runs' routing load (moe_load.py): per MoE layer, each expert's share of the routed tokens; None:
-    # uniform. Real runs route by the router's values
-    moe_load: tuple[tuple[float, ...], ...] | None = None
-
-    @property
-    def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1,
-                    etp=self.etp)
 
     @property
     def grad_ranks(self) -> int:
@@ -114,9 +78,7 @@ class TrainPlan:
 
     def __post_init__(self):
         """Every option's own check, once, when the plan is made: one line with the values in it."""
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        self.mesh  # checks the degrees are positive, and that the expert groups nest in the stage's ranks
+        super().__post_init__()
         check_sp(self.sp, self.tp, self.seq)
         if self.seq < 1:
             raise UserError(f"--seq must be at least 1, got {self.seq}")
@@ -147,11 +109,6 @@ class TrainPlan:
         check_layout(self.layout, self.pp)
         check_grad_options(self.reshard_after_forward, self.grad_reduce_dtype, self.zero)
 
-    @property
-    def layout(self) -> Layout:
-        return Layout(self.first_stage_layers, self.last_stage_layers, self.account_for_embedding,
-                      self.account_for_loss)
-
     def check(self, config: ModelConfig, world_size: int | None = None, global_batch: int | None = None) -> None:
         """What depends on the model and the run: the context, the layers and heads to split, the counts."""
         if world_size is not None:
@@ -175,12 +132,6 @@ class TrainPlan:
         check_ep(config, self.ep)
         check_etp(config, self.etp, self.tp, self.ep, self.micro_batch_size * self.seq // self.cp)
         check_load(config, self.moe_load)
-
-    def stage(self, config: ModelConfig, index: int) -> pp_.Stage:
-        chunks = pp_.stage_chunks(config.n_layer, self.pp, self.virtual_stages, self.layout)[index]
-        if len(chunks) == 1:
-            return pp_.Stage(index, self.pp, chunks[0])
-        return pp_.Stage(index, self.pp, tuple(i for chunk in chunks for i in chunk), chunks)
 
 
 @dataclass
@@ -215,28 +166,12 @@ class StageRun:
 
 def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device="meta",
                 dtype=torch.float32, model: nn.Module | None = None) -> StageRun:
-    """Build this rank's stage of `config` and apply EP, TP, PP, recomputation, CP, DP/ZeRO/FSDP and the
-    optimizer in that order (the module docstring says why). `model`: the whole model already built on
-    `device` in `dtype` (`syntorch train` loads a checkpoint's weights), instead of a fresh one."""
-    stage = plan.stage(config, groups.stage)
-    model = pp_.build_stage_model(config, stage, device, dtype) if model is None else model
-    set_load(model, plan.moe_load)
-    if plan.ep > 1:
-        apply_ep(model, groups.ep, plan.tp // plan.etp, groups.tp_rank // plan.etp)
-    with experts_aside(model, plan.etp != plan.tp):
-        tp_plan = apply_tp(model, groups.tp, plan.sp) if plan.tp > 1 else None
-        replicated = tp_replicated(model, tp_plan.styles) if tp_plan else frozenset()
-    if plan.etp != plan.tp:
-        shard_experts(model, plan.etp, plan.mesh.index(groups.rank, "etp"))
-    pp_.split_stage(model, stage)
-    if plan.fp8:
-        apply_fp8(model)
-    apply_recompute(model, plan.recompute)
-    model.train()
-    context = None
-    if plan.cp > 1:
-        apply_cp(model, groups.cp)
-        context = ContextSplit(plan.seq, plan.cp, groups.cp_rank, device)
+    """This rank's model (assemble.assemble_rank: EP, TP, the stage cut, FP8, recomputation, CP), then
+    DP/ZeRO/FSDP and the optimizer on top (the module docstring says why). `model`: the whole model already
+    built on `device` in `dtype` (`syntorch train` loads a checkpoint's weights), instead of a fresh one."""
+    rank = assemble_rank(config, plan, groups, device, dtype, model)
+    model, tp_plan, replicated = rank.model, rank.tp_plan, rank.tp_replicated
+    context = ContextSplit(plan.seq, plan.cp, groups.cp_rank, device) if plan.cp > 1 else None
     grad_sync = _grad_sync(model, plan, groups, _partial_grads(model, tp_plan, groups))
 
     precision = MixedPrecision.of(grad_sync.optimizer_params(), dtype) if plan.mode == "train" else None
@@ -245,7 +180,8 @@ def apply_plans(config: ModelConfig, plan: TrainPlan, groups: MeshGroups, device
                                   foreach=True)
     _init_optimizer_state(optimizer)
     weights = shard_weights(grad_sync, copies_of(model, plan, groups, replicated), plan.tp) if plan.clip_grad else {}
-    return StageRun(model, plan, stage, groups, grad_sync, optimizer, tp_plan, precision, context, replicated, weights)
+    return StageRun(model, plan, rank.stage, groups, grad_sync, optimizer, tp_plan, precision, context, replicated,
+                    weights)
 
 
 def _grad_sync(model: nn.Module, plan: TrainPlan, groups: MeshGroups, partial):
@@ -376,17 +312,18 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
     `extra`: the model's other arguments for this micro-batch. Returns (input, output)."""
     plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
+        seq_len = plan.seq // plan.cp  # this rank's tokens of each sequence
         if stage.holds_input(chunk):
             x = tokens if context is None else context.local(tokens)
         else:
             param = next(run.model.parameters())
-            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
-                                         plan.sp)
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, seq_len, plan.tp, plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
                                  plan.virtual_stages, run.split)
         if stage.holds_loss(chunk) and context is not None:
             targets = context.local(targets)
         y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
+                              None if stage.holds_input(chunk) else seq_len,
                               **(context.inputs() if context else {}), **(extra or {}))
         if not stage.holds_loss(chunk):
             sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages, run.split))

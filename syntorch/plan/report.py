@@ -11,7 +11,7 @@ from rich.table import Table
 from syntorch.plan.search import Result
 from syntorch.plan.space import RULES
 
-CSV_FIELDS = ("hw", "rank", "name", "tp", "pp", "dp", "cp", "ep", "vp", "sp", "zero", "recompute", "mbs",
+CSV_FIELDS = ("hw", "rank", "name", "tp", "pp", "dp", "cp", "ep", "etp", "vp", "sp", "zero", "recompute", "mbs",
               "microbatches", "layers", "step_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "bubble_fraction",
               "exposed_comm_s")
 COLUMNS = (("#", "rank", "{}"), ("layout", "name", "{}"), ("layers", "layers", "{}"), ("µbatches", "microbatches", "{}"),

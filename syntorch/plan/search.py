@@ -16,7 +16,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.parallel.fp8 import check_fp8
 from syntorch.parallel.memory import GB
 from syntorch.parallel.plans import TrainPlan
-from syntorch.plan.evaluate import probe_key
+from syntorch.plan.evaluate import share_key
 from syntorch.plan.runner import run_tasks
 from syntorch.plan.space import ADVICE, RULES, Choices, MemoryModel, Work, layers_text, layouts, least_recompute
 from syntorch.trace.training import COST_MICROBATCHES, traced_stage_for
@@ -31,7 +31,7 @@ class Result:
     pruned: dict  # rule -> layouts pruned; per machine ({hw name: count}) for "memory" and "recompute"
     rows: list[dict] = field(default_factory=list)  # every evaluated layout, ranked per machine
     refused: list[dict] = field(default_factory=list)  # layouts the prediction refused, with the reason
-    probes: int = 0  # distinct probe keys (traced probe sets)
+    probes: int = 0  # groups of layouts that may share probes (evaluate.share_key)
 
     def best(self, hw_name: str, k: int = 1) -> list[dict]:
         return [r for r in self.rows if r["hw"] == hw_name][:k]
@@ -52,12 +52,12 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
     jobs = fitting(plans, peaks, hws, max_memory_gb, all_recompute, pruned)
     if not jobs:
         raise UserError(no_feasible(config, work, enumerated, pruned, min(peaks, default=None)))
-    groups = {}
+    groups = {}  # layouts that may share probes, predicted one after another by one worker (evaluate.py)
     for index, (plan, hw, _) in enumerate(jobs):
-        groups.setdefault(probe_key(config, plan, torch_dtype(dtype)), []).append((index, plan, hw))
+        groups.setdefault(share_key(config, plan, torch_dtype(dtype)), []).append((index, plan, hw))
     args = (config, str(torch_dtype(dtype)).removeprefix("torch."), profile, attention)
-    # the largest probes first, so the workers finish together (results do not depend on the order)
-    tasks = sorted(groups.values(), key=lambda group: -traced_layers(config, group[0][1]))
+    # the largest tasks first, so the workers finish together (results do not depend on the order)
+    tasks = sorted(groups.values(), key=lambda group: -sum(traced_layers(config, plan) for _, plan, _ in group))
     with _progress(progress, len(jobs)) as advance:
         results = run_tasks(args, tasks, workers, ray_address, advance)
     result = Result(config, work, hws, enumerated, pruned, probes=len(groups))
@@ -131,8 +131,8 @@ def no_feasible(config: ModelConfig, work: Work, enumerated: int, pruned: dict, 
 
 
 def layout_fields(config: ModelConfig, plan: TrainPlan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "vp": plan.virtual_stages,
-            "sp": plan.sp, "zero": plan.zero, "recompute": plan.recompute, "mbs": plan.micro_batch_size,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "etp": plan.etp,
+            "vp": plan.virtual_stages, "sp": plan.sp, "zero": plan.zero, "recompute": plan.recompute, "mbs": plan.micro_batch_size,
             "microbatches": plan.microbatches, "layers": layers_text(config, plan), "name": layout_name(plan)}
 
 
@@ -141,6 +141,7 @@ def layout_name(plan: TrainPlan) -> str:
     parts = [f"TP{plan.tp}", f"PP{plan.pp}" + (f"v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
              f"DP{plan.dp}"]
     parts += [f"CP{plan.cp}"] * (plan.cp > 1) + [f"EP{plan.ep}"] * (plan.ep > 1)
+    parts += [f"ETP{plan.etp}"] * (plan.etp != plan.tp)
     parts += [f"mbs{plan.micro_batch_size}", "FSDP" if plan.zero == 3 else f"ZeRO{plan.zero}"]
     parts += ["SP"] * plan.sp + [{"none": "", "selective": "sel", "full": "full"}[plan.recompute]]
     return " ".join(p for p in parts if p)

@@ -1,7 +1,7 @@
 """The layouts `syntorch plan` searches, and the rules that prune those that cannot run.
 
-A layout is a TrainPlan over the cluster: TP x CP x PP x DP = GPUs (DP derived), EP carved out of DP (MoE
-models), virtual stages, the layer split, ZeRO stage, SP, recomputation and the micro-batch size (the count
+A layout is a TrainPlan over the cluster: TP x CP x PP x DP = GPUs (DP derived), EP and the experts' own TP
+(ETP) carved out of each stage's TP x CP x DP ranks (MoE models, Megatron-Core's expert rank generator), virtual stages, the layer split, ZeRO stage, SP, recomputation and the micro-batch size (the count
 follows from the global batch). Each dimension takes the user's list (`--tp 8`, `--pp 4,8,16`) or its default:
 
 - TP: the divisors of the GPUs per node (TP stays inside a node's NVLink, as Megatron advises);
@@ -9,6 +9,8 @@ follows from the global batch). Each dimension takes the user's list (`--tp 8`, 
 - CP: 1, and powers of two while each rank keeps at least 4,096 tokens of the sequence (Llama 3 used CP
   only for its 128K context; below that the K/V all-gather is not hidden behind attention);
 - EP: the divisors of the experts (MoE models only);
+- ETP: 1 and TP (MoE models only): Megatron-Core's default (ETP = TP) and what DeepSeek-V3, Mixtral and Qwen3-MoE
+  recipes run (ETP 1, whole experts: no TP collective inside an expert);
 - ZeRO: 0 (DDP), 1 (Megatron-Core's distributed optimizer) and 3 (FSDP), Megatron-Core's three options;
   a ZeRO stage needs DP x CP > 1, else the layout is not enumerated. FSDP only without a pipeline unless
   --zero is given: it gathers every layer and reduce-scatters its gradients for each micro-batch (fsdp.py,
@@ -33,10 +35,11 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import memory
 from syntorch.parallel import pipeline as pp_
+from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import check_tp
 
-DIMS = ("tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "zero", "sp", "recompute")
+DIMS = ("tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "sp", "recompute")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -56,6 +59,7 @@ class Choices:
     pp: tuple | None = None
     cp: tuple | None = None
     ep: tuple | None = None
+    etp: tuple | None = None  # values; None in a tuple stands for TP
     dp: tuple | None = None
     virtual_stages: tuple | None = None
     micro_batch_size: tuple | None = None
@@ -75,7 +79,8 @@ def candidates(config: ModelConfig, work: Work, choices: Choices) -> dict[str, t
         cp *= 2
         cps.append(cp)
     default = {"tp": divisors(work.gpus_per_node), "pp": divisors(work.gpus, config.n_layer), "cp": tuple(cps),
-               "ep": divisors(config.n_experts) if config.n_experts else (1,), "virtual_stages": (1, 2, 3, 4),
+               "ep": divisors(config.n_experts) if config.n_experts else (1,),
+               "etp": (1, None) if config.n_experts else (None,), "virtual_stages": (1, 2, 3, 4),
                "micro_batch_size": (1, 2, 4, 8, 16), "zero": (0, 1, 3), "sp": (True,), "recompute": RECOMPUTE}
     return {d: getattr(choices, d) or default[d] for d in DIMS}
 
@@ -123,7 +128,7 @@ RULES = {
     "batch": "dp x micro-batch size divides the global batch",
     "interleave": "interleaving needs micro-batches a multiple of pp",
     "sequence": "cp (and tp with SP) divide the sequence",
-    "ep": "ep divides the experts and dp (and goes without CP and FSDP)",
+    "ep": "ep divides the experts, and etp x ep nests in each stage's tp x cp x dp ranks",
     "dp": "the --dp given",
     "fsdp": "FSDP only without a pipeline (the default --zero)",
     "refused": "TrainPlan's own checks",
@@ -137,7 +142,7 @@ ADVICE = {
     "batch": "change --global_batch (or --tokens_per_step) to a multiple of the DP degrees",
     "interleave": "allow --virtual_stages 1 or a batch with more micro-batches",
     "sequence": "give --cp (and --tp) values that divide --seq",
-    "ep": "give --ep values that divide the experts and DP",
+    "ep": "give --ep (and --etp) values that divide the experts and tp x cp x dp",
     "dp": "widen --dp",
     "fsdp": "give --zero 3 to allow FSDP with a pipeline",
     "refused": "relax the constraints",
@@ -158,8 +163,7 @@ def first_rule(config: ModelConfig, work: Work, choices: Choices, v: dict) -> st
               ("interleave", lambda: vp == 1 or (work.global_batch // (dp * mbs)) % pp == 0),
               ("sequence", lambda: work.seq % (2 * cp) == 0 if cp > 1 else True),
               ("sequence", lambda: not v["sp"] or (work.seq // cp) % tp == 0),
-              # TrainPlan: experts are synchronised over expert-DP, which CP and FSDP do not split
-              ("ep", lambda: ep == 1 or (config.n_experts % ep == 0 and dp % ep == 0 and cp == 1 and v["zero"] != 3)),
+              ("ep", lambda: (ep == 1 or config.n_experts % ep == 0) and expert_split(v, dp)),
               ("dp", lambda: not choices.dp or dp in choices.dp),
               ("fsdp", lambda: bool(choices.zero) or v["zero"] != 3 or pp == 1)]
     for rule, check in checks:
@@ -171,11 +175,18 @@ def first_rule(config: ModelConfig, work: Work, choices: Choices, v: dict) -> st
     return None
 
 
+def expert_split(v: dict, dp: int) -> bool:
+    """The mesh's own check: etp x ep divides a stage's tp x cp x dp ranks, the two factorings nesting."""
+    etp = v["tp"] if v["etp"] is None else v["etp"]
+    Mesh(dp=dp, tp=v["tp"], cp=v["cp"], ep=v["ep"], etp=etp)
+    return True
+
+
 def layouts(config: ModelConfig, work: Work, choices: Choices, pruned: dict, fp8: bool = False) -> list[TrainPlan]:
     """Every applicable layout that passes the rules short of memory, as TrainPlans in a fixed order;
     `pruned[rule]` counts the others."""
     values = candidates(config, work, choices)
-    plans = []
+    plans, seen = [], set()
     for combo in itertools.product(*(values[d] for d in DIMS)):
         v = dict(zip(DIMS, combo))
         if not applicable(v, work.gpus):
@@ -189,7 +200,8 @@ def layouts(config: ModelConfig, work: Work, choices: Choices, pruned: dict, fp8
                 rule = "refused"
         if rule:
             pruned[rule] = pruned.get(rule, 0) + 1
-        else:
+        elif plan not in seen:  # ETP 1 and "TP" are one layout at TP 1
+            seen.add(plan)
             plans.append(plan)
     return plans
 
@@ -198,7 +210,7 @@ def make_plan(config: ModelConfig, work: Work, v: dict, fp8: bool = False) -> Tr
     dp = work.gpus // (v["tp"] * v["pp"] * v["cp"])
     split = layer_split(config.n_layer, v["pp"], v["virtual_stages"])
     plan = TrainPlan(dp=dp, microbatches=work.global_batch // (dp * v["micro_batch_size"]), seq=work.seq,
-                     fp8=fp8, **v, **split)
+                     fp8=fp8, **v, **split)  # etp None: TP
     plan.check(config, work.gpus, work.global_batch)
     return plan
 
@@ -217,7 +229,7 @@ class MemoryModel:
     def stage_bytes(self, plan: TrainPlan, index: int) -> int:
         """memory.estimate(config, plan, dtype, index)["total"]."""
         stage = plan.stage(self.config, index)
-        key = (plan.tp, plan.sp, plan.ep, tuple(stage.layers), stage.index == 0, stage.last)
+        key = (plan.tp, plan.sp, plan.ep, plan.etp, tuple(stage.layers), stage.index == 0, stage.last)
         if key not in self._params:
             self._params[key] = memory.stage_params(self.config, plan, stage)
         out = memory.model_state_bytes(self._params[key], plan, self.element, mixed=self.dtype != torch.float32)

@@ -13,7 +13,8 @@ from syntorch.simulate.graphs import RankFrame, graph_program
 from syntorch.simulate.stats import kind_stats
 from syntorch.simulate.steps import pipeline_programs, stage_costs, step_costs
 from syntorch.simulate.timeline import timeline_events, write_events
-from syntorch.trace.cost import op_dtype, shared_key
+from syntorch.trace.cost import op_dtype
+from syntorch.trace.graph import graph_kinds
 from syntorch.trace.graph import no_gc
 
 TIMELINE = "timeline.json"
@@ -157,12 +158,10 @@ def predict_inference(traces, hw_name: str, profile: str | None = None, attentio
 def rank_programs(traces) -> tuple[list[Program], list[tuple]]:
     """One program per distinct graph of `traces` (rank -> graph; RankTraces' ranks that share a graph run
     one program), and per program (its graph, the graph node of each task)."""
-    kinds = {}  # shared graph -> (graph, its ranks)
-    for rank in sorted(traces):
-        kinds.setdefault(shared_key(traces[rank]), (traces[rank], []))[1].append(rank)
-    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds.values()) for r in ranks})
+    kinds = graph_kinds(traces)  # (shared graph, its ranks)
+    frame = RankFrame({r: k for k, (_, ranks) in enumerate(kinds) for r in ranks})
     programs, tasks = [], []
-    for graph, ranks in kinds.values():
+    for graph, ranks in kinds:
         name = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
         program, nodes = graph_program(graph, name, frame, len(ranks))
         programs.append(program)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.trace.layer_probe import StageProbe, expand_step
+from syntorch.trace.layer_probe import StageProbe, expanded_steps, grad_group
 from syntorch.trace.training import _template as probed_microbatch
 
 
@@ -89,16 +89,15 @@ def probe_costs(probe, blocks: dict, mesh, sync_tp_backward: bool = False) -> di
 
 def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
     """probe_costs of a stage's probe (trace/layer_probe.py's StageProbe, or probe_stage's (graph, blocks)):
-    when the probe left layers out, each step as the whole stage runs it (layer_probe.expand_step) and the
+    when the probe left layers out, each step as the whole stage runs it (layer_probe.expanded_steps) and the
     optimizer step from its own probe."""
     if not isinstance(probe, StageProbe) or not probe.runs:
         return probe_costs(*probe, mesh, sync_tp_backward)
-    frame, (graph, blocks) = MeshFrame(mesh), probe
+    frame = MeshFrame(mesh)
     costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
-    for key, (start, end) in blocks.items():
-        if key[0] != "optimizer":
-            step = expand_step(graph, start, end, [run for run in probe.runs if run[0] == key[2]])
-            costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
+    steps = expanded_steps(probe, grad_group(probe[0], mesh))
+    for key, step in steps.items():
+        costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
     return costs
 
 

@@ -21,12 +21,13 @@ from syntorch.hardware import HardwareConfig
 from syntorch.trace.kernels import (ATTENTION, ATTENTION_KERNELS, GEMMS, PROFILES, RADIX_OPS, attention_us,
                                     compute_us, foreach_launches, gemm_us, kernel_plan, launches_kernel,
                                     radix_bytes)
+from syntorch.trace.graph import graph_kinds
 from syntorch.trace.nccl import collective_us
 from syntorch.trace.tracer import SDPA
 
 __all__ = ["ATTENTION_KERNELS", "PROFILES", "Kernel", "add_host_waits", "check_attention", "check_profile",
            "collective_us", "compute_us", "fill_durations", "fill_rank_durations", "kernel_of", "kernel_plan",
-           "kernel_us", "node_us", "op_dtype", "shared_key"]
+           "kernel_us", "node_us", "op_dtype"]
 
 
 def check_profile(profile: str) -> str:
@@ -219,13 +220,7 @@ def _peers(graph: nx.DiGraph, data: dict) -> list[int]:
     return data["group"]
 
 
-def shared_key(graph: nx.DiGraph) -> int:
-    """Equal for ranks that share one graph's nodes (RankTraces.put_shared gives them views of it)."""
-    return id(graph.nodes[next(iter(graph))]) if len(graph) else id(graph)
-
-
 def fill_rank_durations(graphs_by_rank, hw: HardwareConfig, profile: str = "eager", attention: str = "flash") -> None:
     """fill_durations on every rank's graph, once per distinct graph (shared ones share durations)."""
-    distinct = {shared_key(g): g for g in graphs_by_rank.values()}
-    for graph in distinct.values():
+    for graph, _ in graph_kinds(graphs_by_rank):
         fill_durations(graph, hw, profile, attention)

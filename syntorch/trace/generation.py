@@ -7,12 +7,12 @@ from collections.abc import Callable
 import torch
 
 from syntorch import generate as gen
-from syntorch.models import build_model, layer_path
+from syntorch.models import layer_path
+from syntorch.parallel.assemble import RankPlan, assemble_rank
 from syntorch.parallel.comm import symbolic_world
-from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.pipeline_inference import PipelineForward, chain_group, stage_of
-from syntorch.parallel.tensor import apply_tp, check_tp
+from syntorch.parallel.pipeline_inference import PipelineForward, chain_group
+from syntorch.parallel.tensor import check_tp
 from syntorch.trace.graph import RankTraces, TraceGraph, with_node_attrs
 from syntorch.trace.decode_steps import (StepScope, StepsTraced, SymbolicGeneration, derive_steps, learn_rule,
                                          replicated_ids)
@@ -101,26 +101,26 @@ def trace_tp_run(config, run: Callable, tp: int, rank: int, sequence_parallel: b
     """`run(model, phase_scope)` (a generation, an encoder's pass, ...) traced on one TP rank's model against
     the fake backend (no other process). On `cpu` the weights are random and the collectives move nothing,
     so the numbers are meaningless; the ops, shapes and collectives are the real ones."""
-    build, result = _tp_traced(config, run, tp, rank, sequence_parallel, device, dtype, generation)
+    plan = RankPlan(tp=tp, sp=sequence_parallel, mode="infer")
+    build, result = _tp_traced(config, run, plan, rank, device, dtype, generation)
     return build(), result
 
 
-def _tp_traced(config, run, tp, rank, sequence_parallel, device, dtype, generation):
-    check_tp(config, tp)
-    with symbolic_world(rank, tp):
-        model = build_model(config, device=device, dtype=dtype)
-        apply_tp(model, init_groups(Mesh(tp=tp)), sequence_parallel)
-        return trace_lazily(model, run, rank=rank, world_size=tp, generation=generation,
-                            meta={"tp": tp, "sequence_parallel": sequence_parallel})
+def _tp_traced(config, run, plan: RankPlan, rank, device, dtype, generation):
+    check_tp(config, plan.tp)
+    with symbolic_world(rank, plan.tp):
+        model = assemble_rank(config, plan, init_groups(plan.mesh), device, dtype).model
+        return trace_lazily(model, run, rank=rank, world_size=plan.tp, generation=generation,
+                            meta={"tp": plan.tp, "sequence_parallel": plan.sp})
 
 
-def trace_tp_ranks(config, run: Callable, tp: int, sequence_parallel: bool = False, dtype=torch.float32,
+def trace_tp_ranks(config, run: Callable, plan: RankPlan, dtype=torch.float32,
                    generation: SymbolicGeneration | None = None) -> tuple[RankTraces, object]:
-    """Every TP rank's graph of `run` on meta, and its result: rank 0 traced (trace_tp_run), its graph built
-    on first access and shared by the others (trace_tp_symbolic)."""
-    build, result = _tp_traced(config, run, tp, 0, sequence_parallel, "meta", dtype, generation)
-    ranks = RankTraces(tp)
-    ranks.put_shared(range(tp), build)
+    """Every TP rank's graph of `run` on meta under `plan` (a TP plan: tp, sp, FP8), and its result:
+    rank 0 traced (trace_tp_run), its graph built on first access and shared by the others (trace_tp_symbolic)."""
+    build, result = _tp_traced(config, run, plan, 0, "meta", dtype, generation)
+    ranks = RankTraces(plan.tp)
+    ranks.put_shared(range(plan.tp), build)
     return ranks, result
 
 
@@ -149,19 +149,19 @@ def trace_tp_symbolic(config, prompt: torch.Tensor, max_new_tokens: int, tp: int
     return ranks
 
 
-def trace_pp_symbolic(config, run: Callable, mesh: Mesh, beam_width: int = 1, dtype=torch.float32,
+def trace_pp_symbolic(config, run: Callable, plan: RankPlan, beam_width: int = 1, dtype=torch.float32,
                       generation: SymbolicGeneration | None = None) -> tuple["StageTraces", object]:
-    """Every rank's graph of a TP x PP generation on meta, and stage 0's result. `run(model, phase_scope,
-    forward)` runs the generation with a pipeline stage's forward. Each stage is traced once, as its
-    representative (tp rank 0); its other TP ranks run the same ops over groups and peers translated along
+    """Every rank's graph of a TP x PP generation under `plan` on meta, and stage 0's result. `run(model,
+    phase_scope, forward)` runs the generation with a pipeline stage's forward. Each stage is traced once, as
+    its representative (tp rank 0); its other TP ranks run the same ops over groups and peers translated along
     tp (Mesh.translate), so their graphs are the representative's with the collectives' ranks moved."""
-    check_tp(config, mesh.tp)
+    check_tp(config, plan.tp)
     builds, result = [], None
-    for stage in range(mesh.pp):
-        build, out = _stage_traced(config, run, mesh, stage, beam_width, dtype, generation)
+    for stage in range(plan.pp):
+        build, out = _stage_traced(config, run, plan, stage, beam_width, dtype, generation)
         result = out if stage == 0 else result
         builds.append(build)
-    return StageTraces(mesh, builds), result
+    return StageTraces(plan.mesh, builds), result
 
 
 class StageTraces(RankTraces):
@@ -183,24 +183,23 @@ class StageTraces(RankTraces):
 
 def trace_pp_stage(config, run: Callable, mesh: Mesh, stage: int, beam_width: int = 1,
                    dtype=torch.float32, generation: SymbolicGeneration | None = None) -> tuple[TraceGraph, object]:
-    """The generation traced on `stage`'s representative rank against the fake backend: only the stage's
-    layers are built (pipeline.build_stage_model), TP applied before the stage drops its other parts."""
-    build, result = _stage_traced(config, run, mesh, stage, beam_width, dtype, generation)
+    """The generation traced on `stage`'s representative rank against the fake backend, on the stage's model
+    as assemble_rank builds it (only the stage's layers)."""
+    plan = RankPlan(tp=mesh.tp, pp=mesh.pp, mode="infer")
+    build, result = _stage_traced(config, run, plan, stage, beam_width, dtype, generation)
     return build(), result
 
 
-def _stage_traced(config, run, mesh, stage, beam_width, dtype, generation):
+def _stage_traced(config, run, plan: RankPlan, stage, beam_width, dtype, generation):
+    mesh = plan.mesh
     rank = mesh.representative(stage)
     with symbolic_world(rank, mesh.world_size):
         groups = init_groups(mesh, only_mine=True)
         forward = PipelineForward(groups, chain_group(mesh, only_mine=True), config.n_layer, beam_width)
-        model = pp_.build_stage_model(config, stage_of(groups, config.n_layer), "meta", dtype)
-        if mesh.tp > 1:
-            apply_tp(model, groups.tp)
-        pp_.split_stage(model, forward.stage)
+        model = assemble_rank(config, plan, groups, "meta", dtype).model
         return trace_lazily(model, lambda m, scope: run(m, scope, forward), rank=rank,
                             world_size=mesh.world_size, generation=generation,
-                            meta={"tp": mesh.tp, "pp": mesh.pp, "stage": stage, "sequence_parallel": False})
+                            meta={"tp": mesh.tp, "pp": mesh.pp, "stage": stage, "sequence_parallel": plan.sp})
 
 
 def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
@@ -216,8 +215,4 @@ def translated(graph: TraceGraph, mesh: Mesh, rank: int) -> TraceGraph:
                 "src": None if d["src"] is None else mesh.translate(d["src"], rank),
                 "dst": None if d["dst"] is None else mesh.translate(d["dst"], rank)}
 
-    nodes = {n: moved(d) for n, d in graph.node_attrs.items()}
-    if nodes:  # its own first node: cost.shared_key tells graphs apart by it (their collectives differ)
-        first = next(iter(nodes))
-        nodes[first] = dict(nodes[first])
-    return with_node_attrs(graph, nodes, rank=rank)
+    return with_node_attrs(graph, {n: moved(d) for n, d in graph.node_attrs.items()}, rank=rank)

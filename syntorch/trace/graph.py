@@ -30,6 +30,15 @@ LEVELS = ("op", "module", "layer")
 GRAPH_DEFAULTS = dict(model="", rank=0, world_size=1, tp=1, pp=1, dp=1, level="op", syntorch_version=__version__)
 
 
+def collective_attrs(collective: str, *, group, nbytes: int, order: int, reduce_op: str | None = None,
+                     src: int | None = None, dst: int | None = None, tag: int = 0, module: str = "",
+                     phase: str = "forward", name: str = "", **attrs) -> dict:
+    """A collective node's attributes, in the schema's order (TraceGraph.add_collective, level views)."""
+    return dict(kind="collective", name=name or collective, module=module, phase=phase, collective=collective,
+                reduce_op=reduce_op, group=[int(r) for r in group], bytes=int(nbytes), src=src, dst=dst,
+                tag=int(tag), order=order, **attrs)
+
+
 @contextlib.contextmanager
 def no_gc():
     """Build graphs with the cyclic collector off: they are many small young dicts that it would rescan
@@ -70,58 +79,72 @@ class TraceGraph(nx.DiGraph):
         return self._succ
 
     # --- building -------------------------------------------------------------------------------
-    def _new_id(self) -> int:
-        return len(self)  # ids are dense and in traced order; nodes are never removed
+    # Nodes and edges go straight into networkx's dicts: every node is new, so add_node's checks would find
+    # nothing, and the tracer adds a node per tensor and op (10^5 a stage); networkx's cache is cleared as
+    # its own methods would.
+    def _new_node(self, data: dict) -> int:
+        node = len(self._node)  # ids are dense and in traced order; nodes are never removed
+        self._node[node], self._succ[node], self._pred[node] = data, {}, {}
+        return node
 
-    def append(self, nodes, edges=()) -> int:
+    def add_data_edge(self, u: int, v: int, arg: int) -> None:
+        """add_edge(u, v, arg=arg) between nodes that exist (the tracer's hot path)."""
+        data = self._succ[u].get(v)
+        if data is None:
+            self._succ[u][v] = self._pred[v][u] = {"arg": arg}
+        else:
+            data["arg"] = arg
+
+    def append(self, nodes, edges=(), copy: bool = True) -> int:
         """Copies of `nodes` (attribute dicts, numbered on from len(self)), then of `edges` (u, v, attrs)
-        into them; returns the first new id. Written straight into networkx's dicts: every node is new and
-        every edge ends at one, so add_nodes_from/add_edges_from's per-item checks would find nothing, and
-        copies of 10^5 nodes are a hot path (replicated layers, schedules, level views)."""
+        into them; returns the first new id. Every edge ends at a new node, so add_edges_from's per-item
+        checks would find nothing, and copies of 10^5 nodes are a hot path (replicated layers, schedules,
+        level views). `copy=False`: the dicts themselves, for a caller that made them for this graph."""
         first = len(self)
+        node, succ, pred = self._node, self._succ, self._pred
         for n, data in enumerate(nodes, first):
-            self._node[n], self._succ[n], self._pred[n] = dict(data), {}, {}
+            node[n], succ[n], pred[n] = dict(data) if copy else data, {}, {}
         for u, v, data in edges:
-            self._succ[u][v] = self._pred[v][u] = dict(data)
+            succ[u][v] = pred[v][u] = dict(data) if copy else data
+        nx._clear_cache(self)
         return first
 
     def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
                    device: str = "cpu", version: int = 0, **attrs) -> int:
-        node = self._new_id()
-        self.add_node(node, kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
-                      bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs)
-        return node
+        nx._clear_cache(self)
+        node = len(self._node)
+        return self._new_node(dict(kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
+                                   bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs))
 
     def add_op(self, name: str, inputs=(), outputs=(), *, module: str = "", phase: str = "forward",
                flops: int = 0, bytes_read: int = 0, bytes_written: int = 0, is_view: bool = False,
                **attrs) -> int:
         """inputs/outputs: tensor node ids in argument order (None skips a position)."""
-        node = self._new_id()
-        self.add_node(node, kind="op", name=name, module=module, phase=phase, flops=int(flops),
-                      bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view, **attrs)
+        nx._clear_cache(self)
+        node = self._new_node(dict(kind="op", name=name, module=module, phase=phase, flops=int(flops),
+                                   bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view,
+                                   **attrs))
         self._connect(node, inputs, outputs)
         return node
 
-    def add_collective(self, collective: str, inputs=(), outputs=(), *, group, nbytes: int,
-                       reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
-                       tag: int = 0, module: str = "", phase: str = "forward", name: str = "", **attrs) -> int:
-        """group: the global ranks of the process group; `order` is assigned here, per group."""
+    def add_collective(self, collective: str, inputs=(), outputs=(), *, group, **fields) -> int:
+        """group: the global ranks of the process group; `order` is assigned here, per group; `fields`: those
+        of collective_attrs."""
         assert collective in COLLECTIVES, f"unknown collective {collective!r}"
+        nx._clear_cache(self)
         group = [int(r) for r in group]
-        node = self._new_id()
-        self.add_node(node, kind="collective", name=name or collective, module=module, phase=phase,
-                      collective=collective, reduce_op=reduce_op, group=group, bytes=int(nbytes),
-                      src=src, dst=dst, tag=int(tag), order=self._next_order(group), **attrs)
+        node = self._new_node(collective_attrs(collective, group=group, order=self._next_order(group), **fields))
         self._connect(node, inputs, outputs)
         return node
 
     def _connect(self, node: int, inputs, outputs):
+        pred = self._pred[node]
         for arg, t in enumerate(inputs):
-            if t is not None and not self.has_edge(t, node):  # x * x: one edge, the first position
-                self.add_edge(t, node, arg=arg)
+            if t is not None and t not in pred:  # x * x: one edge, the first position
+                self.add_data_edge(t, node, arg)
         for arg, t in enumerate(outputs):
             if t is not None:
-                self.add_edge(node, t, arg=arg)
+                self.add_data_edge(node, t, arg)
 
     def _next_order(self, group: list[int]) -> int:
         if "_orders" not in self.__dict__:  # rebuilt after load or copy
@@ -136,7 +159,7 @@ class TraceGraph(nx.DiGraph):
 
     # --- reading --------------------------------------------------------------------------------
     def nodes_of(self, kind: str) -> Iterator[tuple[int, dict]]:
-        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] == kind)
+        return ((n, d) for n, d in self._node.items() if d["kind"] == kind)
 
     def tensors(self) -> Iterator[tuple[int, dict]]:
         return self.nodes_of("tensor")
@@ -149,7 +172,7 @@ class TraceGraph(nx.DiGraph):
 
     def work(self) -> Iterator[tuple[int, dict]]:
         """Ops and collectives (everything a simulator runs) in traced order."""
-        return ((n, d) for n, d in self.nodes(data=True) if d["kind"] != "tensor")
+        return ((n, d) for n, d in self._node.items() if d["kind"] != "tensor")
 
     def op_deps(self) -> dict[int, list[int]]:
         """For each op/collective, the ops/collectives that produced its inputs (in traced order)."""
@@ -168,20 +191,25 @@ class RankTraces(Mapping):
 
     Ranks whose traces are identical share one graph: `put_shared` takes a builder that runs once, on first
     access, and every rank gets a read-only view of the same nodes with its own graph attributes (`rank`).
+    Which ranks share a graph is recorded as they are put (graph_kinds reads it): costs, simulations and
+    files are made once per shared graph.
     """
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._graphs: dict[int, TraceGraph] = {}
         self._pending: dict[int, tuple[list[int], Callable[[], TraceGraph]]] = {}
+        self._kind: dict[int, object] = {}  # rank -> what it shares: its put_shared call's ranks, or its graph
 
     def put(self, rank: int, graph: TraceGraph):
-        self._graphs[rank] = graph
+        """`rank`'s own graph (ranks put with one graph object share it)."""
+        self._graphs[rank] = self._kind[rank] = graph
 
     def put_shared(self, ranks, build: Callable[[], TraceGraph]):
         ranks = sorted(ranks)
         for r in ranks:
             self._pending[r] = (ranks, build)
+            self._kind[r] = ranks
 
     def __getitem__(self, rank: int) -> TraceGraph:
         if rank not in self._graphs and rank in self._pending:
@@ -197,6 +225,16 @@ class RankTraces(Mapping):
 
     def __len__(self):
         return len(set(self._graphs) | set(self._pending))
+
+
+def graph_kinds(graphs: Mapping[int, TraceGraph]) -> list[tuple[TraceGraph, list[int]]]:
+    """Each distinct graph of a rank -> graph mapping once (its first rank's), with the ranks that share it,
+    by first rank: as RankTraces recorded them; in a plain mapping, ranks given one graph object."""
+    kind_of = graphs._kind.__getitem__ if isinstance(graphs, RankTraces) else graphs.__getitem__
+    found = {}
+    for r in sorted(graphs):
+        found.setdefault(id(kind_of(r)), (graphs[r], []))[1].append(r)
+    return list(found.values())
 
 
 def with_node_attrs(graph: TraceGraph, node_attrs: dict, **attr) -> TraceGraph:

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from syntorch.models import LAYER_PATH
-from syntorch.trace.graph import LEVELS, TraceGraph
+from syntorch.trace.graph import LEVELS, TraceGraph, collective_attrs
 
 _RUNNING = re.compile(r"'name': 't\d+'|'order': \d+")  # tensor names that are ids, collective counters
 
@@ -71,28 +71,40 @@ def _reads_collective(graph: TraceGraph, node: int) -> bool:
 def _feeds_collective(graph: TraceGraph, node: int, memo: dict) -> bool:
     """Does a collective read `node`'s output, directly or through ops that launch nothing? (`memo`: answers
     so far: the readers come later in traced order, so each is asked about once.)"""
-    if node not in memo:
-        attrs, succ = graph.node_attrs, graph.succs
-        memo[node] = any(attrs[r]["kind"] == "collective" or (_launches_nothing(attrs[r]) and
-                                                              _feeds_collective(graph, r, memo))
-                         for t in succ[node] for r in succ[t])
-    return memo[node]
+    found = memo.get(node)
+    if found is None:
+        attrs, succ, found = graph.node_attrs, graph.succs, False
+        for t in succ[node]:  # (loops, not any() over a generator: asked of every op of a stage)
+            for r in succ[t]:
+                d = attrs[r]
+                if d["kind"] == "collective" or (_launches_nothing(d) and _feeds_collective(graph, r, memo)):
+                    found = True
+                    break
+            if found:
+                break
+        memo[node] = found
+    return found
 
 
 def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGraph:
+    """The view's nodes and edges are made as plain dicts, numbered as they come, and added at once."""
     out = TraceGraph(**{**graph.graph, "level": level})
+    nodes, edges, orders = [], [], {}
     run_of = {node: i for i, members in enumerate(runs) for node in members}
     new_tensor: dict[int, int] = {}
     for i, members in enumerate(runs):
         inputs = _boundary_inputs(graph, members, run_of, i)
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = _copy_tensor(out, graph.node_attrs[t])
-        node = _add_group(out, graph, members, [new_tensor[t] for t in inputs])
+                new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
+        node = len(nodes)
+        nodes.append(_group(graph, members, level, orders))
+        edges += [(new_tensor[t], node, {"arg": arg}) for arg, t in enumerate(inputs)]
         for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
-            new_tensor[t] = _copy_tensor(out, graph.node_attrs[t], (node, {"arg": arg}))
+            new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
+            edges.append((node, new_tensor[t], {"arg": arg}))
+    out.append(nodes, edges, copy=False)
     return out
-
 
 
 def _boundary_inputs(graph, members, run_of, i) -> list[int]:
@@ -128,19 +140,22 @@ def _boundary_outputs(graph, members, run_of, i) -> list[int]:
     return found
 
 
-def _copy_tensor(out: TraceGraph, d: dict, producer: tuple | None = None) -> int:
-    """What out.add_tensor would make of tensor node d (its fields, a name if it had none), without its
-    argument handling: level views copy 10^5 tensors. `producer`: (op node, edge attributes)."""
-    node = len(out)
-    edges = [(producer[0], node, producer[1])] if producer else []
-    return out.append([{**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])}], edges)
+def _copy_tensor(nodes: list[dict], d: dict) -> int:
+    """What add_tensor would make of tensor node d (its fields, a name if it had none), as the next of `nodes`."""
+    node = len(nodes)
+    nodes.append({**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])})
+    return node
 
 
-def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: list[int]) -> int:
+def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> dict:
+    """The attributes of a run's node, as add_collective or add_op would make them (same fields, same order);
+    `orders`: each group's collectives so far in the view (add_collective's `order`)."""
     first = graph.node_attrs[members[0]]
     if first["kind"] == "collective":
+        group = tuple(first["group"])
+        orders[group] = orders.get(group, -1) + 1
         fields = {k: v for k, v in first.items() if k not in ("kind", "collective", "group", "bytes", "order")}
-        return out.add_collective(first["collective"], inputs, group=first["group"], nbytes=first["bytes"], **fields)
+        return collective_attrs(first["collective"], group=group, nbytes=first["bytes"], order=orders[group], **fields)
     flops = bytes_read = bytes_written = duration = 0
     is_view = timed = True
     for n in members:  # one pass: a level view sums 10^5 ops
@@ -152,14 +167,9 @@ def _add_group(out: TraceGraph, graph: TraceGraph, members: list[int], inputs: l
         timed = timed and d.get("duration_us") is not None
         duration = duration + d["duration_us"] if timed else duration
     extra = {"duration_us": duration} if timed else {}
-    key = layer_of(first["module"]) if out.graph["level"] == "layer" else first["module"]
-    # what out.add_op would make (same fields, same order), appended directly: the inputs are distinct
-    # tensors, so none of its per-edge checks apply, and level views add 10^4 groups per stage
-    node = len(out)
-    return out.append([dict(kind="op", name=key or "model", module=key, phase=first["phase"],
-                            flops=flops, bytes_read=bytes_read, bytes_written=bytes_written, is_view=is_view,
-                            num_ops=len(members), **extra)],
-                      [(t, node, {"arg": arg}) for arg, t in enumerate(inputs)])
+    key = layer_of(first["module"]) if level == "layer" else first["module"]
+    return dict(kind="op", name=key or "model", module=key, phase=first["phase"], flops=flops, bytes_read=bytes_read,
+                bytes_written=bytes_written, is_view=is_view, num_ops=len(members), **extra)
 
 
 # --- repeated layers, folded for drawing --------------------------------------------------------------

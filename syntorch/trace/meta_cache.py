@@ -7,8 +7,6 @@ Only functional ops are memoized: aten ops that neither alias nor write any argu
 Views, in-place ops and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's
 dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before.
 """
-import functools
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,8 +17,17 @@ _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.l
 _UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
-@functools.cache
+_FUNCTIONAL: dict[int, tuple] = {}  # id(func) -> (func, is functional): an OpOverload hashes in Python
+
+
 def _functional(func) -> bool:
+    found = _FUNCTIONAL.get(id(func))
+    if found is None or found[0] is not func:
+        found = _FUNCTIONAL[id(func)] = (func, _is_functional(func))
+    return found[1]
+
+
+def _is_functional(func) -> bool:
     schema = func._schema
     return (func.namespace == "aten" and bool(schema.returns)
             and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
@@ -30,7 +37,9 @@ def _functional(func) -> bool:
 
 def _key(value):
     if isinstance(value, torch.Tensor):
-        return type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, value.device.type
+        # (is_meta first: building a device object costs more than the rest of the key)
+        device = "meta" if value.is_meta else value.device.type
+        return type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, device
     if isinstance(value, (list, tuple)):
         return type(value), *map(_key, value)
     if isinstance(value, _VALUES):

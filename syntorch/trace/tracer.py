@@ -19,6 +19,7 @@ import contextlib
 import functools
 import time
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from syntorch.quant import FLOP_FORMULAS
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph, no_gc
@@ -33,8 +35,18 @@ from syntorch.trace.replicate import LayerCall
 from syntorch.trace.values import flat_tensors
 
 
+_UNWRITTEN = (0, None)  # a storage's (writes, last writer) before any recorded write
+_UNNAMED = ("", False)  # (name, is_param) of a tensor that is no parameter or buffer
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (str() of a dtype builds the text each time)."""
+    return str(dtype).removeprefix("torch.")
 
 
 class Tracer:
@@ -152,8 +164,8 @@ class Tracer:
     def tag_autograd_nodes(self, out):
         """Tag autograd nodes created by the call that just returned `out` with the current module (in
         backward, e.g. a recomputed forward, the module of the backward node running it)."""
-        module = self.where()[0]
-        todo = [t.grad_fn for t in flat_tensors(out, keep_others=True) if t is not None and t.grad_fn is not None]
+        todo = [fn for t in flat_tensors(out) if (fn := t.grad_fn) is not None]
+        module = self.where()[0] if todo else None
         while todo:
             node = todo.pop()
             if node is None or "module" in node.metadata:
@@ -165,46 +177,47 @@ class Tracer:
     def tensor_node(self, t: torch.Tensor) -> int:
         """The node holding t's current value: new at first sight, a new version after an aliased write."""
         key = _storage_key(t)
-        writes, writer = self.writes.get(key, (0, None))
-        known = self._known(t)
-        if known is not None and known[2] == writes:
-            return known[0]
+        writes, writer = self.writes.get(key, _UNWRITTEN)
+        entry = self._entry(t)
+        if entry is not None and entry[3] == writes:
+            return entry[1]
         # first sight, or a write through another alias (a view, a KV-cache slice) changed the storage since
-        version = self.graph.nodes[known[0]]["version"] + 1 if known else 0
+        version = self.graph.node_attrs[entry[1]]["version"] + 1 if entry else 0
         node = self._add_tensor(t, key, writes, version)
-        if known is not None and writer is not None:
-            self.graph.add_edge(writer, node, arg=-1)  # -1: written through an alias, not a returned output
+        if entry is not None and writer is not None:
+            self.graph.add_data_edge(writer, node, -1)  # -1: written through an alias, not a returned output
         return node
 
     def output_node(self, t: torch.Tensor, op: int, arg: int, wrote: bool) -> int:
         """A new node for an op's output: a new version if the op wrote t in place (which every alias of
         its storage then sees), else a fresh tensor or a view."""
+        return self._output(t, self._entry(t), op, arg, wrote)
+
+    def _output(self, t: torch.Tensor, entry: tuple | None, op: int, arg: int, wrote: bool) -> int:
         key = _storage_key(t)
-        writes = self.writes.get(key, (0, None))[0]
+        writes = self.writes.get(key, _UNWRITTEN)[0]
         if wrote:
             writes += 1
             self.writes[key] = (writes, op)
-        known = self._known(t)
-        version = self.graph.nodes[known[0]]["version"] + 1 if known else 0
+        version = self.graph.node_attrs[entry[1]]["version"] + 1 if entry else 0
         node = self._add_tensor(t, key, writes, version)
-        self.graph.add_edge(op, node, arg=arg)
+        self.graph.add_data_edge(op, node, arg)
         return node
 
     def _alias(self, t: torch.Tensor, node: int) -> None:
         """Let t's current value be `node` (a value made while recording was paused)."""
         key = _storage_key(t)
-        self.tensors[id(t)] = (weakref.ref(t), node, key, self.writes.get(key, (0, None))[0])
+        self.tensors[id(t)] = (weakref.ref(t), node, key, self.writes.get(key, _UNWRITTEN)[0])
 
-    def _known(self, t: torch.Tensor) -> tuple | None:
-        """(node, storage key, writes) of a tensor seen before (an id reused by a new tensor is not seen)."""
+    def _entry(self, t: torch.Tensor) -> tuple | None:
+        """(weak ref, node, storage key, writes) of a tensor seen before (an id reused by a new tensor is not seen)."""
         entry = self.tensors.get(id(t))
-        return entry[1:] if entry is not None and entry[0]() is t else None
+        return entry if entry is not None and entry[0]() is t else None
 
     def _add_tensor(self, t: torch.Tensor, key: int, writes: int, version: int) -> int:
-        name, is_param = self.names.get(id(t), ("", False))
-        node = self.graph.add_tensor(t.shape, str(t.dtype).removeprefix("torch."), nbytes(t), name=name,
-                                     is_param=is_param, device=t.device.type,
-                                     version=version)
+        name, is_param = self.names.get(id(t), _UNNAMED)
+        node = self.graph.add_tensor(t.shape, dtype_name(t.dtype), nbytes(t), name=name, is_param=is_param,
+                                     device="meta" if t.is_meta else t.device.type, version=version)
         self.tensors[id(t)] = (weakref.ref(t), node, key, writes)
         return node
 
@@ -225,32 +238,33 @@ class Tracer:
         if phase is None:
             return None
         in_nodes = [self.tensor_node(t) if t is not None else None for t in inputs]
-        cost = 0 if is_view else 1  # views move no data
-        timing = {} if duration_us is None else {"duration_us": duration_us}
-        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view, **timing, **attrs,
-                               bytes_read=cost * _unique_bytes(inputs),
-                               bytes_written=cost * _unique_bytes(list(outputs) + list(written or [])))
-        written_ids = {id(t) for t in written or []}
+        if duration_us is not None:
+            attrs = {"duration_us": duration_us, **attrs}
+        moved = (0, 0) if is_view else (_unique_bytes(inputs), _unique_bytes([*outputs, *(written or ())]))  # views move no data
+        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view,
+                               bytes_read=moved[0], bytes_written=moved[1], **attrs)
+        written_ids = {id(t) for t in written} if written else set()
         for arg, t in enumerate(outputs):
             if t is not None:
-                self.output_node(t, op, arg, wrote=id(t) in written_ids or self._known(t) is not None)
+                entry = self._entry(t)
+                self._output(t, entry, op, arg, wrote=entry is not None or id(t) in written_ids)
                 written_ids.discard(id(t))
-        for t in written or []:
+        for t in written or ():
             if id(t) in written_ids:  # mutated but not returned, e.g. ops returning None
                 self.output_node(t, op, -1, wrote=True)
         return op
 
     def record_aten(self, func, args, kwargs, out, duration_us=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
+        op = _aten_op(func)
+        if op.collective:
             call = collective_call(func, args, kwargs, out)
             if call is not None:
                 return self.record_collective(call)
-        inputs, written = _schema_inputs(func, args, kwargs)
+        inputs, written = _schema_inputs(op.arguments, args, kwargs)
         outputs = flat_tensors(out, keep_others=True)
-        flop_fn = flop_registry.get(func._overloadpacket)
+        flop_fn = flop_registry.get(func._overloadpacket) or FLOP_FORMULAS.get(func._overloadpacket)
         flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
-        self.record_op(f"{func.namespace}.{func._overloadpacket.__name__}", inputs, outputs, flops,
-                       is_view=func.is_view, written=written, duration_us=duration_us)
+        self.record_op(op.name, inputs, outputs, flops, is_view=op.is_view, written=written, duration_us=duration_us)
 
     def record_collective(self, call):
         module, phase = self.where()
@@ -331,9 +345,29 @@ def _unique_bytes(tensors) -> int:
     return total
 
 
-@functools.cache
+class _AtenOp(NamedTuple):
+    """What recording an aten op needs of it, read once per op: an OpOverload's attributes and schema are
+    slow to read (and hashing one runs Python), and a training step records 10^4 ops."""
+    name: str  # e.g. aten.mm
+    is_view: bool
+    collective: bool  # a c10d op (collectives.py tells what it is)
+    arguments: tuple  # (position, name, written) of each argument that may hold tensors
+
+
+_ATEN_OPS: dict[int, tuple] = {}  # id(func) -> (func, _AtenOp); OpOverloads live as long as torch
+
+
+def _aten_op(func) -> _AtenOp:
+    found = _ATEN_OPS.get(id(func))
+    if found is None or found[0] is not func:
+        found = _ATEN_OPS[id(func)] = (func, _AtenOp(
+            f"{func.namespace}.{func._overloadpacket.__name__}", func.is_view,
+            func.namespace in ("c10d", "_c10d_functional"), _tensor_arguments(func)))
+    return found[1]
+
+
 def _tensor_arguments(func) -> tuple:
-    """(position, name, written) of each argument of func that may hold tensors; reading a schema is slow."""
+    """(position, name, written) of each argument of func that may hold tensors."""
     found = []
     for i, arg in enumerate(func._schema.arguments):
         if "Tensor" in str(arg.type):
@@ -341,10 +375,10 @@ def _tensor_arguments(func) -> tuple:
     return tuple(found)
 
 
-def _schema_inputs(func, args, kwargs):
+def _schema_inputs(arguments: tuple, args, kwargs):
     """Tensor arguments in schema order (lists flattened), and those the op writes (`Tensor(a!)`)."""
     inputs, written = [], []
-    for i, name, is_written in _tensor_arguments(func):
+    for i, name, is_written in arguments:
         value = args[i] if i < len(args) else kwargs.get(name)
         tensors = [value] if isinstance(value, torch.Tensor) else [
             t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []

@@ -56,26 +56,40 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
 
 
 def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
-                microbatches: int = PROBE_MICROBATCHES) -> tuple[TraceGraph, dict]:
+                microbatches: int = PROBE_MICROBATCHES, finish: list | None = None) -> tuple[TraceGraph, dict]:
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
-    {(kind, microbatch, chunk): (first node, end)}."""
+    {(kind, microbatch, chunk): (first node, end)}. `finish` (a list): gets the node where the end of the
+    last backward (the gradient synchronisation's `finish`) starts."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
-    return _run_stage(config, probe, stage, dtype, rank)
+    return _run_stage(config, probe, stage, dtype, rank, finish=finish)
 
 
 def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
                     rank: int | None = None) -> tuple[TraceGraph, dict]:
-    """The stage's optimizer step on its own, as probe_stage's ("optimizer", None, None) block: no micro-batch
-    runs; every parameter the step reads holds a gradient first (the end of backward, which the DP buckets
-    then reduce, is traced but not the optimizer's)."""
-    # no micro-batch: every bucket is launched by the end of backward itself, which overlap would have done
-    alone = dataclasses.replace(plan, overlap_grad_reduce=False, schedule="gpipe")
-    return _run_stage(config, alone, stage, dtype, rank, microbatches=0)
+    """The stage's end of backward and optimizer step on their own: no micro-batch runs; every gradient is
+    accumulated first, untraced, as backward would (so overlap has launched its buckets; their reduced
+    gradients are named grad_sync.flat.<bucket>); then the end of backward is traced (the nodes before the
+    ("optimizer", None, None) block) and the optimizer step (that block)."""
+    return _run_stage(config, dataclasses.replace(plan, schedule="gpipe"), stage, dtype, rank, microbatches=0)
 
 
-def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None) -> tuple[TraceGraph, dict]:
-    """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand."""
+def _accumulate_gradients(run: plans.StageRun, zero: int) -> None:
+    """Every parameter's gradient accumulated in backward's order (the reverse of registration), so DDP/ZeRO's
+    hooks see them as in the last backward; FSDP's and ZeRO's shards just hold one."""
+    if zero != 3:
+        run.grad_sync.active = True
+        for p in reversed(list(run.model.parameters())):
+            torch.autograd.backward(p, torch.zeros_like(p))
+    for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None,
+               finish: list | None = None) -> tuple[TraceGraph, dict]:
+    """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand.
+    `finish`: probe_stage's."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
@@ -89,17 +103,20 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                    for _ in range(plan.microbatches if microbatches is None else microbatches)]
         # (each micro-batch its own tensors, like its own data)
         if not batches:
-            for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
-                p.grad = torch.zeros_like(p)
+            _accumulate_gradients(run, plan.zero)
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
+            if finish is not None:  # mark where the end of backward starts
+                end_of_backward = run.grad_sync.finish
+                run.grad_sync.finish = lambda: (finish.append(len(tracer.graph)), end_of_backward())
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
             for t in [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
                       *run.optimizer.param_groups[0]["params"],
                       *(v for state in run.optimizer.state.values() for v in state.values()),
+                      *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
                       *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
@@ -111,13 +128,17 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
 def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
     """Names for what the optimizer updates besides the model's parameters (ZeRO/FSDP shards, FP32 masters,
     AdamW's moments and step): state that outlives the step, which the fused profile's optimizer pass writes
-    back (trace/kernels.py) and the schedule tracks as it does parameters."""
+    back (trace/kernels.py) and the schedule tracks as it does parameters; and, for an end of backward traced
+    alone, the buckets' reduced gradients overlap launched before it (layer_probe.py joins them to a step's)."""
     for i, p in enumerate(run.grad_sync.optimizer_params()):
         tracer.names.setdefault(id(p), (f"optimizer.shard.{i}", False))
     for i, p in enumerate(run.optimizer.param_groups[0]["params"]):
         tracer.names.setdefault(id(p), (f"optimizer.{i}.master", False))
         for key, v in run.optimizer.state[p].items():
             tracer.names[id(v)] = (f"optimizer.{i}.{key}", False)
+    for k, bucket in enumerate(getattr(run.grad_sync, "all_buckets", ())):  # launched before a traced finish
+        if bucket.flat is not None:
+            tracer.names[id(bucket.flat)] = (f"grad_sync.flat.{k}", False)
 
 
 def _template(kind: str, m: int, microbatches: int, probed: int) -> int:

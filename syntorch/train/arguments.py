@@ -33,6 +33,9 @@ def add_arguments(p: Parser) -> None:
     p.add_argument("--eval-steps", type=int, default=0, at_least=0, help="evaluate every N steps (0: every epoch)")
     p.add_argument("--eval-fraction", type=float, default=0.1, at_least=0, help="share of --data held out for evaluation")
     p.add_argument("--save-dir", help="best_model/ and last_model/ in HuggingFace format (default checkpoints/<family>)")
+    p.add_argument("--save-format", "--save_format", dest="save_format", choices=["hf", "sharded"], default="hf",
+                   help="hf: one HuggingFace folder; sharded: one file per TP x PP rank of the plan, as `syntorch "
+                        "shard` writes them (`infer --checkpoint` and `train --model-name` load either)")
     p.add_argument("--seed", type=int, default=42, at_least=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, above=0, help="gradient bucket size (parallel/buckets.py)")
     # the parallel plan (parallel/plans.py): data parallel over what tp * pp * cp leave of the ranks

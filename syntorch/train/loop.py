@@ -46,6 +46,7 @@ class TrainOptions:
     max_steps: int = 0  # 0: run all epochs
     eval_fraction: float = 0.1  # held out from --data for evaluation and the best checkpoint
     save_dir: str | None = None
+    save_format: str = "hf"  # "sharded": one file per TP x PP rank (shard.py's folder)
     seed: int = 42
     bucket_cap_mb: float = 25.0  # the gradient buckets' size (parallel/buckets.py)
     tp: int = 1  # the plan (parallel/plans.py); dp is what tp * pp * cp leave of the ranks
@@ -71,10 +72,14 @@ class TrainOptions:
 def load_model(opts: TrainOptions, device):
     """(config, model): a local HuggingFace folder as from_pretrained reads it, or a registry name
     (random init), optionally overridden by --model_config."""
-    from syntorch.checkpoints import load_checkpoint, resolve_model_config
+    from syntorch.checkpoints import SHARD_INDEX, load_checkpoint, resolve_model_config
     from syntorch.models import build_model
+    from syntorch.shard import loaded, merged_state
 
-    if Path(opts.model_name).is_dir():
+    if (Path(opts.model_name) / SHARD_INDEX).is_file():
+        config, state = merged_state(opts.model_name)
+        model = loaded(config, state, device)
+    elif Path(opts.model_name).is_dir():
         config, model = load_checkpoint(opts.model_name, device=device)
     else:
         config = resolve_model_config(opts.model_name, opts.model_config)
@@ -353,13 +358,13 @@ def report(summary: dict, opts: TrainOptions) -> None:
 
 def preflight(opts: TrainOptions, world: int) -> None:
     """Checks the inputs before ranks are spawned, so a user's mistake is one line, not a rank failure."""
-    from syntorch.checkpoints import resolve_model_config
-
-    from syntorch.checkpoints import checkpoint_config
+    from syntorch.checkpoints import SHARD_INDEX, checkpoint_config, read_shard_index, resolve_model_config
 
     D.load_squad(opts.data)
     D.LocalTokenizer(tokenizer_dir(opts))
-    if Path(opts.model_name).is_dir():
+    if (Path(opts.model_name) / SHARD_INDEX).is_file():
+        config = read_shard_index(opts.model_name).config
+    elif Path(opts.model_name).is_dir():
         config = checkpoint_config(opts.model_name)
     else:
         config = resolve_model_config(opts.model_name, opts.model_config)

@@ -114,9 +114,11 @@ class PlanSteps:
         return sum(mesh_mean(self.run, losses, self.device)) / len(losses) if losses else None
 
     def save(self, folder: Path, tokenizer, rank: int) -> None:
-        """One HuggingFace folder from rank 0: its own model under pure DP/ZeRO/FSDP, else the whole model
-        put together from the first replica's TP/PP ranks (and EP ranks' experts)."""
+        """From rank 0, one HuggingFace folder (--save-format hf) or one file per TP x PP rank of the plan
+        (sharded, shard.py's folder): its own model under pure DP/ZeRO/FSDP, else the whole model put together
+        from the first replica's TP/PP ranks (and EP ranks' experts)."""
         from syntorch.checkpoints import save_checkpoint
+        from syntorch.shard import loaded, unique_state, write_state_shards
 
         full = getattr(self.run.grad_sync, "full_parameters", None)
         if full is not None:  # FSDP: every rank takes part in the all-gather
@@ -126,12 +128,17 @@ class PlanSteps:
             state = self._from_model_parallel_ranks(rank) if plan.tp > 1 or plan.pp > 1 else model.state_dict()
             state = self._with_every_expert(state) if plan.ep > 1 else state
             model = loaded(model.config, state) if rank == 0 else None
-        if rank == 0:
+        if rank != 0:
+            return
+        if self.opts.save_format == "sharded":
+            state = {n: t.detach().cpu() for n, t in unique_state(model).items()}
+            write_state_shards(model.config, state, folder, plan.tp, plan.pp, True, "--save-dir", tokenizer)
+        else:
             save_checkpoint(model, folder, tokenizer, "--save-dir")
 
     def _from_model_parallel_ranks(self, rank: int):
         """The whole model's state on rank 0 (None elsewhere) from the TP/PP ranks of DP x CP replica 0."""
-        from syntorch.shard import unique_state
+        from syntorch.shard import unique_state, whole_state
 
         coordinate, groups = self.run.plan.mesh.coordinate(rank), self.run.groups
         mine = None
@@ -157,45 +164,6 @@ class PlanSteps:
         for part in everyone:
             state.update(part)
         return state
-
-
-def whole_state(config, tp: int, parts: list, etp: int | None = None) -> dict:
-    """The whole model's state from (tp_rank, state) parts of every stage. Where each element of a TP rank's tensor
-    came from is found by cutting a tensor of element numbers as the plan cut the weights (tensor.take_shard),
-    so every style, and the padded vocabulary, is undone without an inverse of its own. `etp` 1: experts whole."""
-    from syntorch.models import build_model
-    from syntorch.parallel.expert import is_expert_param
-    from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
-
-    meta = build_model(config, "meta")
-    styles, shapes = plan_for(meta, sequence_parallel=False) if tp > 1 else {}, meta.state_dict()
-    state = {}
-    for tp_rank, part in parts:
-        for name, shard in part.items():
-            module, _, param = name.rpartition(".")
-            style = "replicated" if etp == 1 and is_expert_param(name) else styles.get(module, "replicated")
-            if style == "replicated":
-                state.setdefault(name, shard)
-                continue
-            full = state.setdefault(name, torch.zeros(shapes[name].shape, dtype=shard.dtype))
-            numbers = torch.arange(1, full.numel() + 1, dtype=torch.float64).view(full.shape)  # 0: vocab padding
-            where = take_shard(style, param, numbers, tp_rank, tp, padded_vocab(config.vocab_size, tp), config.d_head,
-                               config.kv_heads)
-            kept = where > 0
-            full.view(-1)[where[kept].long() - 1] = shard[kept]
-    return state
-
-
-def loaded(config, state: dict):
-    """A whole model on the CPU holding `state`; only aliases (a tied head) may be left out of it."""
-    from syntorch.models import build_model
-    from syntorch.shard import unique_state
-
-    model = build_model(config, "cpu")
-    unset = set(model.load_state_dict(state, strict=False).missing_keys) & set(unique_state(model))
-    if unset:
-        raise RuntimeError(f"the ranks' parts leave {sorted(unset)} unset")
-    return model
 
 
 def world_size(nproc: int | None) -> int:

@@ -13,6 +13,7 @@ from syntorch.chakra.stage_files import same_durations, write_stage_chakra
 from syntorch.chakra.writer import write_chakra
 from syntorch.generate import Sampling, generate
 from syntorch.hardware import load_hw_config
+from syntorch.parallel.assemble import RankPlan
 from syntorch.parallel.mesh import Mesh
 from syntorch.trace.cost import fill_rank_durations
 from syntorch.trace.generation import trace_pp_symbolic
@@ -31,7 +32,7 @@ def traced(config, mesh, beam_width=1):
     def run(m, scope, forward):
         return generate(m, torch.zeros(2, 4, dtype=torch.long, device="meta"), 3, Sampling(temperature=0),
                         beam_width=beam_width, phase_scope=scope, forward=forward)
-    return trace_pp_symbolic(config, run, mesh, beam_width)[0]
+    return trace_pp_symbolic(config, run, RankPlan(tp=mesh.tp, pp=mesh.pp, mode="infer"), beam_width)[0]
 
 
 @pytest.mark.parametrize("case", CASES)

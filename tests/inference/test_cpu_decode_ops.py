@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_config
-from syntorch.generate import Sampling, generate, setup_caches
+from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 
 VIEWS = {"aten.view", "aten.slice", "aten.transpose", "aten.split_with_sizes", "aten.reshape", "aten.select",
@@ -31,7 +31,7 @@ def decode_step_ops(n_layer: int) -> Counter:
     """The non-view ops of one greedy decode step (cache length 9) of a tiny GPT-2 with n_layer layers."""
     model = build_model(tiny_config("gpt2", n_layer=n_layer))
     with torch.inference_mode():
-        setup_caches(model, 1, 16)
+        model.setup_caches(1, 16)
         model(torch.zeros(1, 8, dtype=torch.long))
         token = torch.zeros(1, 1, dtype=torch.long)
         with OpCount() as count:

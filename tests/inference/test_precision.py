@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils.flop_counter import flop_registry
 
 from syntorch.config import get_config
 from syntorch.generate import Sampling, generate, stream_friendly_weights
@@ -114,3 +115,4 @@ def test_int8_in_a_symbolic_trace_reads_int8_bytes():
     weight = next(graph.nodes[t] for t in graph.preds[node] if graph.nodes[t]["name"] == "layers.0.attn.qkv.weight")
     assert (weight["dtype"], weight["bytes"], weight["is_param"]) == ("int8", 768 * 2304, True)
     assert qkv["flops"] == 2 * 4 * 768 * 2304 + 768 * 2304
+    assert torch.ops.aten._weight_int8pack_mm not in flop_registry  # syntorch's formula; torch's registry untouched

@@ -11,7 +11,7 @@ from plan_steps import reference_step
 
 from syntorch.checkpoints import load_checkpoint
 from syntorch.config import get_config
-from syntorch.generate import Sampling, clear_caches, generate, setup_caches
+from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 from syntorch.models.moe import MoE
 from syntorch.parallel.launch import init_distributed, spawn
@@ -94,14 +94,14 @@ def test_cache_holds_the_latent_and_decode_equals_a_full_forward(pair):
     """The cache holds kv_lora_rank + rotary dims per token (one shared 'head'), not per-head K/V; a decode step
     through it (absorbed) gives the logits a full forward over the same tokens gives (expanded)."""
     _, _, _, ours = pair
-    setup_caches(ours, 2, 20)
+    ours.setup_caches(2, 20)
     cache = ours.layers["0"].attn.kv_cache
     assert (cache.k.shape, cache.v.shape) == ((2, 1, 20, 16), (2, 1, 20, 8))
     tokens = ids(length=9, seed=3)
     with torch.no_grad():
         ours(tokens[:, :8])
         step = ours(tokens[:, 8:], start=8)
-        clear_caches(ours)
+        ours.reset_caches()
         full = ours(tokens)
     assert (step[:, 0] - full[:, 8]).abs().max().item() <= 1e-5 * full.abs().max().item()
 
@@ -257,10 +257,10 @@ def test_int8_weight_only_keeps_the_router_and_kv_b():
     tokens = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
         want = full(tokens)
-        setup_caches(model, 1, 9)
+        model.setup_caches(1, 9)
         model(tokens[:, :8])
         step = model(tokens[:, 8:], start=8)  # the absorbed form over int8 q_b and proj
-        clear_caches(model)
+        model.reset_caches()
     close("int8 decode", step[:, 0], want[:, 8], 0.05)
 
 

@@ -9,7 +9,7 @@ import transformers as hf
 from syntorch.checkpoints import load_checkpoint, save_checkpoint
 from syntorch.hf_format import hf_config_to_model_config
 from syntorch.errors import UserError
-from syntorch.generate import Sampling, clear_caches, generate, setup_caches
+from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 from tests.conftest import tiny_config
 
@@ -98,9 +98,9 @@ def test_config_mapping_and_kv_cache_holds_kv_heads(pair):
     assert c.qkv_bias == (family == "qwen2") and c.sliding_window == (5 if family == "mistral" else 0)
     assert c.n_experts == (4 if family == "mixtral" else 0)
     assert (c.rope_scaling, c.rope_original_positions) == (("llama3", 16) if family == "llama" else ("", 8192))
-    setup_caches(ours, 2, 20)
+    ours.setup_caches(2, 20)
     assert ours.layers["0"].attn.kv_cache.k.shape == (2, 2, 20, 8)  # K/V heads only
-    clear_caches(ours)
+    ours.reset_caches()
 
 
 def test_save_round_trip_through_transformers(pair, tmp_path):

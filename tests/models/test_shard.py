@@ -123,9 +123,9 @@ def test_a_tp2_pp2_rank_loads_its_stage_and_slices(source, gpt2_dir, tmp_path):
     """Rank 3 (stage 1, TP rank 1) of TP 2 x PP 2, as a pipeline-parallel run loads it."""
     write_shards(gpt2_dir, tmp_path / "s", tp=2, pp=2)
     config = load_checkpoint(gpt2_dir)[0]
-    with symbolic_world(1, 2):
+    with symbolic_world(3, 4):
         model = load_rank_model(config, tmp_path / "s" if source == "shard" else gpt2_dir, "cpu", torch.float32,
-                                init_groups(Mesh(tp=2)), stage=stages(config, 2)[1])
+                                init_groups(Mesh(tp=2, pp=2)))
     want = read_rank(tmp_path / "s", 3)
     state = model.state_dict()
     assert set(state) == set(want) and all(torch.equal(state[n], t) for n, t in want.items())

@@ -11,7 +11,8 @@ from tests.parallel.test_pipeline import _nodes_by_members, distinct_bodies
 from syntorch.chakra.validate import check_traces
 from syntorch.chakra.writer import write_chakra
 from syntorch.errors import UserError
-from syntorch.parallel.context import chunk_positions
+from syntorch.models import build_model
+from syntorch.parallel.context import GatheredKV, apply_cp, chunk_positions
 from syntorch.parallel.mesh import Mesh
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import RankTraces
@@ -43,6 +44,20 @@ def test_bad_cp_options(fields, message):
 def test_cp_needs_a_causal_model():
     with pytest.raises(UserError, match="attends both ways"):
         TrainPlan(cp=2, seq=16).check(tiny_config("bert-base-uncased"))
+
+
+def test_cp_gathers_through_its_own_hook_and_never_beside_a_kv_cache():
+    """CP's gather goes in each attention's kv_gather, not in the KV-cache slot; a model holding caches (it is
+    generating) refuses CP, and a model under CP refuses caches."""
+    model = build_model(CONFIG)
+    model.setup_caches(1, 8)
+    with pytest.raises(UserError, match="holds KV caches"):
+        apply_cp(model, group=None)
+    model.reset_caches()
+    apply_cp(model, group=None)
+    assert all(isinstance(b.attn.kv_gather, GatheredKV) and b.attn.kv_cache is None for b in model.layers.values())
+    with pytest.raises(AssertionError, match="keeps no KV cache"):
+        model.setup_caches(1, 8)
 
 
 # --- a real step: CP2 x DP2 on four gloo ranks against one process ---------------------------------------

@@ -18,6 +18,10 @@ MOE = tiny_config("gpt2", n_layer=2, vocab_size=200, n_experts=4, moe_top_k=2)
 # SwiGLU experts without biases and a shared expert (DeepSeekMoE's), which --etp between 1 and --tp needs
 GATED = tiny_config("llama-2-7b", n_kv_head=4, vocab_size=200, n_experts=4, moe_top_k=2, n_shared_experts=1,
                     d_ff_expert=64)
+# DeepSeek-V3's MLA (a TP region of its own) with its dense first layer and grouped routing
+MLA = tiny_config("deepseek-v3", n_layer=3, n_head=4, d_head=24, rotary_dim=8, v_head_dim=12, kv_lora_rank=16,
+                  q_lora_rank=24, n_experts=8, d_ff_expert=32, d_ff=64, moe_top_k=3, first_k_dense=1,
+                  rope_original_positions=16, moe_n_group=4, moe_topk_group=2, vocab_size=200)
 BASE = dict(microbatches=2, micro_batch_size=2, seq=8, lr=1e-2)
 PLANS = {
     "ep_cp": TrainPlan(cp=2, ep=2, **BASE),  # the EP group is the CP pair
@@ -26,15 +30,22 @@ PLANS = {
     "ep_tp": TrainPlan(tp=2, dp=2, ep=2, **BASE),  # experts TP-sharded (etp = tp), EP over the DP pair
     "ep_tp_fsdp": TrainPlan(tp=2, dp=4, ep=2, zero=3, **BASE),  # and FSDP: experts over expert-DP (2 ranks)
     "etp2_of_tp4": TrainPlan(tp=4, etp=2, ep=2, **BASE),  # experts halved over 2 ranks; EP: the 2 TP halves
+    # sequence parallel: the MoE layer gathers the sequence and reduce-scatters its output (Megatron-Core
+    # requires SP with TP and EP)
+    "tp_sp": TrainPlan(tp=2, sp=True, **BASE),
+    "ep_tp_sp": TrainPlan(tp=2, dp=2, ep=2, sp=True, **BASE),
+    "etp1_sp": TrainPlan(tp=2, etp=1, ep=2, sp=True, **BASE),
+    "etp2_of_tp4_sp": TrainPlan(tp=4, etp=2, ep=2, sp=True, **BASE),
+    "mla_ep_tp_sp": TrainPlan(tp=2, dp=2, ep=2, sp=True, **BASE),
 }
-CONFIGS = {"etp2_of_tp4": GATED}
+CONFIGS = {"etp2_of_tp4": GATED, "etp2_of_tp4_sp": GATED, "mla_ep_tp_sp": MLA}
 
 
 def global_name(model, name: str) -> str:
     """A parameter's name in the whole model: an expert's local index on its EP rank -> its global index."""
-    if ".experts." not in name:
-        return name
     head, _, tail = name.partition(".experts.")
+    if not tail or not hasattr(model.get_submodule(head), "first_expert"):  # not an expert, or no EP
+        return name
     local, _, rest = tail.partition(".")
     return f"{head}.experts.{model.get_submodule(head).first_expert + int(local)}.{rest}"
 

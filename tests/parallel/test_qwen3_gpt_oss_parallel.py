@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE and GPT-OSS under tensor (and, for Qwen3, sequence) and expert parallelism on real gloo ranks, against one process: logits,
+"""Qwen3, Qwen3-MoE and GPT-OSS under tensor (and sequence) and expert parallelism on real gloo ranks, against one process: logits,
 greedy tokens and every parameter's gradient (the sinks split by heads, the q/k norms' partial gradients summed,
 GPT-OSS's biased experts inside the MoE layer's one TP region); and their symbolic runs on meta."""
 import copy
@@ -69,7 +69,7 @@ def tp_main():
     groups = init_groups(Mesh(tp=dist.get_world_size()))
     for name in CONFIGS:
         check_tp(name, groups)
-    check_tp("qwen3", groups, sequence_parallel=True)  # the MoE ones refuse --sp
+        check_tp(name, groups, sequence_parallel=True)  # an MoE layer gathers the sequence, reduce-scatters after
 
 
 def test_tp2_matches_one_process():

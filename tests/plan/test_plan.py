@@ -90,14 +90,13 @@ def test_cached_prediction_is_trace_predict_only(options, plan, layers, tmp_path
     cache = ProbeCache()
     other = predict_plan(config, dataclasses.replace(plan, microbatches=8), PRESETS["h100-sxm"], cache).summary
     summary = predict_plan(config, plan, A100, cache).summary
-    assert cache.traced == 1 and other["step_s"] != summary["step_s"]
-    layer_probes = [bool(probe.runs) for probe in next(iter(cache.entries.values())).probes.values()]
-    assert layer_probes == [plan.zero == 3] * len(layer_probes)
+    assert cache.traced == 2 and other["step_s"] != summary["step_s"]  # two stages, or kept layers and the end
+    assert bool(cache.ends) == (plan.zero == 3)  # kept layers with the whole stage's end, or whole
     for key in ("step_s", "bubble_fraction", "exposed_comm_s", "mfu"):
         assert summary[key] == expected[key], key
     # the other machine's durations come back on the same probes
     h100 = predict_plan(config, plan, PRESETS["h100-sxm"], cache).summary
-    assert cache.traced == 1 and h100["step_s"] == predict_plan(config, plan, PRESETS["h100-sxm"]).summary["step_s"]
+    assert cache.traced == 2 and h100["step_s"] == predict_plan(config, plan, PRESETS["h100-sxm"]).summary["step_s"]
 
 
 def test_cli_outputs_agree(tmp_path, capsys):
@@ -131,7 +130,7 @@ def small_search(**kw):
 
 def test_workers_give_the_rows_of_one_process():
     one = small_search(workers=1)
-    assert len(one.rows) == 4 and one.probes == 4
+    assert len(one.rows) == 4 and one.probes == 2  # DP2 or PP2: two groups sharing probes
     assert small_search(workers=2).rows == one.rows
 
 
@@ -209,19 +208,41 @@ def test_the_dp_degree_changes_the_probe_so_it_is_in_the_key():
 def test_compare_hw_ranks_each_machine_from_the_same_probes():
     h100 = PRESETS["h100-sxm"]
     both = search(TINY, SMALL_WORK, SMALL, [A100, h100])
-    assert both.probes == 4 and len(both.rows) == 8
+    assert both.probes == 2 and len(both.rows) == 8
     assert [r["rank"] for r in both.rows] == [1, 2, 3, 4] * 2
     alone = search(TINY, SMALL_WORK, SMALL, [h100]).rows
     assert [(r["name"], r["step_s"]) for r in both.rows if r["hw"] == "h100-sxm"] == \
            [(r["name"], r["step_s"]) for r in alone]
 
 
-def test_expert_parallel_is_searched_inside_dp_for_moe_models_only():
-    """EP takes the divisors of the experts that divide DP (Megatron-Core's EP inside DP), never with CP or
-    FSDP (TrainPlan refuses those); a dense model gets EP 1 only."""
+def test_expert_layouts_are_carved_out_of_each_stage_ranks_for_moe_models_only():
+    """EP takes the divisors of the experts, ETP 1 and TP, both carved out of a stage's TP x CP x DP ranks
+    (Megatron-Core's expert rank generator): with CP and FSDP too. At TP 1 the two ETP values are one layout.
+    A dense model gets EP 1 and ETP = TP only."""
     moe = tiny_config("mixtral-8x22b", n_layer=2, n_kv_head=2, d_ff=64, n_experts=4, n_positions=64)
     choices = Choices(tp=(1, 2), pp=(1,), cp=(1, 2), micro_batch_size=(1,), recompute=("none",), sp=(False,))
     plans = layouts(moe, Work(gpus=8, global_batch=8, seq=64), choices, {})
-    assert {p.ep for p in plans} == {1, 2, 4}
-    assert all(p.dp % p.ep == 0 and (p.ep == 1 or (p.cp == 1 and p.zero != 3)) for p in plans)
-    assert {p.ep for p in layouts(TINY, Work(gpus=8, global_batch=8, seq=64), choices, {})} == {1}
+    assert len(plans) == len(set(plans))
+    assert {p.ep for p in plans} == {1, 2, 4} and {(p.tp, p.etp) for p in plans} == {(1, 1), (2, 1), (2, 2)}
+    assert all((p.tp // p.etp * p.cp * p.dp) % p.ep == 0 for p in plans)
+    assert any(p.ep > 1 and p.cp > 1 for p in plans) and any(p.ep > 1 and p.zero == 3 for p in plans)
+    assert not any(p.tp == 2 and p.etp == 2 and p.cp == 1 and p.dp == 1 and p.ep == 4 for p in plans)  # 2 x 4 > 4
+    dense = layouts(TINY, Work(gpus=8, global_batch=8, seq=64), choices, {})
+    assert {p.ep for p in dense} == {1} and all(p.etp == p.tp for p in dense)
+
+
+def test_a_search_whose_every_layout_the_prediction_refuses_is_one_line(monkeypatch, tmp_path, capsys):
+    from syntorch.errors import UserError
+    from syntorch.plan import evaluate
+
+    def refuse(*args, **kwargs):
+        raise UserError("--sp is not supported for this model")
+    monkeypatch.setattr(evaluate, "predict_plan", refuse)
+    save_model_config(TINY, tmp_path / "tiny.json")
+    assert main(["plan", "--model_config", str(tmp_path / "tiny.json"), "--gpus", "4", "--hw_config", "a100-80gb",
+                 "--global_batch", "4", "--seq", "32", "--tp", "2", "--zero", "0", "--workers", "1", "--no_progress",
+                 "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert "no layout could be predicted" in err and "--sp is not supported for this model" in err
+    assert not (tmp_path / "out").exists()

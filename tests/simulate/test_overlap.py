@@ -19,7 +19,8 @@ PLAN = TrainPlan(dp=2, microbatches=2, seq=64, bucket_mb=1.0)  # ~10 buckets to 
 
 
 def predicted(plan):
-    workload = trace_workload(CONFIG, plan, torch.bfloat16, A100, schedule=False)
+    # every layer probed: the graph holds every bucket (a probe of fewer layers predicts the same)
+    workload = trace_workload(CONFIG, plan, torch.bfloat16, A100, schedule=False, layer_probes=False)
     return predict_training(workload.probes, workload.source, plan, A100).summary, workload.probes[0][0]
 
 

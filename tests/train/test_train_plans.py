@@ -122,3 +122,35 @@ def test_experts_sharded_over_tp_are_refused_before_training(workspace, capsys):
                  str(workspace["tokenizer"]), "--device", "cpu", "--nproc", "4", "--tp", "2", "--ep", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "add --etp 1" in err, err
+
+
+def test_sharded_checkpoint_per_plan_loads_merges_and_reloads(workspace, one_process):
+    """--save-format sharded writes one file per TP rank of the plan, as `syntorch shard` does: `shard --merge`
+    puts it back into one HuggingFace folder holding the one process's model, and `train --model-name` loads
+    the shard folder as that model too."""
+    import torch
+
+    from syntorch.checkpoints import read_shard_index
+    from syntorch.train.loop import TrainOptions, load_model
+
+    got = losses(workspace, "sharded", "--nproc", "2", "--tp", "2", "--save-format", "sharded")
+    assert got == pytest.approx(one_process, abs=1e-4)
+    folder = workspace["root"] / "sharded" / "last_model"
+    index = read_shard_index(folder)
+    assert (index.tp, index.pp) == (2, 1) and sorted(index.files) == [0, 1]
+    assert (folder / "tokenizer.json").is_file()  # the tokenizer beside the shards
+    merged = workspace["root"] / "merged"
+    assert main(["shard", "--checkpoint", str(folder), "--merge", "--out", str(merged)]) == 0
+    same_weights(merged, workspace["root"] / "one" / "last_model")
+    _, model = load_model(TrainOptions(family="gpt2", data="", model_name=str(folder)), "cpu")
+    _, want = load_checkpoint(merged)
+    for (name, p), q in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
+def test_merge_takes_a_shard_folder_only(workspace, capsys):
+    assert main(["shard", "--checkpoint", str(workspace["gpt2"]), "--merge", "--out",
+                 str(workspace["root"] / "nomerge")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--merge takes a shard folder" in err
+    assert not (workspace["root"] / "nomerge").exists()
