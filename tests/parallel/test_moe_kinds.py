@@ -30,10 +30,11 @@ def skewed(**fields) -> TrainPlan:
     return TrainPlan(**fields, microbatches=2, seq=16, moe_load=parse_load("zipf:1.2", MOE))
 
 
-PLANS = [skewed(dp=4, ep=2, pp=2), skewed(dp=2, tp=2, ep=4, etp=1, pp=2)]  # EP from DP; EP over TP and DP
+PLANS = [skewed(dp=4, ep=2, pp=2), skewed(dp=2, tp=2, ep=4, etp=1, pp=2),  # EP from DP; EP over TP and DP
+         skewed(dp=2, cp=2, ep=4)]  # EP over CP and DP
 
 
-@pytest.fixture(scope="module", params=PLANS, ids=["ep2-dp4-pp2", "ep4-tp2-etp1-dp2-pp2"])
+@pytest.fixture(scope="module", params=PLANS, ids=["ep2-dp4-pp2", "ep4-tp2-etp1-dp2-pp2", "ep4-cp2-dp2"])
 def each_rank(request):
     """The plan and every rank traced on its own."""
     plan = request.param
@@ -52,9 +53,9 @@ def test_a_skewed_load_makes_a_kind_per_ep_rank(each_rank):
 
 def test_ranks_written_from_their_kinds_equal_tracing_each_rank(each_rank, tmp_path):
     plan, traced = each_rank
-    write_chakra(traced, tmp_path / "each", MOE.name, level="module")
+    write_chakra(traced, tmp_path / "each", MOE.name, level="op")  # node for node: every op and collective
     workload = trace_workload(MOE, plan, torch.float32)
-    summary = write_workload(workload, tmp_path / "kinds", level="module", progress=False)
+    summary = write_workload(workload, tmp_path / "kinds", level="op", progress=False)
     each, kinds = _nodes_by_members(tmp_path / "each"), _nodes_by_members(tmp_path / "kinds")
     assert sorted(kinds) == list(range(plan.mesh.world_size))
     for rank in kinds:

@@ -88,14 +88,16 @@ def test_without_ep_the_expert_gemms_follow_the_load(tmp_path):
     assert rows == [8, 24]
 
 
-def test_trace_writes_a_load_that_makes_ep_ranks_differ_as_their_kinds(tmp_path):
+def test_trace_writes_a_load_that_makes_ep_ranks_differ_as_their_kinds(tmp_path, capsys):
     config = tmp_path / "moe.json"
     save_model_config(MOE, config)
     args = ["trace", "--model_config", str(config), "--seq", "16", "--dp", "2", "--ep", "2", "--no_progress"]
     skewed = load_file(tmp_path, {"tokens_per_expert": ROWS})
     even = load_file(tmp_path, {"tokens_per_expert": [[1, 1, 1, 1], [3, 1, 3, 1]]}, "even.json")
     assert main([*args, "--moe_load", skewed, "--out", str(tmp_path / "a")]) == 0
+    assert "ASTRA-sim needs one size per group" in capsys.readouterr().out
     assert main([*args, "--moe_load", even, "--out", str(tmp_path / "b")]) == 0  # each EP rank's experts get half
+    assert "ASTRA-sim" not in capsys.readouterr().out
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in "ab"]
     assert [s["kinds_per_stage"] for s in summaries] == [2, 1]
     kinds = [s["stages"][0].get("rank_kinds") for s in summaries]
