@@ -29,7 +29,8 @@ CHILD = ("import atexit, json, sys\n"
 
 def measure(syntorch_dir: Path) -> dict:
     """One fresh run of the command; its wall and CPU seconds, peak RSS and watched imports."""
-    env = {**os.environ, "PYTHONPATH": str(syntorch_dir)}
+    from train_trace_scale import child_env
+    env = child_env(syntorch_dir)
     with tempfile.TemporaryDirectory(prefix="startup.") as tmp:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-P", "-c", CHILD, *ARGS, "--out", f"{tmp}/out"], env=env,

@@ -171,7 +171,8 @@ def load_rank_model(config: ModelConfig, checkpoint, device, dtype, groups: Mesh
     this rank's slices)."""
     groups = groups or MeshGroups(Mesh(), 0)
     plan = plan or RankPlan(tp=groups.mesh.tp, pp=groups.mesh.pp, mode="infer")
-    return assemble_rank(config, plan, groups, device, dtype, weights=checkpoint_weights(checkpoint, device, dtype)).model
+    weights = checkpoint_weights(checkpoint, device, dtype)
+    return assemble_rank(config, plan, groups, device, dtype, weights=weights).model
 
 
 def checkpoint_weights(checkpoint, device, dtype):

@@ -7,7 +7,9 @@ Steps: trace each pipeline stage once on meta (trace/training.py) -> durations f
 Chakra nodes of each stage's representative rank (chakra/nodes.py) -> every rank's file from its stage's
 nodes, serialized once, with only what differs per rank patched in (chakra/writer.py's StageTemplate): the
 comm-group id of each communication node and the peer of each send and recv. Comm-group ids are those of
-every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py.
+every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py. Under a routing
+load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
+per rank kind, and every rank's file is made from its kind's nodes the same way.
 """
 import json
 import types
@@ -57,7 +59,7 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager",
                    attention: str = "flash", layer_probes: bool = True) -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
-    `layer_probes` each probe keeps one and two layers of each run of alike layers (trace/layer_probe.py),
+    `layer_probes` each probe keeps four layers of each run of alike layers (trace/layer_probe.py),
     else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
         return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
@@ -135,20 +137,22 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     ids = group_ids(ranks for _, ranks in mesh.process_groups(config.tied_head))
     # the stages' collectives are theirs
     notes = rewrite_notes(graph for graph, _ in (workload.kind_probes or workload.probes).values())
-    templates, figures, rank0 = {}, {}, None
-    for stage in range(plan.pp):
-        for kind in range(kinds.count):  # one graph and view alive at a time
-            templates[stage, kind], figures[stage, kind], first = _template(workload, stage, kind, ids, notes, level)
-            rank0 = first or rank0
-    total, variants = 0, set()
+    by_kind = {}  # (stage, kind) -> its ranks
+    for rank in range(world):
+        by_kind.setdefault((mesh.coordinate(rank).pp, kinds.of(rank)), []).append(rank)
+    figures, total, variants = {}, 0, set()
     with atomic_output_dir(out_dir, force=force) as tmp:
-        write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
-        del rank0
-        for rank in _ranks(world, progress):
-            with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
-                written, variant = templates[mesh.coordinate(rank).pp, kinds.of(rank)].write(f, rank)
-            total += written
-            variants.add(variant)
+        for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
+            # one template alive at a time: its graph, view and nodes, then its ranks' files
+            template, figures[stage, kind], rank0 = _template(workload, stage, kind, ids, notes, level)
+            if rank0:
+                write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
+            for rank in ranks:
+                with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
+                    written, variant = template.write(f, rank)
+                total += written
+                variants.add((stage, kind, *variant[1:]))  # its template and what it patched in
+            del template, rank0
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
         (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile,
                                                        workload.attention, kinds.groups))
@@ -180,11 +184,11 @@ def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[Stage
     return template, {**figures, "chakra_nodes": len(specs)}, rank0
 
 
-def _ranks(world: int, progress: bool):
+def _progress(kinds: list, world: int, progress: bool):
     if not progress:
-        return range(world)
+        return kinds
     from rich.progress import track
-    return track(range(world), description=f"writing {world} rank traces", transient=True)
+    return track(kinds, description=f"writing {world} rank traces", transient=True)
 
 
 def stage_figures(graph: TraceGraph) -> dict:
@@ -229,8 +233,9 @@ def summarize(workload: Workload, figures: dict, level: str) -> dict:
             "memory_bytes": workload.memory[s] if workload.memory else None,
         })
         if kinds.count > 1:
-            stages[-1]["rank_kinds"] = [{"ep_ranks": group, "ranks": kinds.ranks(k), **{f: figures[s, k][f] for f in FIGURES}}
-                                        for k, group in enumerate(kinds.groups)]
+            stages[-1]["rank_kinds"] = [{"ep_ranks": group, "ranks": kinds.ranks(k),
+                                         **{f: figures[s, k][f] for f in FIGURES}} for k, group in enumerate(kinds.groups)]
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
-            "attention": workload.attention, "traced_stages": workload.traced_stages, "rank_layout": ORDER, "stages": stages}
+            "attention": workload.attention, "traced_stages": workload.traced_stages, "kinds_per_stage": kinds.count,
+            "rank_layout": ORDER, "stages": stages}

@@ -133,8 +133,8 @@ def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpe
 def _in_traced_order(graph: nx.DiGraph) -> bool:
     """Does every op come after the ops that produce its inputs, in node order (the tracer's order)?"""
     seen, pred = set(), graph.preds
-    for n, kind in graph.nodes(data="kind"):
-        if kind != "tensor":
+    for n, d in graph.node_attrs.items():
+        if d["kind"] != "tensor":
             if any(p not in seen for t in pred[n] for p in pred[t]):
                 return False
             seen.add(n)
@@ -142,7 +142,7 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
 
 
 def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
-    nodes, pred, succ, out = graph.nodes, graph.preds, graph.succs, []
+    nodes, pred, succ, out = graph.node_attrs, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once

@@ -73,13 +73,30 @@ def split_messages(data: bytes, path) -> tuple[et.GlobalMetadata | None, list[by
         pos += size
     if not messages:
         raise UserError(f"{path}: empty .et file (no GlobalMetadata, no nodes)")
-    header = _parse(et.GlobalMetadata, messages[0])
-    first = _parse(et.Node, messages[0])
+    header = _header(messages[0], path)
+    return header, messages if header is None else messages[1:]
+
+
+def split_header(data: bytes, path) -> tuple[et.GlobalMetadata | None, int]:
+    """split_messages' header, and where the node messages start in `data`."""
+    if not data:
+        raise UserError(f"{path}: empty .et file (no GlobalMetadata, no nodes)")
+    size, pos = _varint(data, 0, path)
+    if pos + size > len(data):
+        raise UserError(f"{path}: corrupt .et (a message runs past the end of the file)")
+    header = _header(data[pos:pos + size], path)
+    return header, 0 if header is None else pos + size
+
+
+def _header(message: bytes, path) -> et.GlobalMetadata | None:
+    """The first message as GlobalMetadata, or None when it is a node."""
+    header = _parse(et.GlobalMetadata, message)
+    first = _parse(et.Node, message)
     if header is None or (UnknownFieldSet(header) and first is not None and first.type):
         if first is None:
             raise UserError(f"{path}: corrupt .et (the first message is neither GlobalMetadata nor a node)")
-        return None, messages
-    return header, messages[1:]
+        return None
+    return header
 
 
 def parse_nodes(messages: list[bytes], path) -> list[et.Node]:

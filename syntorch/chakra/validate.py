@@ -4,16 +4,17 @@ across ranks. Each problem is one line: `file: node N: what to fix`.
 Reads any `.et` (ours, or mlc-chakra's converter output from real captures); a file that does not
 decode is a UserError (exit 2), a trace that decodes but breaks a rule is a problem (exit 1).
 """
-import hashlib
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import networkx as nx
 from chakra.schema.protobuf import et_def_pb2 as et
 
-from syntorch.chakra.reader import find_traces, parse_nodes, read_bytes, split_messages
+from syntorch.chakra.rank_templates import RankTemplates
+from syntorch.chakra.reader import find_traces, parse_nodes, read_bytes, split_header, split_messages
 from syntorch.errors import UserError
 from syntorch.userfiles import read_json
 
@@ -33,11 +34,31 @@ UNEQUAL_ALL_TO_ALL = ("ASTRA-sim matches an all-to-all's messages by size, so it
                       "(a skewed --moe_load gives EP ranks their own; CollectiveOrder)")
 
 
+class Comm(NamedTuple):
+    """What the checks across ranks read of a communication node (an integer attribute that is missing or
+    not an integer is None; pg_name "" when missing or not a string: _check_node reports those)."""
+    id: int
+    type: int
+    pg: str
+    comm_type: int | None
+    size: int | None
+    src: int | None
+    dst: int | None
+    tag: int | None
+
+
+def comm_of(node: et.Node) -> Comm:
+    attrs = _attrs(node)
+    pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
+    return Comm(node.id, node.type, pg, *(_int_attr(attrs, name) for name in
+                                          ("comm_type", "comm_size", "comm_src", "comm_dst", "comm_tag")))
+
+
 @dataclass
 class RankTrace:
     path: Path
     rank: int
-    nodes: list = field(default_factory=list)
+    comms: list[Comm] = field(default_factory=list)  # its communication nodes, in file order
 
     def where(self, node=None) -> str:
         return f"{self.path.name}: node {node.id}" if node is not None else self.path.name
@@ -52,7 +73,8 @@ def validate_traces(path, comm_groups=None, roofline: bool = False) -> list[str]
 def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[str], int, int]:
     """(problems, ranks, nodes) for the traces at `path`; see validate_traces. Streams rank by rank: a rank's
     nodes are dropped once its own checks ran and its collectives were compared with its groups' first
-    member, so memory holds one rank's nodes and one sequence per group, at any rank count."""
+    member, so memory holds one rank's nodes, one sequence per group and, per distinct file layout, the
+    template ranks of the others are checked against (rank_templates.py), at any rank count."""
     files = find_traces(path)
     problems = []
     ranks = [r for r, _ in files]
@@ -64,23 +86,33 @@ def check_traces(path, comm_groups=None, roofline: bool = False) -> tuple[list[s
     for key, members in groups.items():
         if missing := [m for m in members if m not in ranks]:
             problems.append(f"{groups_file.name}: group {key} lists rank(s) {missing} that have no trace file")
-    checked, node_checks = {}, {}  # a file's body hash -> its own problems; a node's bytes -> its problems
+    templates, node_checks = RankTemplates(), {}  # a node's bytes -> its problems
     order, p2p, total = CollectiveOrder(groups), PointToPoint(), 0
     for rank, f in files:
-        header, body = split_messages(read_bytes(f), f)
-        nodes = parse_nodes(body, f)
-        key = hashlib.sha1(b"".join(body)).digest()  # identical ranks are checked once
-        if key not in checked:
-            checked[key] = check_nodes(nodes, groups, len(files), roofline, body, node_checks)
-        trace = RankTrace(f, rank, nodes)
+        data = read_bytes(f)
+        header, start = split_header(data, f)
+        found = templates.match(data, start, f)
+        if found is None:  # decoded and checked whole: a template for the ranks after it
+            _, body = split_messages(data, f)
+            nodes = parse_nodes(body, f)
+            checked = node_problems(nodes, groups, len(files), roofline, body, node_checks)
+            comms = templates.add(body, nodes, checked, comm_of)
+            mine, count = checked.flat(), len(nodes)
+        else:  # its template's findings, with its own communication nodes checked again
+            template, moved = found
+            own = {i: [(node.id, p) for p in _checked(node, message, groups, len(files), roofline, node_checks)]
+                   for i, (node, message) in moved.items()}
+            comms = [comm_of(moved[i][0]) if i in moved else comm for i, comm in template.comms.items()]
+            mine, count = template.problems.flat(own), template.count
+        trace = RankTrace(f, rank, comms)
         if header is None:
             problems.append(f"{f.name}: does not start with a GlobalMetadata message; "
                             "write one before the nodes (else ASTRA-sim finds no dependency-free nodes)")
-        problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in checked[key]]
+        problems += [f"{f.name}: node {node_id}: {text}" for node_id, text in mine]
         problems += check_rank_fields(trace, groups)
         problems += order.add(trace)
         p2p.add(trace)
-        total += len(nodes)
+        total += count
     return problems + p2p.finish(), len(files), total
 
 
@@ -105,45 +137,73 @@ def _value(attr):
     return getattr(attr, attr.WhichOneof("value")) if attr.WhichOneof("value") else None
 
 
+@dataclass
+class NodeProblems:
+    """What check_nodes finds, in its order: ids used twice, then per node (by index) the deps it names that
+    the file lacks and its own checks, then a cycle. `flat(own)`: with some nodes' own checks replaced (a
+    rank checked as its template but for those nodes, rank_templates.py)."""
+    duplicates: list
+    missing: dict  # node index -> [(node id, what to fix)]
+    own: dict  # node index -> [(node id, what to fix)]
+    cycles: list
+
+    def flat(self, own: dict | None = None) -> list[tuple[int, str]]:
+        mine = {**self.own, **(own or {})}
+        out = list(self.duplicates)
+        for i in sorted(self.missing.keys() | mine.keys()):
+            out += self.missing.get(i, []) + mine.get(i, [])
+        return out + self.cycles
+
+
 def check_nodes(nodes: list[et.Node], groups: dict, world: int, roofline: bool = False,
                 messages: list[bytes] | None = None, cache: dict | None = None) -> list[tuple[int, str]]:
     """Rules within one file that do not depend on its rank: unique ids, deps that exist, no cycle,
     node types and attributes. Returns (node id, what to fix) pairs. With the nodes' `messages`, a node's
     own checks are looked up in `cache` by its bytes (they depend on nothing else for one groups/world)."""
+    return node_problems(nodes, groups, world, roofline, messages, cache).flat()
+
+
+def node_problems(nodes, groups, world, roofline=False, messages=None, cache=None) -> NodeProblems:
+    """check_nodes' findings by kind and node (NodeProblems)."""
     ids = Counter(n.id for n in nodes)
-    problems = [(node_id, f"id used by {count} nodes; ids must be unique (ASTRA-sim keeps only the last)")
-                for node_id, count in ids.items() if count > 1]
+    duplicates = [(node_id, f"id used by {count} nodes; ids must be unique (ASTRA-sim keeps only the last)")
+                  for node_id, count in ids.items() if count > 1]
     cache = {} if cache is None else cache
+    missing, own = {}, {}
     for i, node in enumerate(nodes):
-        problems += [(node.id, f"{kind} names node {d}, which is not in this file")
-                     for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps))
-                     for d in deps if d not in ids]
-        found = cache.get(messages[i]) if messages else None
-        if found is None:
-            found = _check_node(node, groups, world, roofline)
-            if messages:
-                cache[messages[i]] = found
-        problems += [(node.id, p) for p in found]
-    return problems + _check_cycles(nodes)
+        lacking = [(node.id, f"{kind} names node {d}, which is not in this file")
+                   for kind, deps in (("data_deps", node.data_deps), ("ctrl_deps", node.ctrl_deps))
+                   for d in deps if d not in ids]
+        found = _checked(node, messages[i] if messages else None, groups, world, roofline, cache)
+        if lacking:
+            missing[i] = lacking
+        if found:
+            own[i] = [(node.id, p) for p in found]
+    return NodeProblems(duplicates, missing, own, _check_cycles(nodes))
+
+
+def _checked(node, message: bytes | None, groups, world, roofline, cache: dict) -> list[str]:
+    """_check_node's problems, looked up by the node's bytes when given."""
+    found = cache.get(message) if message else None
+    if found is None:
+        found = _check_node(node, groups, world, roofline)
+        if message:
+            cache[message] = found
+    return found
 
 
 def check_rank_fields(trace: RankTrace, groups: dict) -> list[str]:
     """What depends on the file's rank: it issues collectives only of groups it is in, and a send's
     source (a recv's destination), when given, is itself (ASTRA-sim throws otherwise)."""
     problems = []
-    for node in trace.nodes:
-        if node.type not in COMM_NODES:
-            continue
-        attrs = _attrs(node)
-        if node.type == et.COMM_COLL_NODE and "pg_name" in attrs:
-            name = attrs["pg_name"].string_val
-            if name in groups and trace.rank not in groups[name]:
-                problems.append(f"{trace.where(node)}: rank {trace.rank} issues a collective of group {name} "
-                                f"{groups[name]} without being in it")
-        own = {et.COMM_SEND_NODE: "comm_src", et.COMM_RECV_NODE: "comm_dst"}.get(node.type)
-        value = _int_attr(attrs, own) if own else None  # one that is not an integer is reported by _check_node
-        if value is not None and value != trace.rank:
-            problems.append(f"{trace.where(node)}: {own} is {value} in rank {trace.rank}'s file; "
+    for comm in trace.comms:
+        if comm.type == et.COMM_COLL_NODE and comm.pg in groups and trace.rank not in groups[comm.pg]:
+            problems.append(f"{trace.where(comm)}: rank {trace.rank} issues a collective of group {comm.pg} "
+                            f"{groups[comm.pg]} without being in it")
+        # a peer that is not an integer is reported by _check_node
+        own, value = ("comm_src", comm.src) if comm.type == et.COMM_SEND_NODE else ("comm_dst", comm.dst)
+        if comm.type != et.COMM_COLL_NODE and value is not None and value != trace.rank:
+            problems.append(f"{trace.where(comm)}: {own} is {value} in rank {trace.rank}'s file; "
                             f"drop it or make it {trace.rank}")
     return problems
 
@@ -188,7 +248,8 @@ def _check_comm(node, attrs, groups, world) -> list[str]:
             problems.append(f"comm_type {name} throws in ASTRA-sim; express it as ALL_REDUCE, ALL_GATHER, "
                             "REDUCE_SCATTER, ALL_TO_ALL or send/recv")
     pg = attrs.get("pg_name")
-    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in ("", "0", *groups):
+    if pg is not None and pg.WhichOneof("value") == "string_val" and pg.string_val not in groups \
+            and pg.string_val not in ("", "0"):
         problems.append(f"pg_name {pg.string_val!r} is not a key of the comm-group JSON; add the group there")
     for peer in ("comm_src", "comm_dst"):
         value = _int_attr(attrs, peer)
@@ -242,12 +303,9 @@ class CollectiveOrder:
 
     def add(self, trace: RankTrace) -> list[str]:
         issued = defaultdict(list)
-        for node in trace.nodes:
-            if node.type == et.COMM_COLL_NODE:
-                attrs = _attrs(node)
-                pg = attrs["pg_name"].string_val if "pg_name" in attrs else ""
-                issued["0" if pg == "" else pg].append(
-                    (node.id, _int_attr(attrs, "comm_type"), _int_attr(attrs, "comm_size")))
+        for comm in trace.comms:
+            if comm.type == et.COMM_COLL_NODE:
+                issued[comm.pg or "0"].append((comm.id, comm.comm_type, comm.size))
         problems = []  # a collective of a group the rank is not in: check_rank_fields says so
         for pg in ["0", *self.member_of[trace.rank]]:
             mine = issued.get(pg, [])
@@ -265,15 +323,11 @@ class PointToPoint:
         self.sends, self.recvs = defaultdict(list), defaultdict(list)  # (src, dst, tag, size) -> [where]
 
     def add(self, trace: RankTrace) -> None:
-        for node in trace.nodes:
-            if node.type not in (et.COMM_SEND_NODE, et.COMM_RECV_NODE):
-                continue
-            attrs = _attrs(node)
-            tag, size = _int_attr(attrs, "comm_tag"), _int_attr(attrs, "comm_size")
-            if node.type == et.COMM_SEND_NODE:
-                self.sends[(trace.rank, _int_attr(attrs, "comm_dst"), tag, size)].append(trace.where(node))
-            else:
-                self.recvs[(_int_attr(attrs, "comm_src"), trace.rank, tag, size)].append(trace.where(node))
+        for comm in trace.comms:
+            if comm.type == et.COMM_SEND_NODE:
+                self.sends[(trace.rank, comm.dst, comm.tag, comm.size)].append(trace.where(comm))
+            elif comm.type == et.COMM_RECV_NODE:
+                self.recvs[(comm.src, trace.rank, comm.tag, comm.size)].append(trace.where(comm))
 
     def finish(self) -> list[str]:
         problems = []

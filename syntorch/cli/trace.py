@@ -143,7 +143,8 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{summary['model']}: {summary['world_size']} ranks, "
-                        f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced)")
+                        f"{summary['distinct_rank_traces']} distinct rank traces ({summary['traced_stages']} stages traced"
+                        + (f" x {summary['kinds_per_stage']} rank kinds" if summary["kinds_per_stage"] > 1 else "") + ")")
     for column in ("stage", "layers", "ranks", "TFLOP", "compute GB", "comm GB", "chakra nodes", "compute ms", "comm ms",
                    "memory GB"):
         table.add_column(column, justify="right")

@@ -126,9 +126,10 @@ def _default(f):
 
 def load_model(spec: InferenceSpec, config: ModelConfig, groups: MeshGroups | None = None):
     """The model this rank runs (assemble.assemble_rank under spec.rank_plan): over `groups`, this rank's
-    MeshGroups of the --tp x --pp mesh (None: one rank), TP-sharded and cut to its stage, in FP8 if asked. From --checkpoint each rank reads only its own weights (its file of a `syntorch shard` folder,
-    or its slices of a HuggingFace folder); random weights are drawn whole from the seed, as one process
-    draws them, then cut."""
+    MeshGroups of the --tp x --pp mesh (None: one rank), TP-sharded and cut to its stage, in FP8 if asked.
+    From --checkpoint each rank reads only its own weights (its file of a `syntorch shard` folder, or its
+    slices of a HuggingFace folder); random weights are drawn whole from the seed, as one process draws them,
+    then cut."""
     dtype = torch_dtype(spec.dtype)
     if spec.checkpoint:
         return load_rank_model(config, spec.checkpoint, spec.device, dtype, groups, spec.rank_plan)

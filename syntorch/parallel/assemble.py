@@ -49,6 +49,7 @@ class RankPlan:
     """What shapes one rank's model: the parallelisms that cut or wrap it and what its GEMMs run in."""
     tp: int = 1
     pp: int = 1
+    dp: int = 1  # replicas of the model (training: gradients averaged over them); EP is carved out of them
     ep: int = 1  # expert parallel: carved out of a stage's TP x CP x DP ranks after etp (mesh.py)
     etp: int | None = None  # the experts' own TP size (Megatron-Core's --expert-tensor-parallel-size); None: tp
     sp: bool = False
@@ -78,7 +79,8 @@ class RankPlan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1, etp=self.etp)
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1,
+                    etp=self.etp)
 
     @property
     def layout(self) -> Layout:

@@ -53,6 +53,8 @@ min(p, m) micro-batches; interleaved, p·v + p - 1 chunk-micro-batches, i.e. L(1
 worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikanti et al. 2022, section
 4.2.3, give it); GPipe all m. Chunks of uneven size (layout.py) count their own layers at the peak.
 """
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +63,7 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
-from syntorch.parallel.assemble import assemble_rank
+from syntorch.parallel.assemble import RankPlan, assemble_rank
 from syntorch.parallel.comm import symbolic_world
 from syntorch.parallel.expert import is_expert_param
 from syntorch.parallel.mesh import init_groups
@@ -98,10 +100,14 @@ def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
 
 
 def _rank_model(config: ModelConfig, plan, stage: int) -> nn.Module:
-    """The model of stage `stage`'s representative rank, assembled on meta against the fake backend."""
-    rank = plan.mesh.representative(stage)
-    with symbolic_world(rank, plan.mesh.world_size):
-        return assemble_rank(config, plan, init_groups(plan.mesh, only_mine=True), "meta").model
+    """The model of stage `stage`'s representative rank, assembled on meta against the fake backend, on the
+    smallest mesh whose ranks hold as much: parameters do not depend on DP or CP, so neither is kept but for
+    the DP replicas EP is carved out of (mesh.py)."""
+    dp = plan.ep // math.gcd(plan.ep, plan.tp // plan.etp)
+    small = RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)} | dict(dp=dp, cp=1))
+    rank = small.mesh.representative(stage)
+    with symbolic_world(rank, small.mesh.world_size):
+        return assemble_rank(config, small, init_groups(small.mesh, only_mine=True), "meta").model
 
 
 def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:

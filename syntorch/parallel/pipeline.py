@@ -3,7 +3,7 @@
 A stage is the plain model with the parts it does not own removed (layers are a ModuleDict, so the kept
 ones keep their names `layers.{i}`): the first stage keeps the embeddings, the last the final norm, the head
 and the loss. The model's own forward skips what its stage lacks (as torchtitan's does); `stage_forward` adds
-only what the model must not know: the TP group's sequence state on stages without the embedding, the loss.
+only what the model must not know: the whole sequence's length on stages that receive a split stream, the loss.
 
 Schedules are lists of steps ("F" or "B", micro-batch, chunk), the order one stage runs them:
 - GPipe: every forward, then every backward (Huang et al. 2019).
@@ -201,42 +201,25 @@ def chunk_view(model: nn.Module, stage: Stage, chunk: int) -> nn.Module:
     return view
 
 
-def tp_group_of(model: nn.Module):
-    """The TPGroup apply_tp shared among the model's parallel modules, or None without TP."""
-    return next((m.tp for m in model.modules() if hasattr(m, "tp") and hasattr(m.tp, "seq_split")), None)
-
-
 def activation_shape(config: ModelConfig, micro_batch_size: int, seq: int, tp: int, sp: bool) -> tuple:
     """What one stage sends the next: the residual stream [B, T, d], split along T under sequence parallel."""
     return (micro_batch_size, seq // tp if sp else seq, config.d_model)
 
 
 def stage_forward(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None,
-                  **inputs) -> torch.Tensor:
+                  seq_len: int | None = None, **inputs) -> torch.Tensor:
     """One micro-batch through a stage: token ids [B, T] on the first stage, else the residual stream
-    received from the previous stage; `inputs` are the model's other arguments (BERT's attention_mask,
-    which every stage needs, and token_type_ids). Returns the loss on the last stage (the logits without
-    targets), else the stream to send on. The model runs whatever part it holds."""
-    if model.tok_emb is None:
-        inputs = {**inputs, **_received_stream(model, x)}
+    received from the previous stage; `seq_len`: the whole sequence's length when that stream is split along
+    it (sequence parallel): GPT's positions (rotary tables) come from it. `inputs` are the model's other
+    arguments (BERT's attention_mask, which every stage needs, and token_type_ids). Returns the loss on the
+    last stage (the logits without targets), else the stream to send on. The model runs whatever part it holds."""
+    if seq_len is not None and model.config.arch == "gpt":
+        inputs = {**inputs, "seq_len": seq_len}
     if targets is None:
         return model(x, **inputs)
     with sharded_logits(model):  # under TP the loss reads each rank's vocabulary shard (loss.py)
         out = model(x, **inputs)
     return model.loss(out.flatten(0, 1).float(), targets.flatten())
-
-
-def _received_stream(model: nn.Module, x: torch.Tensor) -> dict:
-    """Before a stage without the embedding runs the stream [B, T', d] it received: set the TP group's
-    sequence state for this forward (on the first stage the vocab-parallel embedding sets it; the model
-    knows nothing of TP), and return what the model needs to know of the whole sequence: GPT's positions
-    (rotary tables) come from its length, which a sequence-split stream does not show."""
-    tp = tp_group_of(model)
-    split = tp is not None and tp.sequence_parallel  # the plan checked that T divides by tp
-    T = x.shape[1] * (tp.size if split else 1)
-    if tp is not None:
-        tp.seq_split, tp.seq_len = split, T
-    return {"seq_len": T} if model.config.arch == "gpt" else {}
 
 
 def tag(microbatch: int, backward: bool, boundary: int = 0, virtual: int = 1) -> int:

@@ -30,7 +30,7 @@ from syntorch.parallel.buckets import GradSync, GradSyncs
 from syntorch.parallel.expert import check_ep, check_etp, is_expert_param
 from syntorch.parallel.fsdp import FullyShard, check_grad_options
 from syntorch.parallel.layout import check_layout
-from syntorch.parallel.mesh import Mesh, MeshGroups
+from syntorch.parallel.mesh import MeshGroups
 from syntorch.parallel.moe_load import check_load
 from syntorch.parallel.recompute import check_recompute
 from syntorch.parallel.precision import MixedPrecision
@@ -40,7 +40,6 @@ from syntorch.parallel.tensor import check_sp, check_tp
 @dataclass(frozen=True)
 class TrainPlan(RankPlan):
     """A RankPlan (the parallelisms that shape each rank's model, assemble.py) and one training step's options."""
-    dp: int = 1
     zero: int = 0  # 0: DDP all-reduce, 1/2: ZeRO stage 1/2, 3: fully sharded (FSDP)
     bucket_mb: float = 25.0
     schedule: str = "1f1b"
@@ -66,11 +65,6 @@ class TrainPlan(RankPlan):
     # Default "model": FSDP2's default (reduce_dtype None: the parameters' dtype), torch DDP's, and what the
     # calibration tables were fitted with; predictions of earlier plans stay as they were
     grad_reduce_dtype: str = "model"
-
-    @property
-    def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, ring=self.virtual_stages > 1,
-                    etp=self.etp)
 
     @property
     def grad_ranks(self) -> int:
@@ -318,17 +312,18 @@ def _forward(run: StageRun, tokens, m: int, phase, sends: list, targets=None, ch
     `extra`: the model's other arguments for this micro-batch. Returns (input, output)."""
     plan, stage, links, context = run.plan, run.stage, run.groups, run.context
     with phase("forward"):
+        seq_len = plan.seq // plan.cp  # this rank's tokens of each sequence
         if stage.holds_input(chunk):
             x = tokens if context is None else context.local(tokens)
         else:
             param = next(run.model.parameters())
-            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, plan.seq // plan.cp, plan.tp,
-                                         plan.sp)
+            shape = pp_.activation_shape(run.model.config, plan.micro_batch_size, seq_len, plan.tp, plan.sp)
             x = pp_.recv_forward(shape, param.dtype, param.device, links, m, stage.in_boundary(chunk),
                                  plan.virtual_stages, run.split)
         if stage.holds_loss(chunk) and context is not None:
             targets = context.local(targets)
         y = pp_.stage_forward(run.chunk(chunk), x, targets if stage.holds_loss(chunk) else None,
+                              None if stage.holds_input(chunk) else seq_len,
                               **(context.inputs() if context else {}), **(extra or {}))
         if not stage.holds_loss(chunk):
             sends.append(pp_.send_forward(y, links, m, chunk, plan.virtual_stages, run.split))

@@ -29,7 +29,11 @@ up-projection and reduces the rotary key's part on its own; the sums are the sam
 Sequence parallel (Korthikanti et al. 2022) keeps the residual stream and LayerNorms split along the sequence:
 each all-reduce becomes a reduce-scatter (row-parallel outputs, the embedding) plus an all-gather (before a
 column-parallel layer). A forward whose length does not divide by the TP degree (a one-token decode step)
-runs plain TP; the embedding decides once per forward and every module follows.
+runs plain TP. Which, is decided once per forward at the model's entry (`_enter_forward`, a pre-hook apply_tp
+puts on the model) from what the forward is given: token ids [B, T] are split when T divides by the TP
+degree; a stream [B, T/t, d] another pipeline stage sent is split whenever SP is on (training plans check
+that T divides; inference refuses SP with PP). The model's parallel modules read that decision (`Sequence`);
+nothing else sets it.
 """
 import re
 from dataclasses import dataclass, field
@@ -60,14 +64,21 @@ VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 * tp
 
 
 @dataclass
+class Sequence:
+    """The sequence of the model's current forward: whether its stream is split along it over the TP group,
+    and its whole length. Set by the model's entry only (`_enter_forward`)."""
+    split: bool = False
+    length: int = 0
+
+
+@dataclass
 class TPGroup:
-    """What every parallel module of one model shares: the group, and whether this forward is sequence-split."""
+    """What every parallel module of one model shares: the group, and the sequence of the current forward."""
     group: object  # torch ProcessGroup (None: the whole world)
     rank: int
     size: int
     sequence_parallel: bool = False
-    seq_split: bool = False  # set by the embedding at the start of each forward
-    seq_len: int = 0  # the length of that forward
+    sequence: Sequence = field(default_factory=Sequence)
 
 
 @dataclass
@@ -202,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_region = in_region  # inside an MoE layer, whose own f reduces the gradient
 
     def forward(self, x):  # x: [B, T, d]
-        if not (self.tp.seq_split or self.in_region):  # under SP the all-gather before attn/mlp already does
+        if not (self.tp.sequence.split or self.in_region):  # under SP the all-gather before attn/mlp already does
             x = comm.copy_to_tp(x, self.tp.group)
         return F.linear(x, self.weight, self.bias)  # [B, T, out/tp]
 
@@ -218,7 +229,7 @@ class RowParallelLinear(nn.Module):
         if self.in_region:  # the bias once: on rank 0, before the sum; times 0 elsewhere, so that every rank has
             # a gradient for it (summed over TP as a partial one: GPT-OSS's expert biases)
             return y if self.bias is None else y + self.bias * (self.tp.rank == 0)
-        if self.tp.seq_split:
+        if self.tp.sequence.split:
             y = comm.reduce_scatter_to_sp(y, 1, self.tp.group)  # [B, T/tp, out]
         else:
             y = comm.reduce_from_tp(y, self.tp.group)
@@ -233,13 +244,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, idx):  # idx: [B, T] global token ids
         tp = self.tp
-        tp.seq_len = idx.shape[1]
-        tp.seq_split = tp.sequence_parallel and tp.seq_len % tp.size == 0
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0)  # [B, T, d], rows other ranks hold are zero
-        return comm.reduce_scatter_to_sp(x, 1, tp.group) if tp.seq_split else comm.reduce_from_tp(x, tp.group)
+        return comm.reduce_scatter_to_sp(x, 1, tp.group) if tp.sequence.split else comm.reduce_from_tp(x, tp.group)
 
 
 class VocabParallelHead(nn.Module):
@@ -250,11 +259,11 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x):  # x: [B, T, d] (sequence-split under SP) -> logits [B, T, vocab_size] on every rank
         tp = self.tp
-        if tp.seq_split:
+        if tp.sequence.split:
             x = comm.gather_from_sp(x, 1, tp.group)
             # the model kept each shard's last position (last_only): the true last is the last shard's. With one
             # position per shard (T == tp) the two look alike: all come through and the model keeps the last
-            if x.shape[1] != tp.seq_len:
+            if x.shape[1] != tp.sequence.length:
                 x = x[:, -1:]
         else:
             x = comm.copy_to_tp(x, tp.group)
@@ -284,10 +293,11 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
     if style == "heads":  # the module stays; its weight shrinks to this rank's heads
         module.weight = shard("weight")
     if style == "sequence_split":  # replicated table; keep this rank's positions
-        module.register_forward_hook(lambda m, inp, out: comm.split_to_sp(out, -2, tp.group) if tp.seq_split else out)
+        module.register_forward_hook(
+            lambda m, inp, out: comm.split_to_sp(out, -2, tp.group) if tp.sequence.split else out)
     elif style == "sequence_gather_input":
         module.register_forward_pre_hook(
-            lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.seq_split else args)
+            lambda m, args: (comm.gather_from_sp(args[0], 1, tp.group), *args[1:]) if tp.sequence.split else args)
     elif style == "moe_region":  # f and g around the region; under SP the all-gather and reduce-scatter of
         # the sequence instead (Megatron-Core's all-gather token dispatcher for TP-split experts)
         module.register_forward_pre_hook(lambda m, args: (_region_input(args[0], tp), *args[1:]))
@@ -296,11 +306,11 @@ def _build(style: str, module: nn.Module, tp: TPGroup, vocab_pad: int, config: M
 
 
 def _region_input(x, tp: TPGroup):
-    return comm.gather_from_sp(x, 1, tp.group) if tp.seq_split else comm.copy_to_tp(x, tp.group)
+    return comm.gather_from_sp(x, 1, tp.group) if tp.sequence.split else comm.copy_to_tp(x, tp.group)
 
 
 def _region_output(y, tp: TPGroup):
-    return comm.reduce_scatter_to_sp(y, 1, tp.group) if tp.seq_split else comm.reduce_from_tp(y, tp.group)
+    return comm.reduce_scatter_to_sp(y, 1, tp.group) if tp.sequence.split else comm.reduce_from_tp(y, tp.group)
 
 
 def resolve_group(mesh_or_group):
@@ -324,6 +334,9 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
         in_region = any(name.startswith(region + ".") for region in regions)
         setattr(parent, child, _build(style, getattr(parent, child), tp, plan.padded_vocab, config, in_region))
     model.tie_weights()  # the head and the embedding hold the same vocabulary rows
+    # a closure, not a bound method: pipeline chunk views (module_view) copy the hook and must share `tp`
+    model.register_forward_pre_hook(lambda m, args, kwargs: _enter_forward(tp, args[0] if args else kwargs["x"]),
+                                    with_kwargs=True)
     plan.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     if sequence_parallel:
         plan.partial_grads = _partial_params(model, plan.styles)
@@ -333,6 +346,16 @@ def apply_tp(model: nn.Module, mesh_or_group=None, sequence_parallel: bool = Fal
     per_head = [n for n, _ in model.named_parameters() if re.search(r"\.attn\.[qk]_norm\.", n)]
     plan.partial_grads += [n for n in per_head if n not in plan.partial_grads]
     return plan
+
+
+def _enter_forward(tp: TPGroup, x: torch.Tensor) -> None:
+    """The sequence of the forward the model starts on `x`: token ids [B, T], or the stream [B, T', d] a
+    pipeline stage received, split along T whenever SP is on (module docstring)."""
+    if x.is_floating_point():
+        split = tp.sequence_parallel
+        tp.sequence = Sequence(split, x.shape[1] * (tp.size if split else 1))
+    else:
+        tp.sequence = Sequence(tp.sequence_parallel and x.shape[1] % tp.size == 0, x.shape[1])
 
 
 def _partial_params(model: nn.Module, styles: dict[str, str], regions: list[str] | None = None) -> list[str]:

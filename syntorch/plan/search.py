@@ -16,7 +16,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.parallel.fp8 import check_fp8
 from syntorch.parallel.memory import GB
 from syntorch.parallel.plans import TrainPlan
-from syntorch.plan.evaluate import probe_key
+from syntorch.plan.evaluate import share_key
 from syntorch.plan.runner import run_tasks
 from syntorch.plan.space import ADVICE, RULES, Choices, MemoryModel, Work, layers_text, layouts, least_recompute
 from syntorch.trace.training import COST_MICROBATCHES, traced_stage_for
@@ -31,7 +31,7 @@ class Result:
     pruned: dict  # rule -> layouts pruned; per machine ({hw name: count}) for "memory" and "recompute"
     rows: list[dict] = field(default_factory=list)  # every evaluated layout, ranked per machine
     refused: list[dict] = field(default_factory=list)  # layouts the prediction refused, with the reason
-    probes: int = 0  # distinct probe keys (traced probe sets)
+    probes: int = 0  # groups of layouts that may share probes (evaluate.share_key)
 
     def best(self, hw_name: str, k: int = 1) -> list[dict]:
         return [r for r in self.rows if r["hw"] == hw_name][:k]
@@ -52,12 +52,12 @@ def search(config: ModelConfig, work: Work, choices: Choices, hws: list[Hardware
     jobs = fitting(plans, peaks, hws, max_memory_gb, all_recompute, pruned)
     if not jobs:
         raise UserError(no_feasible(config, work, enumerated, pruned, min(peaks, default=None)))
-    groups = {}
+    groups = {}  # layouts that may share probes, predicted one after another by one worker (evaluate.py)
     for index, (plan, hw, _) in enumerate(jobs):
-        groups.setdefault(probe_key(config, plan, torch_dtype(dtype)), []).append((index, plan, hw))
+        groups.setdefault(share_key(config, plan, torch_dtype(dtype)), []).append((index, plan, hw))
     args = (config, str(torch_dtype(dtype)).removeprefix("torch."), profile, attention)
-    # the largest probes first, so the workers finish together (results do not depend on the order)
-    tasks = sorted(groups.values(), key=lambda group: -traced_layers(config, group[0][1]))
+    # the largest tasks first, so the workers finish together (results do not depend on the order)
+    tasks = sorted(groups.values(), key=lambda group: -sum(traced_layers(config, plan) for _, plan, _ in group))
     with _progress(progress, len(jobs)) as advance:
         results = run_tasks(args, tasks, workers, ray_address, advance)
     result = Result(config, work, hws, enumerated, pruned, probes=len(groups))

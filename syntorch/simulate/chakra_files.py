@@ -14,9 +14,10 @@ module-level node: a roofline of its summed FLOPs and bytes, not its kernels' ti
 
 Our writer (workload.py) writes every rank of a stage from one template in which only comm-group ids and
 p2p peers differ (chakra/writer.py's StageTemplate), and leaves RANK_KINDS beside the files: the mesh and
-each file's size and modification time. When every file is still as written there, each stage's
-representative is read and simulated for all its ranks (graphs.MeshFrame); otherwise (a file changed, or
-traces we did not write) every rank is read and simulated on its own.
+each file's size and modification time, and the EP indices of each rank kind (parallel/moe_load.py). When
+every file is still as written there, each stage's representative (one per rank kind) is read and simulated
+for all its ranks (graphs.MeshFrame); otherwise (a file changed, or traces we did not write) every rank is
+read and simulated on its own.
 """
 import json
 import re

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.trace.layer_probe import StageProbe, expanded_steps
+from syntorch.trace.layer_probe import StageProbe, expanded_steps, grad_group
 from syntorch.trace.training import _template as probed_microbatch
 
 
@@ -95,7 +95,7 @@ def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
         return probe_costs(*probe, mesh, sync_tp_backward)
     frame = MeshFrame(mesh)
     costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
-    steps = expanded_steps(probe, mesh.group(probe[0].graph["rank"], "dp", "cp"))
+    steps = expanded_steps(probe, grad_group(probe[0], mesh))
     for key, step in steps.items():
         costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
     return costs

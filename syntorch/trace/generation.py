@@ -116,7 +116,7 @@ def _tp_traced(config, run, plan: RankPlan, rank, device, dtype, generation):
 
 def trace_tp_ranks(config, run: Callable, plan: RankPlan, dtype=torch.float32,
                    generation: SymbolicGeneration | None = None) -> tuple[RankTraces, object]:
-    """Every TP rank's graph of `run` on meta under `plan` (its tp, sp, quantization, FP8), and its result:
+    """Every TP rank's graph of `run` on meta under `plan` (a TP plan: tp, sp, FP8), and its result:
     rank 0 traced (trace_tp_run), its graph built on first access and shared by the others (trace_tp_symbolic)."""
     build, result = _tp_traced(config, run, plan, 0, "meta", dtype, generation)
     ranks = RankTraces(plan.tp)

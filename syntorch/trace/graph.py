@@ -30,6 +30,15 @@ LEVELS = ("op", "module", "layer")
 GRAPH_DEFAULTS = dict(model="", rank=0, world_size=1, tp=1, pp=1, dp=1, level="op", syntorch_version=__version__)
 
 
+def collective_attrs(collective: str, *, group, nbytes: int, order: int, reduce_op: str | None = None,
+                     src: int | None = None, dst: int | None = None, tag: int = 0, module: str = "",
+                     phase: str = "forward", name: str = "", **attrs) -> dict:
+    """A collective node's attributes, in the schema's order (TraceGraph.add_collective, level views)."""
+    return dict(kind="collective", name=name or collective, module=module, phase=phase, collective=collective,
+                reduce_op=reduce_op, group=[int(r) for r in group], bytes=int(nbytes), src=src, dst=dst,
+                tag=int(tag), order=order, **attrs)
+
+
 @contextlib.contextmanager
 def no_gc():
     """Build graphs with the cyclic collector off: they are many small young dicts that it would rescan
@@ -118,16 +127,13 @@ class TraceGraph(nx.DiGraph):
         self._connect(node, inputs, outputs)
         return node
 
-    def add_collective(self, collective: str, inputs=(), outputs=(), *, group, nbytes: int,
-                       reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
-                       tag: int = 0, module: str = "", phase: str = "forward", name: str = "", **attrs) -> int:
-        """group: the global ranks of the process group; `order` is assigned here, per group."""
+    def add_collective(self, collective: str, inputs=(), outputs=(), *, group, **fields) -> int:
+        """group: the global ranks of the process group; `order` is assigned here, per group; `fields`: those
+        of collective_attrs."""
         assert collective in COLLECTIVES, f"unknown collective {collective!r}"
         nx._clear_cache(self)
         group = [int(r) for r in group]
-        node = self._new_node(dict(kind="collective", name=name or collective, module=module, phase=phase,
-                                   collective=collective, reduce_op=reduce_op, group=group, bytes=int(nbytes),
-                                   src=src, dst=dst, tag=int(tag), order=self._next_order(group), **attrs))
+        node = self._new_node(collective_attrs(collective, group=group, order=self._next_order(group), **fields))
         self._connect(node, inputs, outputs)
         return node
 

@@ -93,20 +93,79 @@ def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microba
     """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it
     (`rank`: the stage's rank probed, default its representative)."""
     cut = reduced(config, plan, stage)
-    if cut is None:
-        return whole_probe(config, plan, stage, dtype, microbatches, rank)
+    kept = cut and kept_probe(config, plan, stage, dtype, microbatches, cut, rank)
+    probe = kept and with_end(kept, cut[1], probe_optimizer(config, plan, stage, dtype, rank), plan.mesh)
+    return probe or whole_probe(config, plan, stage, dtype, microbatches, rank)
+
+
+def kept_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
+               cut: tuple, rank: int | None = None) -> StageProbe | None:
+    """The probe of the layers `cut` (reduced's) keeps, without the whole stage's end; None when a run's
+    second and third periods differ."""
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
     finish = []
     graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
                                 microbatches=microbatches, finish=finish)
     steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
     if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
-        return whole_probe(config, plan, stage, dtype, microbatches, rank)
-    probe = StageProbe(graph, blocks, cut[1], probe_optimizer(config, plan, stage, dtype, rank),
-                       finish[0] if finish and plan.zero != 3 else None)
-    if None in expanded_steps(probe, plan.mesh.group(graph.graph["rank"], "dp", "cp")).values():
-        return whole_probe(config, plan, stage, dtype, microbatches, rank)
+        return None
+    return StageProbe(graph, blocks, cut[1], None, finish[0] if finish and plan.zero != 3 else None)
+
+
+def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe | None:
+    """`kept` standing for `runs` (StageProbe.runs), with the whole stage's end of backward and optimizer step
+    (probe_optimizer's); None when the buckets that end reads are not those its expanded last backward
+    launches (in number, shape and type)."""
+    probe = StageProbe(*kept, runs, optimizer, kept.finish)
+    graph, blocks = kept
+    for key, (start, end) in blocks.items():
+        if kept.finish is not None and start <= kept.finish < end:
+            group = grad_group(graph, mesh)
+            launched = _launched(graph, start, kept.finish, [run for run in runs if run[0] == key[2]], group)
+            whole = optimizer[0]
+            if launched != [_kind(whole.node_attrs[n]) for n in _flats(whole, optimizer[1])]:
+                return None
     return probe
+
+
+def _launched(graph: TraceGraph, start: int, end: int, runs: list, group: list[int]) -> list[tuple]:
+    """What each bucket collective (over `group`) of nodes [start, end) writes, in order, as expand_step
+    repeats their runs' periods."""
+    repeats = {}
+    for run in runs:
+        _, first, second = _periods(graph, start, end, run)
+        repeats[second] = first, run[2]
+    out = []
+    for n in range(start, end):
+        out += _written(graph, n, group)
+        if n in repeats:
+            first, copies = repeats[n]
+            out += [w for m in range(first + 1, n + 1) for w in _written(graph, m, group)] * copies
+    return out
+
+
+def _written(graph: TraceGraph, n: int, group: list[int]) -> list[tuple]:
+    """[what node n writes] if it is a collective over `group`, else []."""
+    d = graph.node_attrs[n]
+    if d["kind"] != "collective" or sorted(d["group"]) != group:
+        return []
+    return [_kind(graph.node_attrs[next(v for v in graph.succs[n] if graph.node_attrs[v]["kind"] == "tensor")])]
+
+
+def _kind(d: dict) -> tuple:
+    return tuple(d["shape"]), d["dtype"]
+
+
+def _flats(whole: TraceGraph, blocks: dict) -> list[int]:
+    """The reduced buckets probe_optimizer's end of backward reads (grad_sync.flat.<k>), in bucket order."""
+    end = blocks[("optimizer", None, None)][0]
+    return [n for _, n in sorted((int(d["name"].rsplit(".", 1)[1]), n) for n, d in whole.node_attrs.items()
+                                 if n < end and d["kind"] == "tensor" and d["name"].startswith("grad_sync.flat."))]
+
+
+def grad_group(graph: TraceGraph, mesh) -> list[int]:
+    """The ranks the probed rank averages gradients over."""
+    return mesh.group(graph.graph["rank"], "dp", "cp")
 
 
 def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
@@ -117,52 +176,42 @@ def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microba
 def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGraph:
     """Nodes [start, end) of `graph` (one step; what they read from outside it left out) with each run's
     third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk)."""
-    out = _step_only(graph, start, end)
-    for run in runs:
-        out = _repeat(out, *_periods(out, 0, len(out), run), run[2])
-    return out
+    if not runs:
+        return _step_only(graph, start, end)
+    for run in runs:  # each a copy of nodes [start, end) (the first of the graph's, the others of the last copy)
+        graph = _repeat(graph, start, end, *_periods(graph, start, end, run), run[2])
+        start, end = 0, len(graph)
+    return graph
 
 
 def expanded_steps(probe: StageProbe, grad_group: list[int]) -> dict:
-    """{key: the step as the whole stage runs it} for every step of a probe that left layers out (not the
-    optimizer's): expand_step, and where the probe's end of backward starts, the whole stage's instead
-    (`_with_end`; None if it does not fit). `grad_group`: the ranks gradients are averaged over."""
-    graph, blocks = probe
-    out = {}
-    for key, (start, end) in blocks.items():
-        if key[0] == "optimizer":
-            continue
-        runs = [run for run in probe.runs if run[0] == key[2]]
-        if probe.finish is not None and start <= probe.finish < end:
-            whole, whole_blocks = probe.optimizer
-            out[key] = _with_end(expand_step(graph, start, probe.finish, runs), whole,
-                                 whole_blocks[("optimizer", None, None)][0], grad_group)
-        else:
-            out[key] = expand_step(graph, start, end, runs)
-    return out
+    """{key: expanded_step} of every step of a probe that left layers out, but the optimizer's."""
+    return {key: expanded_step(probe, key, grad_group) for key in probe[1] if key[0] != "optimizer"}
 
 
-def _with_end(step: TraceGraph, whole: TraceGraph, end: int, grad_group: list[int]) -> TraceGraph | None:
-    """`step` (a new graph) followed by nodes [0, end) of `whole` (probe_optimizer's end of backward), each
-    reduced bucket read there (grad_sync.flat.<k>) written by the step's k-th bucket collective (over
-    `grad_group`); None when those collectives' outputs are not the whole stage's buckets, in number, shape
-    and type."""
-    flats = sorted((int(d["name"].rsplit(".", 1)[1]), n) for n, d in whole.node_attrs.items()
-                   if n < end and d["kind"] == "tensor" and d["name"].startswith("grad_sync.flat."))
+def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> TraceGraph:
+    """The probe's step `key` as the whole stage runs it: expand_step, and where the probe's end of backward
+    starts, the whole stage's instead (`_with_end`). `grad_group`: the ranks gradients are averaged over."""
+    graph, (start, end) = probe[0], probe[1][key]
+    runs = [run for run in probe.runs if run[0] == key[2]]
+    if probe.finish is None or not start <= probe.finish < end:
+        return expand_step(graph, start, end, runs)
+    return _with_end(expand_step(graph, start, probe.finish, runs), *probe.optimizer, grad_group)
+
+
+def _with_end(step: TraceGraph, whole: TraceGraph, blocks: dict, grad_group: list[int]) -> TraceGraph:
+    """`step` (a new graph) followed by probe_optimizer's end of backward (`whole`'s nodes before the
+    optimizer's block), each reduced bucket read there written by the step's bucket collective (over
+    `grad_group`) of its place (with_end checked they are alike)."""
+    flats = _flats(whole, blocks)
     written = [(n, next(v for v in step.succs[n] if step.node_attrs[v]["kind"] == "tensor"))
-               for n, d in step.collectives() if sorted(d["group"]) == grad_group and step.succs[n]]
-    if len(written) != len(flats) or any(not _like(step.node_attrs[t], whole.node_attrs[f])
-                                         for (_, t), (_, f) in zip(written, flats)):
-        return None
-    base = len(step)
+               for n, d in step.collectives() if sorted(d["group"]) == grad_group]
+    assert len(written) == len(flats), "the end of backward reads other buckets than the step launched"
+    base, end = len(step), blocks[("optimizer", None, None)][0]
     step.append((whole.node_attrs[n] for n in range(end)),
                 ((base + u, base + v, e) for v in range(end) for u, e in whole.preds[v].items()))
-    step.append((), ((n, base + f, step.succs[n][t]) for (n, t), (_, f) in zip(written, flats)))
+    step.append((), ((n, base + f, step.succs[n][t]) for (n, t), f in zip(written, flats)))
     return step
-
-
-def _like(a: dict, b: dict) -> bool:
-    return a["shape"] == b["shape"] and a["dtype"] == b["dtype"]
 
 
 def _step_only(graph: TraceGraph, start: int, end: int) -> TraceGraph:
@@ -210,22 +259,23 @@ def _role(d: dict) -> tuple:
     return "collective", d["collective"], module, d["bytes"], len(d["group"]), d.get("duration_us")
 
 
-def _repeat(graph: TraceGraph, before: int, first: int, second: int, copies: int) -> TraceGraph:
-    """`graph` with its nodes (first, second] (a period) followed by `copies` copies of themselves: each
-    copy reads the one before it where the period read (before, first], the period before it; what
-    follows reads the last copy (and the one before it) where it read the period (and the one before)."""
+def _repeat(graph: TraceGraph, start: int, end: int, before: int, first: int, second: int, copies: int) -> TraceGraph:
+    """Nodes [start, end) of `graph` (numbered from 0, what they read from outside left out) with the nodes
+    (first, second] (a period) followed by `copies` copies of themselves: each copy reads the one before it
+    where the period read (before, first], the period before it; what follows reads the last copy (and the
+    one before it) where it read the period (and the one before)."""
     size = second - first
     out = TraceGraph(**graph.graph)
     nodes, pred = graph.node_attrs, graph.preds
 
     def moved(u: int, by: int) -> int:  # u as read `by` periods later
-        return u + by * size if u > before else u
+        return u - start + (by * size if u > before else 0)
 
-    period, after = range(first + 1, second + 1), range(second + 1, len(graph))
-    edges = [(u, v, e) for v in range(second + 1) for u, e in pred[v].items()]
+    period, after = range(first + 1, second + 1), range(second + 1, end)
+    edges = [(u - start, v - start, e) for v in range(start, second + 1) for u, e in pred[v].items() if u >= start]
     for copy in range(1, copies + 1):
-        edges += [(moved(u, copy), v + copy * size, e) for v in period for u, e in pred[v].items()]
-    edges += [(moved(u, copies), v + copies * size, e) for v in after for u, e in pred[v].items()]
-    out.append([*(nodes[n] for n in range(second + 1)), *(nodes[n] for _ in range(copies) for n in period),
+        edges += [(moved(u, copy), v - start + copy * size, e) for v in period for u, e in pred[v].items() if u >= start]
+    edges += [(moved(u, copies), v - start + copies * size, e) for v in after for u, e in pred[v].items() if u >= start]
+    out.append([*(nodes[n] for n in range(start, second + 1)), *(nodes[n] for _ in range(copies) for n in period),
                 *(nodes[n] for n in after)], edges)
     return out

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from syntorch.models import LAYER_PATH
-from syntorch.trace.graph import LEVELS, TraceGraph
+from syntorch.trace.graph import LEVELS, TraceGraph, collective_attrs
 
 _RUNNING = re.compile(r"'name': 't\d+'|'order': \d+")  # tensor names that are ids, collective counters
 
@@ -152,14 +152,10 @@ def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> d
     `orders`: each group's collectives so far in the view (add_collective's `order`)."""
     first = graph.node_attrs[members[0]]
     if first["kind"] == "collective":
-        group = [int(r) for r in first["group"]]
-        order = orders[tuple(group)] = orders.get(tuple(group), -1) + 1
-        fields = {k: v for k, v in first.items() if k not in _COLLECTIVE_FIELDS}
-        return dict(kind="collective", name=fields.pop("name", "") or first["collective"],
-                    module=fields.pop("module", ""), phase=fields.pop("phase", "forward"),
-                    collective=first["collective"], reduce_op=fields.pop("reduce_op", None), group=group,
-                    bytes=int(first["bytes"]), src=fields.pop("src", None), dst=fields.pop("dst", None),
-                    tag=int(fields.pop("tag", 0)), order=order, **fields)
+        group = tuple(first["group"])
+        orders[group] = orders.get(group, -1) + 1
+        fields = {k: v for k, v in first.items() if k not in ("kind", "collective", "group", "bytes", "order")}
+        return collective_attrs(first["collective"], group=group, nbytes=first["bytes"], order=orders[group], **fields)
     flops = bytes_read = bytes_written = duration = 0
     is_view = timed = True
     for n in members:  # one pass: a level view sums 10^5 ops
@@ -174,9 +170,6 @@ def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> d
     key = layer_of(first["module"]) if level == "layer" else first["module"]
     return dict(kind="op", name=key or "model", module=key, phase=first["phase"], flops=flops, bytes_read=bytes_read,
                 bytes_written=bytes_written, is_view=is_view, num_ops=len(members), **extra)
-
-
-_COLLECTIVE_FIELDS = ("kind", "collective", "group", "bytes", "order")
 
 
 # --- repeated layers, folded for drawing --------------------------------------------------------------

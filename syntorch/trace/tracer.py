@@ -164,8 +164,8 @@ class Tracer:
     def tag_autograd_nodes(self, out):
         """Tag autograd nodes created by the call that just returned `out` with the current module (in
         backward, e.g. a recomputed forward, the module of the backward node running it)."""
-        module = self.where()[0]
-        todo = [t.grad_fn for t in flat_tensors(out, keep_others=True) if t is not None and t.grad_fn is not None]
+        todo = [fn for t in flat_tensors(out) if (fn := t.grad_fn) is not None]
+        module = self.where()[0] if todo else None
         while todo:
             node = todo.pop()
             if node is None or "module" in node.metadata:

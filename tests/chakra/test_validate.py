@@ -11,6 +11,7 @@ from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.chakra.writer import write_chakra
 from syntorch.trace.graph import TraceGraph
+from syntorch.chakra.rank_templates import RankTemplates
 from syntorch.chakra.validate import UNEQUAL_ALL_TO_ALL, validate_traces
 
 
@@ -182,6 +183,27 @@ def test_each_broken_rule_is_caught(good, capsys, break_it, expected):
     assert main(["validate", str(good)]) == 1
     out = capsys.readouterr().out
     assert expected in out and re.search(r"^\d+ problems? in 4 ranks$", out, re.M)
+
+
+BREAKS = [_dangling, _cycle, _duplicate, _metadata, _string_comm_type, _no_comm_size, _unknown_pg, _not_member,
+          _reorder, _unmatched_send, _no_header, _cpu_comm, _reduce, _zero_size, _int64_peer, _foreign_send]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("break_it", BREAKS)
+def test_ranks_checked_as_their_template_get_every_verdict_of_a_whole_check(good, monkeypatch, break_it, rank):
+    """A rank that is a checked rank's file but for some communication nodes is checked as that template with
+    those nodes checked again (rank_templates.py): the problems are those of checking every rank whole, with
+    the broken rank the template (rank 0) or one compared with it (1)."""
+    rewrite(good / f"mix.{rank}.et", break_it)
+    matched = []
+    match = RankTemplates.match
+    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: matched.append(match(self, *a)) or matched[-1])
+    fast = validate_traces(good)
+    monkeypatch.setattr(RankTemplates, "match", lambda self, *a: None)  # every rank checked whole
+    assert fast == validate_traces(good)
+    assert fast or (break_it, rank) == (_foreign_send, 1)  # comm_src 1 is rank 1's own
+    assert any(matched)  # rank 1 (TP peer of rank 0) or 3 (of rank 2): the same bytes but for group ids and peers
 
 
 def test_roofline_needs_ops_and_bytes(good):

@@ -200,7 +200,8 @@ def test_experts_whole_with_etp_1_and_fsdp_sharded_over_expert_dp():
     plan = TrainPlan(dp=8, tp=2, etp=1, ep=8, pp=2, zero=3, seq=16)
     params = memory.stage_params(config, plan, plan.stage(config, 0))
     assert params.experts == 16 * 3 * h * ff and params.largest_unit == 3 * h * ff
-    assert params.dense == memory.stage_params(config, TrainPlan(dp=8, tp=2, ep=4, pp=2, seq=16), plan.stage(config, 0)).dense
+    ep4 = TrainPlan(dp=8, tp=2, ep=4, pp=2, seq=16)
+    assert params.dense == memory.stage_params(config, ep4, plan.stage(config, 0)).dense
     assert plan.expert_dp == 2
     state = memory.model_state_bytes(params, plan, 2, mixed=True)
     assert state["optimizer"] == pytest.approx(12 * (params.dense / 8 + params.experts / 2))

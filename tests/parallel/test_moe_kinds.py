@@ -79,7 +79,8 @@ def test_simulating_each_kind_once_equals_simulating_every_rank(each_rank):
     for graph in traced.values():
         fill_durations(graph, HW)
     every = simulate(kind_programs(traced, RankFrame()))
-    graphs = {f"stage {s} kind {k}": traced[kinds.representative(s, k)] for s in range(plan.pp) for k in range(kinds.count)}
+    graphs = {f"stage {s} kind {k}": traced[kinds.representative(s, k)]
+              for s in range(plan.pp) for k in range(kinds.count)}
     symmetric = simulate(kind_programs(graphs, MeshFrame(mesh, kinds)))
     assert symmetric.end_us == pytest.approx(every.end_us, rel=1e-12)
     for rank in range(mesh.world_size):  # each rank's timeline is its kind representative's

@@ -96,6 +96,8 @@ def test_trace_writes_a_load_that_makes_ep_ranks_differ_as_their_kinds(tmp_path)
     even = load_file(tmp_path, {"tokens_per_expert": [[1, 1, 1, 1], [3, 1, 3, 1]]}, "even.json")
     assert main([*args, "--moe_load", skewed, "--out", str(tmp_path / "a")]) == 0
     assert main([*args, "--moe_load", even, "--out", str(tmp_path / "b")]) == 0  # each EP rank's experts get half
-    kinds = [json.loads((tmp_path / run / "summary.json").read_text())["stages"][0].get("rank_kinds") for run in "ab"]
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in "ab"]
+    assert [s["kinds_per_stage"] for s in summaries] == [2, 1]
+    kinds = [s["stages"][0].get("rank_kinds") for s in summaries]
     assert [k["ep_ranks"] for k in kinds[0]] == [[0], [1]] and kinds[1] is None
     assert kinds[0][0]["comm_bytes"] > kinds[0][1]["comm_bytes"]  # EP rank 0's experts get every pair of layer 0

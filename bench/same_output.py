@@ -1,0 +1,90 @@
+"""Do two checkouts write the same files? Small symbolic runs (a 4- and an 8-layer GPT-2 shape; DP2 x TP2 x PP2
+training at module and op level, with and without durations; DP2 x TP2 x PP4 interleaved under the fused
+profile; TP2 x PP2 and TP2 inference with Chakra) written by this checkout and by `--base` (a git revision of
+this repository, or a folder), then compared file by file, byte for byte. Speed work must leave them equal.
+
+    python bench/same_output.py [--base HEAD~1]
+
+Not compared byte for byte: syntorch_ranks.json's file fingerprints (they hold modification times), compared
+without them.
+"""
+import argparse
+import filecmp
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+SHAPE = dict(d_model=64, n_head=4, d_head=16, d_ff=256, vocab_size=128, n_positions=64, name="tiny-gpt2")
+TRAIN = ["trace", "--model", "gpt2", "--mode", "train", "--dp", "2", "--tp", "2", "--no_progress"]
+INFER = ["infer", "--model", "gpt2", "--device", "meta", "--tp", "2", "--num_input_tokens", "16",
+         "--num_output_tokens", "3", "--chakra"]
+CASES = {  # name -> (layers, arguments)
+    "train_module": (4, [*TRAIN, "--pp", "2", "--sp", "--microbatches", "4", "--seq", "32", "--zero", "1",
+                         "--hw_config", "h100-sxm", "--trace_level", "module"]),
+    "train_op": (4, [*TRAIN, "--pp", "2", "--sp", "--microbatches", "4", "--seq", "32", "--zero", "1",
+                     "--hw_config", "h100-sxm", "--trace_level", "op"]),
+    "train_pp4": (8, [*TRAIN, "--pp", "4", "--microbatches", "8", "--virtual_stages", "2", "--hw_config",
+                      "a100-80gb", "--profile", "fused", "--trace_level", "module"]),
+    "train_nohw": (4, [*TRAIN, "--pp", "2", "--seq", "32", "--zero", "1", "--trace_level", "op"]),
+    "infer": (4, [*INFER, "--pp", "2", "--batch_size", "2", "--hw_config", "h100-sxm"]),
+    "infer_tp": (4, [*INFER, "--trace_level", "op"]),
+}
+SYNTORCH = "import sys; from syntorch.cli import run_main; sys.argv[0] = 'syntorch'; run_main()"
+
+
+def write_cases(checkout: Path, out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    for name, (layers, args) in CASES.items():
+        shape = out / f"{name}.json"
+        shape.write_text(json.dumps({**SHAPE, "n_layer": layers}))
+        subprocess.run([sys.executable, "-P", "-c", SYNTORCH, *args, "--model_config", str(shape), "--out",
+                        str(out / name)], env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def checkout_of(base: str, tmp: Path) -> Path:
+    if Path(base).is_dir():
+        return Path(base).resolve()
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", base], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    """Files that differ or exist on one side only, below a and b."""
+    found = []
+    for path in sorted({p.relative_to(a) for p in a.rglob("*")} | {p.relative_to(b) for p in b.rglob("*")}):
+        left, right = a / path, b / path
+        if left.is_dir() or right.is_dir():
+            continue
+        if not (left.exists() and right.exists()):
+            found.append(f"{path}: only in {'this checkout' if left.exists() else 'the base'}")
+        elif path.name == "syntorch_ranks.json":
+            sizes = [{**json.loads(p.read_text()), "files": [s for s, _ in json.loads(p.read_text())["files"]]}
+                     for p in (left, right)]
+            found += [f"{path}: differs"] if sizes[0] != sizes[1] else []
+        elif not filecmp.cmp(left, right, shallow=False):
+            found.append(f"{path}: differs")
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="a git revision of this repository or a checkout folder")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="same_output.") as tmp:
+        tmp = Path(tmp)
+        for side in ("base", "ours", "src"):
+            (tmp / side).mkdir()
+        write_cases(checkout_of(args.base, tmp / "src"), tmp / "base")
+        write_cases(HERE, tmp / "ours")
+        found = differences(tmp / "ours", tmp / "base")
+    print("\n".join(found) if found else f"the same files as {args.base}, byte for byte ({len(CASES)} runs)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
