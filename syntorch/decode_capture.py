@@ -1,16 +1,18 @@
 """A CPU decode step captured once per run (issue 24): the `torch.jit.trace` of one decode step replays every
-later step without Python. A GPT-2 124M fp32 step runs ~300 small ops between its matrix products,
-and each pays Python, nn.Module calls and dispatch, cold after the weights streamed past evicted the caches;
-the traced graph runs the same aten ops (the same logits, bit for bit) without that Python.
+later step without Python. A GPT-2 124M fp32 step runs ~300 small ops between its matrix products, and each
+pays Python, nn.Module calls and dispatch, cold after the weights streamed past evicted the caches; the traced
+graph runs the same aten ops (the same logits, bit for bit) without that Python.
 
-Measured on GPT-2 124M, fp32, batch 1, one thread, CPU time on a loaded machine: the trace takes 0.11 s (a
-module's trace and `torch.jit.freeze` took 0.27 s and saved no more); a step is 2.5-3.4 ms faster; so capture
-pays back after 32-45 steps. It is used only where it pays (`MIN_STEPS`) and only where one traced step
-holds every later one: the decode steps differ only in their cache slot, which the step reads from the length
-of its `slots` input (the tracer records a tensor's size as a graph value, so the slot stays an input of the
-graph, not a constant). Everything else keeps eager:
-prefill, beam search, padded batches, sliding windows (the mask depends on the slot), mixture-of-experts
-(routing is data-dependent), models with hooks (tracing, tensor parallelism) or more than one process.
+Measured on GPT-2 124M, fp32, batch 1, one thread, CPU time on a loaded machine: the step that is traced
+takes 65 ms more than an eager step (a module's trace and `torch.jit.freeze` took 0.27 s and saved no more);
+each later step is 1.8-3.4 ms faster when both run alternately in one process (0.6-2.4 ms between the
+processes of bench/cpu_decode.py, whose load differs); so capture pays back after 20-36 steps (up to ~100).
+It is used only where it pays (`MIN_STEPS`) and only where one traced step holds every later one: the decode
+steps differ only in their cache slot, which the step reads from the length of its `slots` input (the tracer
+records a tensor's size as a graph value, so the slot stays an input of the graph, not a constant).
+Everything else keeps eager: prefill, beam search, padded batches, sliding windows (the mask depends on the
+slot), mixture-of-experts (routing is data-dependent), models with hooks (tracing, tensor parallelism) or
+more than one process.
 """
 import logging
 import warnings
@@ -21,7 +23,7 @@ from syntorch.generate import LocalForward
 
 log = logging.getLogger(__name__)
 
-# twice the measured break-even (32-45 steps, above), so the capture pays for itself with a margin
+# about the highest break-even measured (above), so the capture pays for itself even on a loaded machine
 MIN_STEPS = 96
 
 
@@ -57,8 +59,12 @@ class CapturedForward(LocalForward):
             return self.step(idx, slots)
 
     def _capture(self, model, idx, slots) -> torch.Tensor:
+        traced_run = []
+
         def step(idx, slots):  # the cache slot as a size: the trace keeps it an input of the graph
-            return model(idx, start=slots.shape[0] - 1, last_only=True)[:, -1]
+            logits = model(idx, start=slots.shape[0] - 1, last_only=True)[:, -1]
+            traced_run.append(logits)  # Python, so only while tracing: the traced run's logits are this step's
+            return logits
 
         # a function's trace holds the weights as constants (the same tensors, no copy), which may not require grad
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -75,4 +81,6 @@ class CapturedForward(LocalForward):
         finally:
             for p in trainable:
                 p.requires_grad_(True)
-        return step(idx, slots)  # the traced run wrote this slot already: writing it again changes nothing
+        if self.failed:  # rerun whole: the failed trace may have written part of this slot, which is rewritten
+            return super().logits(model, idx, slots.shape[0] - 1, {})
+        return traced_run[0]

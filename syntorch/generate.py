@@ -227,7 +227,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
     """
     _check_request(model, prompt, max_new_tokens, beam_width, pads)
     pads = pads if pads and any(pads) else None  # without padding the model's own causal mask does it
-    from syntorch.decode_capture import CapturedForward, capturable  # it builds on LocalForward, here
+    from syntorch.decode_capture import CapturedForward, capturable  # here: it imports LocalForward from this module
     if forward is None and beam_width == 1 and not pads and capturable(model, prompt.device, max_new_tokens - 1):
         forward = CapturedForward(prompt.shape[1] + max_new_tokens)
     run = _Run(model, phase_scope or _no_scope, forward or LocalForward(),

@@ -3,39 +3,53 @@ microseconds once the weights streamed past have evicted the caches, bench/cpu_d
 block's structure (Radford et al. 2019, nanoGPT's Block): per layer two LayerNorms, four matrix products (fused
 q/k/v, projection, the MLP's two), one attention over the cache, one GELU, two residual adds, and the new key
 and value written into the preallocated cache in place; outside the layers the two embedding lookups and their
-sum, the final LayerNorm, the head and the argmax."""
+sum, the final LayerNorm, the head and the argmax. A decode step replayed from its trace (decode_capture.py) runs
+the same kernels."""
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_config
+from syntorch.decode_capture import CapturedForward
 from syntorch.generate import Sampling, generate
 from syntorch.models import build_model
 
 VIEWS = {"aten.view", "aten.slice", "aten.transpose", "aten.split_with_sizes", "aten.reshape", "aten.select",
-         "aten.unsqueeze", "aten.expand", "aten.t", "aten.as_strided", "aten._unsafe_view", "aten.detach"}
+         "aten.unsqueeze", "aten.expand", "aten.t", "aten.as_strided", "aten._unsafe_view", "aten.detach",
+         "aten.size"}  # a traced step reads sizes through an op: no kernel either
 
 
 class OpCount(TorchDispatchMode):
+    """Counts the ops on tensors with at least one dimension (a traced step also does arithmetic on sizes, as
+    0-dim tensors; an op without tensor arguments, such as arange, counts)."""
+
     def __init__(self):
         super().__init__()
         self.ops = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or any(t.dim() for t in tensors):
+            self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
-def decode_step_ops(n_layer: int) -> Counter:
-    """The non-view ops of one greedy decode step (cache length 9) of a tiny GPT-2 with n_layer layers."""
+def decode_step_ops(n_layer: int, captured: bool = False) -> Counter:
+    """The non-view ops of one greedy decode step (cache length 10) of a tiny GPT-2 with n_layer layers, eager
+    or replayed from the trace of the step before."""
     model = build_model(tiny_config("gpt2", n_layer=n_layer))
+    forward = CapturedForward(16)
     with torch.inference_mode():
         model.setup_caches(1, 16)
         model(torch.zeros(1, 8, dtype=torch.long))
         token = torch.zeros(1, 1, dtype=torch.long)
+        forward.logits(model, token, 8, {})  # traced as it runs
         with OpCount() as count:
-            model(token, start=8, last_only=True)[:, -1].argmax(-1)
+            if captured:
+                forward.logits(model, token, 9, {}).argmax(-1)
+            else:
+                model(token, start=9, last_only=True)[:, -1].argmax(-1)
     return Counter({op: n for op, n in count.ops.items() if op not in VIEWS})
 
 
@@ -49,6 +63,11 @@ def test_a_decode_step_runs_the_blocks_kernels_and_writes_the_cache_in_place():
         for op, n in per_layer.items():
             expected[op] += n * n_layer
         assert decode_step_ops(n_layer) == expected  # no cat, clone or contiguous copy of the cache or q/k/v
+
+
+def test_a_captured_decode_step_runs_the_same_kernels():
+    for n_layer in (1, 3):
+        assert decode_step_ops(n_layer, captured=True) == decode_step_ops(n_layer)
 
 
 def test_the_lean_step_still_generates_what_a_full_recomputation_does():

@@ -44,7 +44,8 @@ def test_a_step_that_cannot_be_traced_decodes_eagerly(monkeypatch):
     init_weights(model, std=0.5)
     prompt = torch.randint(0, 128, (1, 5))
     forward = CapturedForward(5 + 6)
-    assert generate(model, prompt, 6, Sampling(temperature=0), forward=forward).tokens[0] == recomputed(model, prompt, 6)
+    tokens = generate(model, prompt, 6, Sampling(temperature=0), forward=forward).tokens[0]
+    assert tokens == recomputed(model, prompt, 6)
     assert forward.failed and all(p.requires_grad for p in model.parameters())
 
 
@@ -70,7 +71,8 @@ def test_only_steps_a_trace_holds_are_captured():
     cpu, steps = torch.device("cpu"), capture.MIN_STEPS
     assert capturable(gpt2, cpu, steps) and not capturable(gpt2, cpu, steps - 1)
     assert not capturable(gpt2, torch.device("meta"), steps)
-    windowed = build_model(dataclasses.replace(tiny_config("mistral-7b", n_kv_head=2), sliding_window=8))  # mask depends on the slot
+    # the mask depends on the slot
+    windowed = build_model(dataclasses.replace(tiny_config("mistral-7b", n_kv_head=2), sliding_window=8))
     assert not capturable(windowed, cpu, steps)
     assert not capturable(build_model(tiny_config("mixtral-8x7b", n_kv_head=2)), cpu, steps)  # data-dependent routing
     with gpt2.layers["0"].attn.register_forward_hook(lambda *_: None):  # a tracer's or tensor parallelism's

@@ -1,11 +1,13 @@
 """Generation against HuggingFace `generate` and against full recomputation, on tiny random models."""
 import contextlib
+import sys
 
 import pytest
 import torch
 import transformers
 
 from conftest import tiny_config
+from syntorch import decode_capture
 from syntorch.checkpoints import load_checkpoint
 from syntorch.errors import UserError
 from syntorch.generate import (Sampling, choose_tokens, generate, stream_friendly_weights, top_k_filter,
@@ -63,7 +65,9 @@ def hf_generate(hf, prompt, new_tokens, stop_tokens=(), **kwargs) -> list[list[i
     return [row[:len(row) - next((i for i, t in enumerate(reversed(row)) if t != PAD), 0)] for row in out.tolist()]
 
 
-def test_greedy_matches_hf(pair):
+@pytest.mark.parametrize("captured", [False, True])  # decode steps eager, or replayed from decode_capture's trace
+def test_greedy_matches_hf(pair, captured, monkeypatch):
+    monkeypatch.setattr(decode_capture, "MIN_STEPS", 1 if captured else sys.maxsize)
     hf, model = pair
     for seed in range(3):
         prompt = prompts(seed)
