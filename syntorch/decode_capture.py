@@ -19,7 +19,6 @@ import warnings
 
 import torch
 
-from syntorch.generate import LocalForward
 
 log = logging.getLogger(__name__)
 
@@ -28,29 +27,32 @@ MIN_STEPS = 96
 
 
 def capturable(model, device: torch.device, steps: int) -> bool:
-    """Whether `steps` decode steps of `model` on `device` run the captured step: on CPU, one process, no
-    hooks, and a step that depends on its cache slot only through the slot's index."""
+    """Whether `steps` decode steps of `model` on `device` run the captured step: on CPU, in one process, and
+    a step that depends on its cache slot only through the slot's index (generate() also keeps traced runs
+    and `capture=False` eager)."""
     c = model.config
     if device.type != "cpu" or steps < MIN_STEPS or torch.distributed.is_initialized():
         return False
     if c.encoder or c.n_experts or c.mla or any(c.layer_window(i) for i in range(c.n_layer)):
         return False
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return True
 
 
-class CapturedForward(LocalForward):
-    """LocalForward whose decode steps after the first run the trace of the first; the prefill and
-    the first decode step run eagerly (the first is traced as it runs). If tracing fails, every step runs
-    eagerly."""
+class CapturedForward:
+    """generate()'s LocalForward `eager` with its decode steps after the first run from the trace of the first;
+    the prefill and the first decode step run eagerly (the first is traced as it runs). If tracing fails, every
+    step runs eagerly."""
 
-    def __init__(self, max_seq: int):
+    def __init__(self, max_seq: int, eager):
+        self.eager = eager
+        self.share, self.share_rows = eager.share, eager.share_rows
         self.step = None
         self.failed = False
         self.slots = torch.empty(max_seq, 0)  # sliced to a step's slot count; holds no memory
 
     def logits(self, model, idx: torch.Tensor, start: int, inputs: dict) -> torch.Tensor:
         if start == 0 or inputs or self.failed:
-            return super().logits(model, idx, start, inputs)
+            return self.eager.logits(model, idx, start, inputs)
         slots = self.slots[:start + 1]
         if self.step is None:
             return self._capture(model, idx, slots)
@@ -82,5 +84,5 @@ class CapturedForward(LocalForward):
             for p in trainable:
                 p.requires_grad_(True)
         if self.failed:  # rerun whole: the failed trace may have written part of this slot, which is rewritten
-            return super().logits(model, idx, slots.shape[0] - 1, {})
+            return self.eager.logits(model, idx, slots.shape[0] - 1, {})
         return traced_run[0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from syntorch.decode_capture import CapturedForward, capturable
 from syntorch.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ def _warn_once(message: str) -> None:
 
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
              stop_tokens=(), beam_width: int = 1, phase_scope=None, pads: list[int] | None = None,
-             forward: LocalForward | None = None) -> GenerationResult:
+             forward: LocalForward | None = None, capture: bool = True) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after each row of `prompt` ([B, T] on the model's device).
 
     The prompt runs once ("prefill"); then each step ("decode[i]") feeds one token per row and writes its keys
@@ -223,13 +224,14 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
     On `meta` no values exist: the generated ids are zeros, stop tokens never fire, and every step runs.
     The model's parameters are left as they are (values and memory); KV caches are attached for the run and
     removed after it. On CPU, `stream_friendly_weights` once after loading makes decoding faster, and a long
-    enough run replays its decode steps from a captured graph (decode_capture.py).
+    enough run replays its decode steps from a captured graph (decode_capture.py), in which module hooks do not
+    run: `capture=False` keeps every step eager (a traced run, with `phase_scope`, always is).
     """
     _check_request(model, prompt, max_new_tokens, beam_width, pads)
     pads = pads if pads and any(pads) else None  # without padding the model's own causal mask does it
-    from syntorch.decode_capture import CapturedForward, capturable  # here: it imports LocalForward from this module
-    if forward is None and beam_width == 1 and not pads and capturable(model, prompt.device, max_new_tokens - 1):
-        forward = CapturedForward(prompt.shape[1] + max_new_tokens)
+    if capture and forward is None and phase_scope is None and beam_width == 1 and not pads \
+            and capturable(model, prompt.device, max_new_tokens - 1):
+        forward = CapturedForward(prompt.shape[1] + max_new_tokens, LocalForward())
     run = _Run(model, phase_scope or _no_scope, forward or LocalForward(),
                Padding([p for p in pads for _ in range(beam_width)], prompt.device) if pads else None)
     stop_tokens = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)

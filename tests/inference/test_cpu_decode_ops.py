@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_config
 from syntorch.decode_capture import CapturedForward
-from syntorch.generate import Sampling, generate
+from syntorch.generate import LocalForward, Sampling, generate
 from syntorch.models import build_model
 
 VIEWS = {"aten.view", "aten.slice", "aten.transpose", "aten.split_with_sizes", "aten.reshape", "aten.select",
@@ -39,7 +39,7 @@ def decode_step_ops(n_layer: int, captured: bool = False) -> Counter:
     """The non-view ops of one greedy decode step (cache length 10) of a tiny GPT-2 with n_layer layers, eager
     or replayed from the trace of the step before."""
     model = build_model(tiny_config("gpt2", n_layer=n_layer))
-    forward = CapturedForward(16)
+    forward = CapturedForward(16, LocalForward())
     with torch.inference_mode():
         model.setup_caches(1, 16)
         model(torch.zeros(1, 8, dtype=torch.long))
