@@ -102,10 +102,12 @@ class ProbeCache:
 
     @staticmethod
     def _moved(kept: StageProbe, mesh, to_mesh, stage: int, software: tuple) -> StageProbe:
-        """A kept-layer probe traced on `mesh` as `stage` of `to_mesh` runs it (retarget.py)."""
+        """A kept-layer probe traced on `mesh` as `stage` of `to_mesh` runs it (retarget.py), up to where the
+        whole stage's end of backward (or, under FSDP, the optimizer step) takes over."""
         graph = kept[0]
         if (mesh, graph.graph["stage"]) != (to_mesh, stage):
-            graph = retarget(graph, mesh, to_mesh, stage)
+            end = kept[1][("optimizer", None, None)][0] if kept.finish is None else kept.finish
+            graph = retarget(graph, mesh, to_mesh, stage, end)
             recost_collectives(graph, *software)
         return StageProbe(graph, kept[1], finish=kept.finish)
 
