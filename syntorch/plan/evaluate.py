@@ -76,7 +76,7 @@ class ProbeCache:
     `ends` optimizer keys (small graphs, one per stage of each pipeline depth): a search hands each worker the
     layouts of one share_key, those that share kept layers one after another (evaluate_group)."""
 
-    def __init__(self, size: int = 8, ends: int = 64):
+    def __init__(self, size: int = 4, ends: int = 32):
         self.layers, self.ends, self.traced = _Recent(size), _Recent(ends), 0
 
     def probes(self, config: ModelConfig, plan: TrainPlan, dtype: torch.dtype, software: tuple) -> tuple[dict, list]:
