@@ -76,7 +76,7 @@ class ProbeCache:
     `ends` optimizer keys (small graphs, one per stage of each pipeline depth): a search hands each worker the
     layouts of one share_key, those that share kept layers one after another (evaluate_group)."""
 
-    def __init__(self, size: int = 8, ends: int = 64):
+    def __init__(self, size: int = 4, ends: int = 32):
         self.layers, self.ends, self.traced = _Recent(size), _Recent(ends), 0
 
     def probes(self, config: ModelConfig, plan: TrainPlan, dtype: torch.dtype, software: tuple) -> tuple[dict, list]:
@@ -102,10 +102,12 @@ class ProbeCache:
 
     @staticmethod
     def _moved(kept: StageProbe, mesh, to_mesh, stage: int, software: tuple) -> StageProbe:
-        """A kept-layer probe traced on `mesh` as `stage` of `to_mesh` runs it (retarget.py)."""
+        """A kept-layer probe traced on `mesh` as `stage` of `to_mesh` runs it (retarget.py), up to where the
+        whole stage's end of backward (or, under FSDP, the optimizer step) takes over."""
         graph = kept[0]
         if (mesh, graph.graph["stage"]) != (to_mesh, stage):
-            graph = retarget(graph, mesh, to_mesh, stage)
+            end = kept[1][("optimizer", None, None)][0] if kept.finish is None else kept.finish
+            graph = retarget(graph, mesh, to_mesh, stage, end)
             recost_collectives(graph, *software)
         return StageProbe(graph, kept[1], finish=kept.finish)
 

@@ -15,9 +15,9 @@ from syntorch.trace.cost import kernel_of, kernel_us
 from syntorch.trace.graph import TraceGraph
 
 
-def retarget(graph: TraceGraph, mesh: Mesh, to_mesh: Mesh, to_stage: int) -> TraceGraph:
-    """`graph` (a probe of a stage of `mesh`) as stage `to_stage` of `to_mesh` runs it (module docstring);
-    the nodes keep their ids and attributes but the ranks."""
+def retarget(graph: TraceGraph, mesh: Mesh, to_mesh: Mesh, to_stage: int, end: int | None = None) -> TraceGraph:
+    """Nodes [0, end) of `graph` (a probe of a stage of `mesh`) as stage `to_stage` of `to_mesh` runs them
+    (module docstring); the nodes keep their ids and attributes but the ranks."""
     rank = to_mesh.representative(to_stage)
     groups = {}
 
@@ -41,8 +41,9 @@ def retarget(graph: TraceGraph, mesh: Mesh, to_mesh: Mesh, to_stage: int) -> Tra
 
     out = TraceGraph(**{**graph.graph, "rank": rank, "stage": to_stage, "pp": to_mesh.pp, "dp": to_mesh.dp,
                         "world_size": to_mesh.world_size})
-    out.append(map(moved, graph.node_attrs.values()),
-               ((u, v, e) for v, sources in graph.preds.items() for u, e in sources.items()))
+    end = len(graph) if end is None else end
+    out.append((moved(graph.node_attrs[n]) for n in range(end)),
+               ((u, v, e) for v in range(end) for u, e in graph.preds[v].items()))
     return out
 
 
