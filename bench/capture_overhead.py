@@ -30,7 +30,7 @@ def timed_steps(ddp, optimizer, tokens, steps, profiler=None) -> list[float]:
 
 
 def worker(args, folder):
-    from syntorch.capture.convert import convert_rank
+    from syntorch.capture.to_chakra import convert_rank
     from syntorch.capture.profile import Schedule, TraceFiles, make_profiler
     from syntorch.config import get_config
     from syntorch.models import build_model

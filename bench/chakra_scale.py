@@ -21,7 +21,7 @@ from syntorch.hardware import load_hw_config
 from syntorch.trace.generation import trace_tp_symbolic
 from syntorch.simulate.prediction import predict_inference
 from syntorch.trace.cost import fill_rank_durations
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 
 
 def peak_rss_gb() -> float:
@@ -47,7 +47,7 @@ class Clock:
 def compare_with_converter(out: Path) -> None:
     """The same GPT-2 forward (seq 64, CPU) captured with the profiler and converted by mlc-chakra (through
     syntorch.capture), and traced by syntorch: nodes and bytes of each .et."""
-    from syntorch.capture.convert import convert_rank
+    from syntorch.capture.to_chakra import convert_rank
     from syntorch.capture.profile import Schedule, TraceFiles, make_profiler
     from syntorch.models import build_model
     from syntorch.trace.tracer import Tracer

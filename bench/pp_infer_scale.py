@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from syntorch.chakra.reader import find_traces, read_trace
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.config import get_config, save_model_config
 from syntorch.parallel.pipeline_inference import microbatch_rows
 from train_trace_scale import SYNTORCH, measure

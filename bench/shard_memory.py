@@ -25,9 +25,9 @@ import torch
 from syntorch.checkpoints import checkpoint_config, load_checkpoint, save_checkpoint
 from syntorch.config import get_config
 from syntorch.models import build_model
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, MeshGroups, init_groups
-from syntorch.shard import load_rank_model, write_shards
+from syntorch.shard_files import load_rank_model, write_shards
 
 
 def peak_mb() -> float:

@@ -123,7 +123,7 @@ def run_syntorch(case: Case, level: str, validate: bool) -> dict:
         summary = json.loads((out / "summary.json").read_text())
         result.update(distinct=summary["distinct_rank_traces"], nodes=[s["chakra_nodes"] for s in summary["stages"]])
         if validate:
-            from syntorch.chakra.validate import check_traces
+            from syntorch.chakra.validator import check_traces
             result["problems"] = len(check_traces(out)[0])
         return result
     finally:

@@ -32,7 +32,7 @@ def trace(folder: Path, ep: int, pp: int, dp: int, microbatches: int) -> None:
 
 def validate(folder: Path, whole: bool) -> dict:
     from syntorch.chakra.rank_templates import RankTemplates
-    from syntorch.chakra.validate import check_traces
+    from syntorch.chakra.validator import check_traces
 
     if whole:
         RankTemplates.match = lambda self, *args: None

@@ -31,7 +31,7 @@ from syntorch.export import networkx_json
 from syntorch.hardware import PRESETS
 from syntorch.options import Parser
 from syntorch.outdir import MANIFEST
-from syntorch.shard import write_shards
+from syntorch.shard_files import write_shards
 from syntorch.train.__main__ import main as train_module_main
 from syntorch.train.arguments import add_arguments as train_arguments
 

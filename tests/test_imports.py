@@ -21,7 +21,7 @@ LAYERS = [
     ("writers", ["syntorch.chakra", "syntorch.export"]),
     # reads TraceGraphs and Chakra files, predicts for the runs above; the Perfetto export is its timeline
     ("simulate", ["syntorch.simulate", "syntorch.export.perfetto"]),
-    ("runs", ["syntorch.inference", "syntorch.shard", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug",
+    ("runs", ["syntorch.inference", "syntorch.shard_files", "syntorch.workload", "syntorch.train", "syntorch.capture", "syntorch.comm_debug",
               "syntorch.plan"]),
     ("cli", ["syntorch.cli"]),
     ("package", ["syntorch"]),  # its __init__ (lazy CommDebugMode for users)

@@ -76,7 +76,7 @@ def drop_forward_inter_thread_deps(host_nodes: list[dict]) -> int:
 
 @dataclass
 class Communication:
-    """What a capture's trace does not say about its communication, found elsewhere (convert.py)."""
+    """What a capture's trace does not say about its communication, found elsewhere (to_chakra.py)."""
     rank: int
     groups: dict[str, list[int]]  # process group name -> global ranks (the profiler's pg_config)
     # (profiling name, group name) of each collective in issue order (flight_recorder.py); None: unknown

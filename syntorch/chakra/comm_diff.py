@@ -23,7 +23,7 @@ from typing import NamedTuple
 from chakra.schema.protobuf import et_def_pb2 as et
 
 from syntorch.chakra.reader import find_traces, read_trace
-from syntorch.chakra.validate import load_comm_groups
+from syntorch.chakra.validator import load_comm_groups
 from syntorch.errors import UserError
 
 P2P_KINDS = {et.COMM_SEND_NODE: ("send", "comm_dst"), et.COMM_RECV_NODE: ("recv", "comm_src")}

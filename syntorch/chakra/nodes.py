@@ -1,7 +1,7 @@
 """A TraceGraph as Chakra nodes: the one mapping every Chakra writer uses (chakra/writer.py).
 
 Built on the official mlc-chakra schema. The rules followed here are DESIGN.md's "ASTRA-sim rules";
-chakra/validate.py checks them on the files.
+chakra/validator.py checks them on the files.
 
 Graph -> Chakra:
 - op -> COMP_NODE (num_ops, tensor_size, duration_micros, is_cpu_op=false); views and ops that move no

@@ -5,7 +5,7 @@ communication node's group id and peers (chakra/writer.py's StageTemplate: ids o
 so those files have the template's length and differ from it only inside communication nodes. For such a
 file, what `syntorch validate` finds of its nodes' ids, dependencies and cycles is the template's, and so is
 what it finds of every node but those that differ; only these are decoded and checked again, with every
-rule that reads the rank (validate.py). That holds for any file that passes `match`, whoever wrote it: a
+rule that reads the rank (validator.py). That holds for any file that passes `match`, whoever wrote it: a
 differing node must be a communication node of the template, lie at the same bytes, and keep its id and
 dependencies. Anything else is decoded and checked whole, and becomes a template itself.
 """
@@ -29,7 +29,7 @@ class Template:
     comm: dict  # message index -> its node, for the communication nodes
     comms: dict  # message index -> what the checks across ranks read of it (validate.Comm)
     count: int  # nodes
-    problems: object  # what validate.py found of its nodes (validate.NodeProblems)
+    problems: object  # what validator.py found of its nodes (validator.NodeProblems)
 
 
 class RankTemplates:

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from syntorch.capture.convert import convert_rank
+    from syntorch.capture.to_chakra import convert_rank
 
     comm_groups = args.comm_groups or Path(args.output).parent / "comm_groups.json"
     result = convert_rank(args.host, args.device, args.rank, args.output, args.merged, comm_groups)

@@ -62,7 +62,7 @@ def run(args) -> int:
 def check_simulable(path) -> None:
     """The validator's rules before any simulation: a cycle, a send without its recv or a group whose
     members disagree would otherwise hang or mislead the simulator, as they would ASTRA-sim."""
-    from syntorch.chakra.validate import validate_traces
+    from syntorch.chakra.validator import validate_traces
     from syntorch.errors import UserError
 
     problems = validate_traces(path)

@@ -1,6 +1,6 @@
 """`syntorch shard --checkpoint HF_DIR --tp N --pp M --out DIR`: a HuggingFace folder cut into one safetensors
 file per rank (FasterTransformer's `gptj_ckpt_convert.py --n-inference-gpus N`), which
-`syntorch infer --checkpoint DIR --tp N` then loads rank by rank (syntorch/shard.py). `--merge`: a shard folder
+`syntorch infer --checkpoint DIR --tp N` then loads rank by rank (syntorch/shard_files.py). `--merge`: a shard folder
 (from here or `syntorch train --save-format sharded`) put back together as one HuggingFace folder."""
 from pathlib import Path
 
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from syntorch.parallel.mesh import Mesh
-    from syntorch.shard import write_shards
+    from syntorch.shard_files import write_shards
 
     if args.merge:
         return merge(args)
@@ -39,7 +39,7 @@ def merge(args) -> int:
     from syntorch.checkpoints import SHARD_INDEX, save_checkpoint
     from syntorch.errors import UserError
     from syntorch.outdir import check_output_dir
-    from syntorch.shard import loaded, merged_state
+    from syntorch.shard_files import loaded, merged_state
     from syntorch.train.squad import TOKENIZER_FILES, LocalTokenizer
 
     if not (Path(args.checkpoint) / SHARD_INDEX).is_file():

@@ -14,7 +14,7 @@ def plural(n: int, noun: str) -> str:
 
 
 def run(args) -> int:
-    from syntorch.chakra.validate import check_traces
+    from syntorch.chakra.validator import check_traces
 
     problems, ranks, nodes = check_traces(args.path, args.comm_groups, args.roofline)
     for line in problems:

@@ -19,7 +19,7 @@ from syntorch.parallel.assemble import RankPlan, assemble_rank
 from syntorch.parallel.mesh import Mesh, MeshGroups
 from syntorch.parallel.tensor import check_sp
 from syntorch.quant import check_quant, quantize_int8_weight_only
-from syntorch.shard import load_rank_model
+from syntorch.shard_files import load_rank_model
 from syntorch.userfiles import read_lines
 
 DEFAULT_OUTPUT_TOKENS = 20  # seed 000's --num_output_tokens

@@ -1,5 +1,5 @@
 """One rank's model, assembled in one order: training (plans.apply_plans), inference (inference/spec.py, a
-checkpoint's per-rank loading in shard.py), tracing (trace/generation.py, trace/training.py) and the memory
+checkpoint's per-rank loading in shard_files.py), tracing (trace/generation.py, trace/training.py) and the memory
 estimate (memory.py) all get their rank's model from `assemble_rank`, so they hold the same model.
 
     plan = RankPlan(tp=2, pp=2, mode="infer")  # TrainPlan is a RankPlan with the training step's options

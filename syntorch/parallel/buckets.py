@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 
 
 @dataclass

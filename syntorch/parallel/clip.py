@@ -20,7 +20,7 @@ heads the replicated K/V rows inside the QKV weight are counted on every rank.)
 import torch
 import torch.nn as nn
 
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.fsdp import FullyShard
 
 # TP styles (tensor.py) that split every parameter of their module; "rowwise" splits the weight, not the bias

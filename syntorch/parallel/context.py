@@ -25,7 +25,7 @@ import torch.nn as nn
 from syntorch.errors import UserError
 from syntorch.models.causal import causal_pairs
 from syntorch.models.layers import Attention
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 
 
 def check_cp(cp: int, seq: int, tp: int = 1, sp: bool = False) -> None:

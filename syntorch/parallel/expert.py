@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models.moe import MoE
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPGroup, take_shard
 
 

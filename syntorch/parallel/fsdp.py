@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from syntorch.errors import UserError
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.expert import is_expert_param
 
 GRAD_REDUCE_DTYPES = ("model", "fp32")

@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.tensor import VocabParallelHead
 
 IGNORE_INDEX = -100  # torch's cross_entropy default: targets that add nothing to the loss

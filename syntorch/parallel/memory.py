@@ -64,7 +64,7 @@ from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.assemble import RankPlan, assemble_rank
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.expert import is_expert_param
 from syntorch.parallel.mesh import init_groups
 from syntorch.parallel.tensor import padded_vocab

@@ -32,7 +32,7 @@ import torch.nn as nn
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
 from syntorch.models import build_model, module_view, on_meta
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.layout import Layout, chunk_ranges, chunk_sizes
 from syntorch.parallel.loss import loss_module, sharded_logits
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from syntorch.errors import UserError
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.mesh import Mesh, MeshGroups
 

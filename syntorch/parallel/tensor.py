@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from syntorch.config import ModelConfig
 from syntorch.errors import UserError
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 
 TP_PLAN = {
     "tok_emb": "vocab_embedding",

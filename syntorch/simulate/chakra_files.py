@@ -26,7 +26,7 @@ from pathlib import Path
 from chakra.schema.protobuf import et_def_pb2 as et
 
 from syntorch.chakra.reader import find_traces, read_trace
-from syntorch.chakra.validate import load_comm_groups
+from syntorch.chakra.validator import load_comm_groups
 from syntorch.errors import UserError
 from syntorch.hardware import HardwareConfig, config_from_dict
 from syntorch.parallel.mesh import Mesh

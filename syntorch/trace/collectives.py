@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from syntorch.parallel.comm import REDUCE_OPS
+from syntorch.parallel.distributed import REDUCE_OPS
 from syntorch.trace.values import flat_tensors
 
 REDUCE_OP_NAMES = {op: name for name, op in REDUCE_OPS.items()}  # ReduceOp.RedOpType -> our name

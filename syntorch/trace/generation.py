@@ -9,7 +9,7 @@ import torch
 from syntorch import generate as gen
 from syntorch.models import layer_path
 from syntorch.parallel.assemble import RankPlan, assemble_rank
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline_inference import PipelineForward, chain_group
 from syntorch.parallel.tensor import check_tp

@@ -29,7 +29,7 @@ from syntorch.config import ModelConfig
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.nodynamo import plain_step
 from syntorch.parallel import plans
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph

@@ -85,7 +85,7 @@ def options_from_args(args: argparse.Namespace):
         raise UserError(f"--trace-name is the prefix of file names in --trace-output-dir (<name>.<rank>.et); "
                         f"give one without '/', got {args.trace_name!r}")
     if args.enable_tracing:
-        from syntorch.capture.convert import check_capture_tools
+        from syntorch.capture.to_chakra import check_capture_tools
         check_capture_tools()
     opts = from_args(
         TrainOptions, args, model_name=args.model_name or DEFAULT_MODEL[args.family],

@@ -46,7 +46,7 @@ class TrainOptions:
     max_steps: int = 0  # 0: run all epochs
     eval_fraction: float = 0.1  # held out from --data for evaluation and the best checkpoint
     save_dir: str | None = None
-    save_format: str = "hf"  # "sharded": one file per TP x PP rank (shard.py's folder)
+    save_format: str = "hf"  # "sharded": one file per TP x PP rank (shard_files.py's folder)
     seed: int = 42
     bucket_cap_mb: float = 25.0  # the gradient buckets' size (parallel/buckets.py)
     tp: int = 1  # the plan (parallel/plans.py); dp is what tp * pp * cp leave of the ranks
@@ -74,7 +74,7 @@ def load_model(opts: TrainOptions, device):
     (random init), optionally overridden by --model_config."""
     from syntorch.checkpoints import SHARD_INDEX, load_checkpoint, resolve_model_config
     from syntorch.models import build_model
-    from syntorch.shard import loaded, merged_state
+    from syntorch.shard_files import loaded, merged_state
 
     if (Path(opts.model_name) / SHARD_INDEX).is_file():
         config, state = merged_state(opts.model_name)
@@ -270,7 +270,7 @@ def progress_bar(show: bool, total: int, family: str):
 def capture(trainer: Trainer, opts: TrainOptions) -> dict:
     """Trains under the profiler, then links and converts this rank's traces. Every rank's files appear
     in --trace-output-dir together, after all ranks converted theirs."""
-    from syntorch.capture.convert import convert_rank, write_comm_groups
+    from syntorch.capture.to_chakra import convert_rank, write_comm_groups
     from syntorch.capture.flight_recorder import CollectiveLog
     from syntorch.capture.peers import find_peers, read_ranks
     from syntorch.capture.profile import make_profiler

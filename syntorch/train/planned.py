@@ -118,7 +118,7 @@ class PlanSteps:
         (sharded, shard.py's folder): its own model under pure DP/ZeRO/FSDP, else the whole model put together
         from the first replica's TP/PP ranks (and EP ranks' experts)."""
         from syntorch.checkpoints import save_checkpoint
-        from syntorch.shard import loaded, unique_state, write_state_shards
+        from syntorch.shard_files import loaded, unique_state, write_state_shards
 
         full = getattr(self.run.grad_sync, "full_parameters", None)
         if full is not None:  # FSDP: every rank takes part in the all-gather
@@ -138,7 +138,7 @@ class PlanSteps:
 
     def _from_model_parallel_ranks(self, rank: int):
         """The whole model's state on rank 0 (None elsewhere) from the TP/PP ranks of DP x CP replica 0."""
-        from syntorch.shard import unique_state, whole_state
+        from syntorch.shard_files import unique_state, whole_state
 
         coordinate, groups = self.run.plan.mesh.coordinate(rank), self.run.groups
         mine = None

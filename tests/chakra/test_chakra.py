@@ -16,7 +16,7 @@ from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.graph import RankTraces
-from syntorch.chakra.validate import validate_traces
+from syntorch.chakra.validator import validate_traces
 from chakra_graphs import F32, attrs, pp_rank, read_et, tp_rank
 
 @pytest.fixture
@@ -216,7 +216,7 @@ def comparable(path):
 
 def test_real_and_symbolic_traces_agree(tmp_path):
     from syntorch.export.networkx_json import load
-    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.distributed import symbolic_world
     from syntorch.parallel.launch import spawn
 
     spawn(real_tp_rank, 2, (str(tmp_path),))

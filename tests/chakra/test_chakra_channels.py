@@ -10,7 +10,7 @@ from chakra.schema.protobuf import et_def_pb2 as et
 from chakra_graphs import attrs, read_et
 from conftest import tiny_config
 
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.parallel.plans import TrainPlan
 from syntorch.workload import trace_workload, write_workload
 

@@ -12,7 +12,7 @@ from syntorch.errors import UserError
 from syntorch.chakra.writer import write_chakra
 from syntorch.trace.graph import TraceGraph
 from syntorch.chakra.rank_templates import RankTemplates
-from syntorch.chakra.validate import UNEQUAL_ALL_TO_ALL, validate_traces
+from syntorch.chakra.validator import UNEQUAL_ALL_TO_ALL, validate_traces
 
 
 def tp_pp_rank(rank: int) -> TraceGraph:

@@ -17,7 +17,7 @@ import torch
 from conftest import tiny_config
 from syntorch import CommDebugMode
 from syntorch.models import build_model
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.tensor import apply_tp
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

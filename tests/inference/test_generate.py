@@ -13,7 +13,7 @@ from syntorch.errors import UserError
 from syntorch.generate import (Sampling, choose_tokens, generate, stream_friendly_weights, top_k_filter,
                                 top_p_filter)
 from syntorch.models import build_model
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import apply_tp
 

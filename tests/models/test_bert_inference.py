@@ -8,7 +8,7 @@ import torch
 import transformers as hf
 
 from conftest import tiny_config
-from syntorch.chakra.validate import validate_traces
+from syntorch.chakra.validator import validate_traces
 from syntorch.cli import main
 from syntorch.config import save_model_config
 from syntorch.export import networkx_json

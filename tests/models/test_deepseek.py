@@ -234,7 +234,7 @@ def test_symbolic_tp_trace_has_dense_then_moe_layers_and_one_all_reduce_per_regi
 def test_trace_command_with_ep_validates(tmp_path):
     """`syntorch trace --model_config small.json --ep 2 --dp 2`: the routed experts' all-to-alls over EP, the
     traces valid for ASTRA-sim."""
-    from syntorch.chakra.validate import check_traces
+    from syntorch.chakra.validator import check_traces
     from syntorch.cli import main
     from syntorch.config import save_model_config
     save_model_config(TINY["v3"], tmp_path / "small.json")

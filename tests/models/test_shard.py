@@ -16,11 +16,11 @@ import transformers
 from syntorch.checkpoints import SHARD_INDEX, check_shard_layout, load_checkpoint, read_shard_index
 from syntorch.errors import UserError
 from syntorch.inference import InferenceSpec, run_inference
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import padded_vocab, plan_for, take_shard
 from syntorch.quant import quantize_int8_weight_only
-from syntorch.shard import load_rank_model, stage_model, stages, write_shards
+from syntorch.shard_files import load_rank_model, stage_model, stages, write_shards
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 

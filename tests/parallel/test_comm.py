@@ -3,7 +3,7 @@ each, every check inside it), and the symbolic backend (no processes) as seen by
 import pytest
 import torch
 
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.launch import init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.trace.tracer import Tracer

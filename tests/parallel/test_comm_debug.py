@@ -13,7 +13,7 @@ from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.export.comm_report import write_comm_outputs
 from syntorch.models import build_model
-from syntorch.parallel import comm
+from syntorch.parallel import distributed as comm
 from syntorch.parallel.launch import spawn
 from syntorch.parallel.tensor import apply_tp
 

@@ -8,7 +8,7 @@ from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 from tests.parallel.test_pipeline import _nodes_by_members, distinct_bodies
 
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.chakra.writer import write_chakra
 from syntorch.errors import UserError
 from syntorch.models import build_model

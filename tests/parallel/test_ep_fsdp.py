@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.cli import main
 from syntorch.config import save_model_config
 from syntorch.errors import UserError
@@ -51,7 +51,7 @@ def global_name(model, name: str) -> str:
 
 
 def rank_step(out_dir: str, name: str) -> None:
-    from syntorch.parallel import comm, plans
+    from syntorch.parallel import distributed as comm, plans
     from syntorch.parallel.launch import init_distributed
     from syntorch.parallel.mesh import init_groups
 

@@ -8,7 +8,7 @@ from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 
 from syntorch.cli import main
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.config import save_model_config
 from syntorch.errors import UserError
 from syntorch.parallel.mesh import Mesh

@@ -159,7 +159,7 @@ def test_presets_load_and_validate(name):
 def test_real_cpu_training_steps_fp8_track_bf16(one_thread):
     # three optimizer steps: the FP8 weights are re-cast after each update (a stale cast would drift from BF16)
     from syntorch.parallel import plans
-    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.distributed import symbolic_world
     from syntorch.parallel.mesh import init_groups
 
     config = tiny_config("gpt2", vocab_size=200)

@@ -122,7 +122,7 @@ def test_interleaved_middle_stage_derived_by_shifting_equals_tracing_it():
 
 
 def test_interleaved_workload_validates(tmp_path):
-    from syntorch.chakra.validate import check_traces
+    from syntorch.chakra.validator import check_traces
     from syntorch.workload import trace_workload, write_workload
 
     plan = TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, microbatches=4, seq=16)

@@ -112,7 +112,7 @@ def test_uneven_middle_stage_derived_by_shifting_equals_tracing_it():
 
 
 def test_uneven_interleaved_workload_validates(tmp_path):
-    from syntorch.chakra.validate import check_traces
+    from syntorch.chakra.validator import check_traces
     from syntorch.workload import trace_workload, write_workload
 
     config = tiny_config("gpt2", n_layer=12, vocab_size=200)

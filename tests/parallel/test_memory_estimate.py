@@ -26,7 +26,7 @@ def measured_peak(plan: TrainPlan) -> tuple[int, int]:
     from torch.profiler._memory_profiler import Action
 
     from syntorch.parallel import plans
-    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.distributed import symbolic_world
     from syntorch.parallel.mesh import init_groups
 
     with symbolic_world(0, 1):

@@ -16,7 +16,7 @@ def losses(dtype, steps=6, poison=None):
     """Losses of `steps` real CPU steps on one process from the same initial weights and data; `poison`:
     a step whose gradients are made infinite before the optimizer runs."""
     from syntorch.parallel import plans
-    from syntorch.parallel.comm import symbolic_world
+    from syntorch.parallel.distributed import symbolic_world
     from syntorch.parallel.mesh import init_groups
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 from test_pipeline import _nodes_by_members
 
-from syntorch.chakra.validate import UNEQUAL_ALL_TO_ALL, check_traces
+from syntorch.chakra.validator import UNEQUAL_ALL_TO_ALL, check_traces
 from syntorch.chakra.writer import write_chakra
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.moe_load import parse_load, rank_kinds
@@ -64,7 +64,7 @@ def test_ranks_written_from_their_kinds_equal_tracing_each_rank(each_rank, tmp_p
     # (EP4's two least loaded kinds round to the same counts of their 16 pairs)
     assert len({repr([(n[:10], dict(n[-1]).get("comm_size")) for n in kinds[r]]) for r in kinds}) > plan.pp
     assert [len(s["rank_kinds"]) for s in summary["stages"]] == [plan.ep] * plan.pp
-    # ASTRA-sim would hang at the all-to-alls of unequal sizes (validate.py's CollectiveOrder); nothing else
+    # ASTRA-sim would hang at the all-to-alls of unequal sizes (validator.py's CollectiveOrder); nothing else
     problems = check_traces(tmp_path / "kinds")[0]
     assert problems and all(p.endswith(UNEQUAL_ALL_TO_ALL) for p in problems), problems
     # predict reads each stage's kinds' representatives, as it reads every rank

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from syntorch.chakra.reader import find_traces
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 from syntorch.errors import UserError
 from syntorch.generate import Sampling, generate, left_pad
 from syntorch.inference import InferenceSpec, RunOutputs, run_inference

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from syntorch.cli import main
 from syntorch.errors import UserError
 from syntorch.parallel import plans
-from syntorch.parallel.comm import symbolic_world
+from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import init_groups
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.tracer import SDPA, Tracer

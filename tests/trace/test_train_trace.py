@@ -8,7 +8,7 @@ from conftest import tiny_config
 from syntorch.cli import main
 from syntorch.config import save_model_config
 from syntorch.chakra.reader import read_trace
-from syntorch.chakra.validate import check_traces
+from syntorch.chakra.validator import check_traces
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import pytest
 from chakra.schema.protobuf import et_def_pb2 as et
 from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 
-from syntorch.capture.convert import official_tools
+from syntorch.capture.to_chakra import official_tools
 from syntorch.capture.repair import drop_forward_inter_thread_deps
 from syntorch.capture.traces import repair_host_trace
 from syntorch.cli import main
 from syntorch.errors import UserError
-from syntorch.chakra.validate import validate_traces
+from syntorch.chakra.validator import validate_traces
 from conftest import tiny_config
 from train_data import make_model, make_squad, make_tokenizer
 
