@@ -172,7 +172,10 @@ def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[Stage
     graph = workload.stages.kind_graph(stage, kind)
     figures = stage_figures(graph)
     view = level_view(graph, level)
-    specs = chakra_nodes(view, ids)
+    # a skewed load's all-to-alls as sends and recvs of each pair's bytes, which a kind of one EP index keeps
+    # on every rank it is translated to (translation moves only along the other dimensions)
+    kinds = workload.kinds
+    specs = chakra_nodes(view, ids, kinds.count > 1 and all(len(g) == 1 for g in kinds.groups))
     timed = any(s.duration_micros for s in specs)
     header = global_metadata(view, workload.config.name, level, notes, timed)
     rank0 = None

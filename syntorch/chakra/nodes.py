@@ -124,10 +124,13 @@ def _comm_attrs(data: dict, pg_name: str) -> tuple[int, list]:
     return collective_attrs(kind, data["bytes"], len(data["group"]), pg_name)
 
 
-def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int]) -> list[NodeSpec]:
+def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int], p2p_all_to_all: bool = False) -> list[NodeSpec]:
     """The Chakra nodes of one rank's graph, ids 0.. in traced order; `groups` maps each process group
-    (sorted ranks) to its comm-group id (chakra/groups.py)."""
-    return _chakra_nodes(graph, graph if _in_traced_order(graph) else list(nx.topological_sort(graph)), groups)
+    (sorted ranks) to its comm-group id (chakra/groups.py). `p2p_all_to_all`: write each all-to-all that
+    knows its bytes per peer as sends and recvs (_p2p_parts; a skewed MoE load's, whose members move unequal
+    bytes)."""
+    order = graph if _in_traced_order(graph) else list(nx.topological_sort(graph))
+    return _chakra_nodes(graph, order, groups, p2p_all_to_all)
 
 
 def _in_traced_order(graph: nx.DiGraph) -> bool:
@@ -141,7 +144,7 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
     return True
 
 
-def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
+def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.node_attrs, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
@@ -169,27 +172,57 @@ def _chakra_nodes(graph, order, groups) -> list[NodeSpec]:
         if _folded(data):
             deps_of[n] = deps
             continue
-        nid, ctrl = len(out), []
         if data["kind"] == "op":
-            kind = et.COMP_NODE
             # ASTRA-sim's roofline runs num_ops / min(bw * num_ops / tensor_size, peak): 0 FLOPs would be 0/0,
             # 1 FLOP gives a memory-bound op its tensor_size / bw
-            attrs = [("num_ops", "int64_val", max(data["flops"], 1)),
-                     ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])]
+            parts = [(et.COMP_NODE, [("num_ops", "int64_val", max(data["flops"], 1)),
+                                     ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])],
+                      None, _node_name(data), data, True)]
         else:
-            kind, attrs = _comm_attrs(data, str(groups[tuple(sorted(data["group"]))]))
-            channel = _channel(data)
-            ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
-        attrs.append(("is_cpu_op", "bool_val", False))
-        if data.get("phase") != phase:
-            phase = data.get("phase")
-            attrs.append(("phase", "string_val", phase or ""))
-        if data.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
-            attrs.append(("duration_ns", "uint64_val", round(data["duration_us"] * 1e3)))
-        out.append(NodeSpec(nid, _node_name(data), kind, deps, ctrl, round(data.get("duration_us") or 0),
-                            io_text(inputs), io_text(ordered(succ[n])), attrs))
-        deps_of[n] = (nid,)
+            pg_name = str(groups[tuple(sorted(data["group"]))])
+            parts = (_p2p_parts(data, graph.graph.get("rank", 0), pg_name)
+                     if p2p_all_to_all and data["collective"] == "all_to_all" and "send_bytes" in data else
+                     [(*_comm_attrs(data, pg_name), _channel(data), _node_name(data), data, True)])
+        ids, outputs = [], ordered(succ[n])
+        for kind, attrs, channel, name, timed, whole in parts:  # whole: the graph node's, not one of its sends/recvs
+            nid, ctrl = len(out), []
+            if channel is not None:
+                ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
+            attrs.append(("is_cpu_op", "bool_val", False))
+            if data.get("phase") != phase:
+                phase = data.get("phase")
+                attrs.append(("phase", "string_val", phase or ""))
+            if timed.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
+                attrs.append(("duration_ns", "uint64_val", round(timed["duration_us"] * 1e3)))
+            out.append(NodeSpec(nid, name, kind, deps, ctrl, round(timed.get("duration_us") or 0),
+                                io_text(inputs if whole or kind == et.COMM_SEND_NODE else []),
+                                io_text(outputs if whole or kind == et.COMM_RECV_NODE else []), attrs))
+            if whole or kind == et.COMM_RECV_NODE:  # what consumes an all-to-all's rows waits for all its recvs
+                ids.append(nid)
+        deps_of[n] = tuple(ids) or deps
     return out
+
+
+A2A_TAG_BASE = 1 << 24  # above the pipeline's tags (pipeline.tag: 2(mV + c)), so an all-to-all's never meets one
+
+
+def _p2p_parts(data: dict, rank: int, pg_name: str) -> list[tuple]:
+    """A variable all-to-all as NCCL runs it, grouped sends and recvs of each pair's own bytes (ASTRA-sim's
+    ALL_TO_ALL sends comm_size / members to every peer and matches messages by size, so members of unequal
+    sizes never meet): its sends first (they wait on no one), then its recvs. The tag numbers the
+    all-to-all in its group (`order`, alike on every member) and the hop from sender to receiver along the
+    group, so a send meets exactly its recv."""
+    group, sends, recvs = data["group"], data["send_bytes"], data["recv_bytes"]
+    size, me, module = len(group), group.index(rank), data.get("module") or "root"
+    parts = []
+    for kind, sizes, step in (("send", sends, 1), ("recv", recvs, -1)):
+        for hop in range(1, size):
+            peer = (me + step * hop) % size
+            src, dst = (rank, group[peer]) if kind == "send" else (group[peer], rank)
+            p2p = {"collective": kind, "src": src, "dst": dst, "bytes": sizes[peer],
+                   "tag": A2A_TAG_BASE + data["order"] * size + hop}
+            parts.append((*_comm_attrs(p2p, pg_name), _channel(p2p), f"{module}:all_to_all_{kind}", {}, False))
+    return parts
 
 
 def _channel(data: dict) -> tuple:

@@ -66,10 +66,11 @@ def chakra_level(graph, level: str):
 
 
 def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: str | None = None,
-                 level: str = "op", force: bool = False, json_name: str = JSON_FORM, flag: str = "--output") -> dict:
+                 level: str = "op", force: bool = False, json_name: str = JSON_FORM, flag: str = "--output",
+                 p2p_all_to_all: bool = False) -> dict:
     """Writes `<model>.<rank>.et` for every rank, `comm_groups.json` and the JSON form of rank 0
     (`json_name`) into `out_dir`, whole or not at all, by syntorch.outdir's policy (`flag` names the folder
-    in its messages). Returns a summary (files, nodes, bytes, notes)."""
+    in its messages); `p2p_all_to_all`: chakra_nodes'. Returns a summary (files, nodes, bytes, notes)."""
     ranks = sorted(graphs_by_rank)
     if ranks != list(range(len(ranks))) or not ranks:
         raise UserError(f"Chakra needs one graph per rank 0..N-1, got ranks {ranks[:8]}")
@@ -85,7 +86,7 @@ def write_chakra(graphs_by_rank: Mapping[int, nx.DiGraph], out_dir, model_name: 
         for rank in ranks:
             graph, key = graphs_by_rank[rank], kind_of[rank]
             if key not in encoded:
-                specs = chakra_nodes(distinct[key], groups)
+                specs = chakra_nodes(distinct[key], groups, p2p_all_to_all)
                 encoded[key] = (serialize(specs), len(specs), any(s.duration_micros for s in specs))
                 if rank == 0:
                     write_json_form(tmp / json_name, global_metadata(graph, model, level, notes, encoded[key][2]), specs)

@@ -6,6 +6,7 @@ backend alike) whose process group and reduce op are TorchScript objects; functi
 `bytes` is the per-rank buffer a collective works on: the whole tensor for all-reduce and broadcast, the
 gathered (larger) tensor for all-gather and reduce-scatter, as nccl-tests count a collective's size.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -52,6 +53,7 @@ class CollectiveCall:
     src: int | None = None
     dst: int | None = None
     tag: int = 0
+    peer_bytes: dict = field(default_factory=dict)  # all-to-all with splits: send_bytes/recv_bytes per member
 
 
 def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
@@ -76,7 +78,18 @@ def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
     else:
         return None
     call.nbytes = max(_bytes(call.inputs), _bytes(call.outputs))
+    if call.collective == "all_to_all" and values.get("input_split_sizes"):
+        call.peer_bytes = _split_bytes(call, values["input_split_sizes"], values["output_split_sizes"])
     return call
+
+
+def _split_bytes(call: CollectiveCall, in_splits, out_splits) -> dict:
+    """The bytes a variable all-to-all sends to and receives from each member (in group order): its splits
+    count rows, each row the input's bytes per first-dimension entry. Chakra writes a skewed load's
+    all-to-all as these sends and recvs (chakra/nodes.py)."""
+    x = call.inputs[0]
+    row = x.element_size() * math.prod(x.shape[1:])
+    return {"send_bytes": [int(n) * row for n in in_splits], "recv_bytes": [int(n) * row for n in out_splits]}
 
 
 def _peers(call: CollectiveCall, pg, values: dict):

@@ -273,7 +273,7 @@ class Tracer:
         inputs = [self.tensor_node(t) for t in call.inputs]
         node = self.graph.add_collective(call.collective, inputs, group=call.group, nbytes=call.nbytes,
                                          reduce_op=call.reduce_op, src=call.src, dst=call.dst, tag=call.tag,
-                                         module=module, phase=phase, name=call.name)
+                                         module=module, **call.peer_bytes, phase=phase, name=call.name)
         for arg, t in enumerate(call.outputs):
             self.output_node(t, node, arg, wrote=True)
 
