@@ -214,6 +214,10 @@ def _p2p_parts(data: dict, rank: int, pg_name: str) -> list[tuple]:
     group, so a send meets exactly its recv."""
     group, sends, recvs = data["group"], data["send_bytes"], data["recv_bytes"]
     size, me, module = len(group), group.index(rank), data.get("module") or "root"
+    # the all-to-all's time (a costed run) shared by its sends by their bytes: syntorch predict runs a rank's
+    # sends one after another on its p2p stream and ends each recv when its send's bytes have arrived
+    sent = sum(sends) - sends[me]
+    per_byte = (data.get("duration_us") or 0) / sent if sent else 0
     parts = []
     for kind, sizes, step in (("send", sends, 1), ("recv", recvs, -1)):
         for hop in range(1, size):
@@ -221,7 +225,8 @@ def _p2p_parts(data: dict, rank: int, pg_name: str) -> list[tuple]:
             src, dst = (rank, group[peer]) if kind == "send" else (group[peer], rank)
             p2p = {"collective": kind, "src": src, "dst": dst, "bytes": sizes[peer],
                    "tag": A2A_TAG_BASE + data["order"] * size + hop}
-            parts.append((*_comm_attrs(p2p, pg_name), _channel(p2p), f"{module}:all_to_all_{kind}", {}, False))
+            timed = {"duration_us": sizes[peer] * per_byte} if kind == "send" else {}
+            parts.append((*_comm_attrs(p2p, pg_name), _channel(p2p), f"{module}:all_to_all_{kind}", timed, False))
     return parts
 
 
