@@ -209,7 +209,9 @@ A2A_TAG_BASE = 1 << 24  # above the pipeline's tags (pipeline.tag: 2(mV + c)), s
 def _p2p_parts(data: dict, rank: int, pg_name: str) -> list[tuple]:
     """A variable all-to-all as NCCL runs it, grouped sends and recvs of each pair's own bytes (ASTRA-sim's
     ALL_TO_ALL sends comm_size / members to every peer and matches messages by size, so members of unequal
-    sizes never meet): its sends first (they wait on no one), then its recvs. The tag numbers the
+    sizes never meet): hop by hop, a send to the member `hop` after this rank and a recv from the one `hop`
+    before it, as a pairwise exchange (all sends first left ASTRA-sim stuck at a later all-reduce of an
+    8-rank EP4 x PP2 run; hop by hop it finishes). The tag numbers the
     all-to-all in its group (`order`, alike on every member) and the hop from sender to receiver along the
     group, so a send meets exactly its recv."""
     group, sends, recvs = data["group"], data["send_bytes"], data["recv_bytes"]
@@ -219,8 +221,8 @@ def _p2p_parts(data: dict, rank: int, pg_name: str) -> list[tuple]:
     sent = sum(sends) - sends[me]
     per_byte = (data.get("duration_us") or 0) / sent if sent else 0
     parts = []
-    for kind, sizes, step in (("send", sends, 1), ("recv", recvs, -1)):
-        for hop in range(1, size):
+    for hop in range(1, size):
+        for kind, sizes, step in (("send", sends, 1), ("recv", recvs, -1)):
             peer = (me + step * hop) % size
             src, dst = (rank, group[peer]) if kind == "send" else (group[peer], rank)
             p2p = {"collective": kind, "src": src, "dst": dst, "bytes": sizes[peer],
