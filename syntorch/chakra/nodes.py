@@ -8,7 +8,8 @@ Graph -> Chakra:
   bytes are folded away: their consumers depend on whatever they depended on.
 - collective -> COMM_COLL_NODE (comm_type, comm_size, pg_name), send/recv -> COMM_SEND/RECV_NODE with
   comm_src/comm_dst/comm_tag as int32_val: mlcommons' et_feeder_node.cpp reads them with int32_val() (any
-  other integer kind reads as 0 there).
+  other integer kind reads as 0 there). A skewed MoE load's all-to-all (its members move unequal bytes) is
+  its sends and recvs, one pair of each per other member, with the bytes the tracer saw (_p2p_parts).
 - data_deps: op -> tensor -> op in the graph; ctrl_deps: the previous communication node of the same
   channel, as NCCL runs one stream per communicator: a process group's collectives are ordered among
   themselves (every member issues them in one order, or the run hangs), never behind another group's, so a
