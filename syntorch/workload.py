@@ -172,10 +172,7 @@ def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[Stage
     graph = workload.stages.kind_graph(stage, kind)
     figures = stage_figures(graph)
     view = level_view(graph, level)
-    # a skewed load's all-to-alls as sends and recvs of each pair's bytes, which a kind of one EP index keeps
-    # on every rank it is translated to (translation moves only along the other dimensions)
-    kinds = workload.kinds
-    specs = chakra_nodes(view, ids, kinds.count > 1 and all(len(g) == 1 for g in kinds.groups))
+    specs = chakra_nodes(view, ids, workload.kinds.p2p_all_to_all)
     timed = any(s.duration_micros for s in specs)
     header = global_metadata(view, workload.config.name, level, notes, timed)
     rank0 = None
@@ -241,4 +238,5 @@ def summarize(workload: Workload, figures: dict, level: str) -> dict:
     return {"model": workload.config.name, "plan": asdict(plan), "world_size": mesh.world_size, "level": level,
             "hw_config": workload.hw.name if workload.hw else None, "profile": workload.profile,
             "attention": workload.attention, "traced_stages": workload.traced_stages, "kinds_per_stage": kinds.count,
+            "all_to_all_as_p2p": kinds.p2p_all_to_all,
             "rank_layout": ORDER, "stages": stages}

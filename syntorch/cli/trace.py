@@ -159,7 +159,10 @@ def print_summary(summary: dict) -> None:
     console.print(f"{summary['et_bytes'] / 1e6:.1f} MB of .et, {summary['comm_groups']} comm groups -> {summary['dir']} "
                   f"(check with: syntorch validate {summary['dir']})")
     console.print(memory_note(max(s["memory_bytes"]["total"] for s in summary["stages"])), highlight=False)
-    if summary["kinds_per_stage"] > 1:
+    if summary["kinds_per_stage"] > 1 and summary["all_to_all_as_p2p"]:
+        console.print("--moe_load gives EP ranks all-to-alls of their own sizes: written as each pair's sends and "
+                      "recvs, which ASTRA-sim runs", highlight=False)
+    elif summary["kinds_per_stage"] > 1:
         console.print("--moe_load gives EP ranks all-to-alls of their own sizes: syntorch predict simulates them, "
                       "ASTRA-sim needs one size per group and hangs (syntorch validate names each)", highlight=False)
 

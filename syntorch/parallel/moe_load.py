@@ -120,6 +120,14 @@ class RankKinds:
             for i in group:
                 self.of_index[i] = kind
 
+    @property
+    def p2p_all_to_all(self) -> bool:
+        """Whether the Chakra files write each all-to-all as the sends and recvs of each pair's bytes: under a
+        load that makes kinds of one EP index each (translation moves a kind's ranks only along the other
+        dimensions, so every rank of a kind keeps its pairs' sizes). Kinds of several EP indices keep
+        ALL_TO_ALL nodes of unequal sizes, which ASTRA-sim cannot run (syntorch validate names them)."""
+        return self.count > 1 and all(len(g) == 1 for g in self.groups)
+
     def of(self, rank: int) -> int:
         return self.of_index[self.mesh.index(rank, "ep")] if self.count > 1 else 0
 
