@@ -31,11 +31,9 @@ PLANS = {
     "ep_tp_fsdp": TrainPlan(tp=2, dp=4, ep=2, zero=3, **BASE),  # and FSDP: experts over expert-DP (2 ranks)
     "etp2_of_tp4": TrainPlan(tp=4, etp=2, ep=2, **BASE),  # experts halved over 2 ranks; EP: the 2 TP halves
     # sequence parallel: the MoE layer gathers the sequence and reduce-scatters its output (Megatron-Core
-    # requires SP with TP and EP)
-    "tp_sp": TrainPlan(tp=2, sp=True, **BASE),
+    # requires SP with TP and EP); TP2 SP without EP: tests/parallel/test_qwen3_gpt_oss_parallel.py
     "ep_tp_sp": TrainPlan(tp=2, dp=2, ep=2, sp=True, **BASE),
-    "etp1_sp": TrainPlan(tp=2, etp=1, ep=2, sp=True, **BASE),
-    "etp2_of_tp4_sp": TrainPlan(tp=4, etp=2, ep=2, sp=True, **BASE),
+    "etp2_of_tp4_sp": TrainPlan(tp=4, etp=2, ep=2, sp=True, **BASE),  # each TP half routes its slice
     "mla_ep_tp_sp": TrainPlan(tp=2, dp=2, ep=2, sp=True, **BASE),
 }
 CONFIGS = {"etp2_of_tp4": GATED, "etp2_of_tp4_sp": GATED, "mla_ep_tp_sp": MLA}
