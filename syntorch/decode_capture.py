@@ -33,9 +33,7 @@ def capturable(model, device: torch.device, steps: int) -> bool:
     c = model.config
     if device.type != "cpu" or steps < MIN_STEPS or torch.distributed.is_initialized():
         return False
-    if c.encoder or c.n_experts or c.mla or any(c.layer_window(i) for i in range(c.n_layer)):
-        return False
-    return True
+    return not (c.encoder or c.n_experts or c.mla or any(c.layer_window(i) for i in range(c.n_layer)))
 
 
 class CapturedForward:
