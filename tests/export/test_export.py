@@ -43,6 +43,14 @@ def test_networkx_json_round_trips(graph, tmp_path):
     assert {"nodes", "edges", "graph"} <= raw.keys() and raw["graph"]["tp"] == 2
 
 
+@pytest.mark.parametrize("batch", [1, 7, 10**6])  # batches that split nodes and edges unevenly, or not at all
+def test_networkx_json_is_node_link_data_byte_for_byte(graph, tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(networkx_json, "BATCH", batch)
+    networkx_json.export(graph, tmp_path / "g.json")
+    expected = json.dumps(nx.node_link_data(graph, edges="edges"), separators=(",", ":"))
+    assert (tmp_path / "g.json").read_text() == expected
+
+
 def test_graphml_round_trips_every_attribute(graph, tmp_path):
     graphml.export(graph, tmp_path / "g.graphml")
     plain = nx.read_graphml(tmp_path / "g.graphml", node_type=int)  # what other tools see
