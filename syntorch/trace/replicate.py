@@ -85,7 +85,7 @@ class _Copies:
         self.edges: list[tuple[int, int, dict]] = []
 
     def add(self, old: int, find, rename=None) -> int:
-        attrs = dict(self.source.node_attrs[old])
+        attrs = dict(self.source.nodes[old])
         new = len(self.nodes)
         if rename:
             key = "name" if attrs["kind"] == "tensor" else "module"
@@ -93,12 +93,12 @@ class _Copies:
         if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
             attrs["name"] = f"t{new}"
         self.nodes.append(attrs)
-        self.edges.extend((find(u), new, dict(edge)) for u, edge in self.source.preds[old].items())
+        self.edges.extend((find(u), new, edge) for u, edge in self.source.preds[old].items())
         return new
 
     def graph(self) -> TraceGraph:
         out = TraceGraph(**self.source.graph)
-        out.append(self.nodes, self.edges, copy=False)  # copies made in add
+        out.append(self.nodes, self.edges)
         _renumber_collectives(out)
         return out
 
