@@ -148,8 +148,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
             if rank0:
                 write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
             for rank in ranks:
-                with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
-                    written, variant = template.write(f, rank)
+                written, variant = template.write(f"{tmp}/{config.name}.{rank}.et", rank)  # (not pathlib: 16,384 paths)
                 total += written
                 variants.add((stage, kind, *variant[1:]))  # its template and what it patched in
             del template, rank0

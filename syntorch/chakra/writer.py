@@ -140,7 +140,7 @@ def _attr_piece(name: str, value) -> bytes:
 
 
 class StageTemplate:
-    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(f, rank)`
+    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(path, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
     Those attributes are appended to the node's other bytes, so their values sit at known offsets.
@@ -172,37 +172,43 @@ class StageTemplate:
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
         width = len(str(next(iter(ids.values())))) if ids else 0
         self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
-        # per group (in group_at's order): the mesh dimensions it spans, and whether it is a whole line along them
+        # per group (in group_at's order): the (size, stride) lines of the mesh dimensions it spans when it is
+        # a whole line along them (Mesh.dims_of), else None; and the id last patched in (none yet)
         self.lines = []
         for g in group_at:
             names = mesh.dims_of(g)
-            self.lines.append((names, len(g) == mesh.size(*names)))
+            self.lines.append(mesh.lines(*names) if len(g) == mesh.size(*names) else None)
+        self._patched = [None] * len(group_at)
 
-    def _group_id(self, k: int, group: tuple, rank: int) -> int:
-        """The id of the group that plays, for `rank`, the part `group` plays for the representative. Every
-        mesh group is a whole line along its dimensions (Mesh.dims_of), and translation moves it along the
-        others, so the translated line is known from the lowest rank of the line its first member lands on
-        (a 128-rank DP group would otherwise be 128 translations and a sort for each of 8192 ranks)."""
-        (names, whole), moved = self.lines[k], self.mesh.translate(group[0], rank)
-        key = (k, self.mesh.first(moved, *names) if whole else moved)  # k, not the group: a long tuple hashes slowly
+    def _group_id(self, k: int, group: tuple, by: int) -> int:
+        """The id of the group that plays, for the rank `by` moves the representative to, the part `group`
+        plays for the representative. Every mesh group is a whole line along its dimensions, and translation
+        moves it along the others by `by`'s indices there, so the translated line is known from those
+        indices: `by` less its indices along the group's own lines (a 128-rank DP group would otherwise be
+        128 translations and a sort for each of 8192 ranks)."""
+        lines = self.lines[k]
+        key = (k, by if lines is None else by - sum(by // stride % size * stride for size, stride in lines))  # first()
         if key not in self._ids_seen:
-            self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]
+            self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, by) for r in group))]
         return self._ids_seen[key]
 
-    def write(self, f, rank: int) -> tuple[int, tuple]:
-        """Writes rank's file to `f`; returns the bytes written and what its nodes hold that another rank's
+    def write(self, path: str, rank: int) -> tuple[int, tuple]:
+        """Writes rank's file at `path`; returns the bytes written and what its nodes hold that another rank's
         may not (its group ids and peers): ranks with equal ones have equal nodes."""
         rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
-        # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
-        # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
+        # patched in place, not in a copy: every rank overwrites every per-rank byte that differs from the
+        # rank before's, and a fresh 100+ KB buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
         body, by = self.body, self.mesh.translate(rank, self.origin, back=True)  # the move from origin to rank
         ids = [self._group_id(k, group, by) for k, group in enumerate(self.group_at)]
-        for at, group_id in zip(self.group_at.values(), ids):
-            body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
+        for k, (at, group_id) in enumerate(zip(self.group_at.values(), ids)):
+            if self._patched[k] != group_id:
+                body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
+                self._patched[k] = group_id
         peers = [self.mesh.translate(peer, by) for _, peer in self.peer_at]
         for (at, _), peer in zip(self.peer_at, peers):
             body[at:at + PEER_BYTES] = np.frombuffer(_padded_varint(peer), dtype=np.uint8)
-        f.write(head)
-        f.write(body.data)
+        with open(path, "wb") as f:
+            f.write(head)
+            f.write(body.data)
         return len(head) + body.nbytes, (id(self), *ids, *peers)
