@@ -21,7 +21,7 @@ import torch
 
 from syntorch.chakra.groups import comm_groups_json, group_ids
 from syntorch.chakra.nodes import chakra_nodes, global_metadata, rewrite_notes
-from syntorch.chakra.writer import StageTemplate, write_json_form
+from syntorch.chakra.writer import GroupIds, StageTemplate, write_json_form
 from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
@@ -135,6 +135,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     config, plan, kinds = workload.config, workload.plan, workload.kinds
     mesh, world = plan.mesh, plan.mesh.world_size
     ids = group_ids(ranks for _, ranks in mesh.process_groups(config.tied_head))
+    groups = GroupIds(ids, mesh)
     # the stages' collectives are theirs
     notes = rewrite_notes(graph for graph, _ in (workload.kind_probes or workload.probes).values())
     by_kind = {}  # (stage, kind) -> its ranks
@@ -146,7 +147,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
         for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
             # one template alive at a time: its graph, view and nodes, then its ranks' files
             last = stage, kind, *_stage_view(workload, stage, kind, level, last)
-            template, figures[stage, kind], rank0 = _template(workload, stage, kind, ids, notes, level, *last[2:])
+            template, figures[stage, kind], rank0 = _template(workload, stage, kind, groups, notes, level, *last[2:])
             if rank0:
                 write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
             for rank in ranks:
@@ -166,11 +167,11 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
 
 
-def _template(workload, stage: int, kind: int, ids, notes, level, view, figures) -> tuple[StageTemplate, dict, tuple | None]:
+def _template(workload, stage: int, kind: int, groups, notes, level, view, figures) -> tuple[StageTemplate, dict, tuple | None]:
     """The StageTemplate of a stage's rank kind (every rank of the kind is written from it) from its `view` at
     `level`, its figures (stage_figures, with its Chakra node count) and, for rank 0 (stage 0's
     representative), its header and nodes as they are."""
-    specs = chakra_nodes(view, ids, workload.kinds.p2p_all_to_all)
+    specs = chakra_nodes(view, groups.ids, workload.kinds.p2p_all_to_all)
     timed = any(s.duration_micros for s in specs)
     header = global_metadata(view, workload.config.name, level, notes, timed)
     rank0 = None
@@ -178,7 +179,7 @@ def _template(workload, stage: int, kind: int, ids, notes, level, view, figures)
         rank0 = global_metadata(types.SimpleNamespace(graph={**view.graph, "rank": 0}), workload.config.name,
                                 level, notes, timed), specs
     del header.attr[[a.name for a in header.attr].index("rank")]
-    template = StageTemplate(specs, header, ids, workload.plan.mesh, workload.kinds.representative(stage, kind))
+    template = StageTemplate(specs, header, groups, workload.kinds.representative(stage, kind))
     return template, {**figures, "chakra_nodes": len(specs)}, rank0
 
 

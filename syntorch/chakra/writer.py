@@ -139,6 +139,41 @@ def _attr_piece(name: str, value) -> bytes:
     return varint(_ATTR_FIELD << 3 | 2) + varint(len(attr)) + attr
 
 
+class GroupIds:
+    """The comm-group ids of a mesh's groups (chakra/groups.py) as the stage templates of a run look them up:
+    by their text in a node, and by the group a representative's group moves to for another rank (cached
+    by line, shared by the templates of every stage)."""
+
+    def __init__(self, ids: dict[tuple, int], mesh: Mesh):
+        self.ids, self.mesh, self._lines, self._line_of = ids, mesh, {}, {}
+        self.by_text = {str(i): g for g, i in ids.items()}
+        self.width = len(str(next(iter(ids.values())))) if ids else 0  # every id's (groups.py)
+
+    def line_of(self, group: tuple) -> tuple | None:
+        """The mesh dimensions `group` spans and their (size, stride) lines when it is a whole line along them
+        (Mesh.dims_of: every mesh group is), else None. Asked once per group (the world's 16,384 ranks included)."""
+        if group not in self._line_of:
+            names = self.mesh.dims_of(group)
+            self._line_of[group] = (names, self.mesh.lines(*names)) if len(group) == self.mesh.size(*names) else None
+        return self._line_of[group]
+
+    def moved(self, group: tuple, line: tuple | None, by: int) -> int:
+        """The id of the group that plays, for the rank `by` moves the representative to (Mesh.translate), the
+        part `group` plays for the representative; `line`: line_of(group). Translation moves a whole line to
+        the line through its first member moved, known by that line's lowest rank (Mesh.first): a 128-rank
+        DP group is translated and sorted once per line, not once per rank of every stage."""
+        key = None
+        if line is not None:
+            first = self.mesh.translate(group[0], by)
+            key = line[0], first - sum(first // stride % size * stride for size, stride in line[1])
+        if key not in self._lines:
+            found = self.ids[tuple(sorted(self.mesh.translate(r, by) for r in group))]
+            if key is None:
+                return found
+            self._lines[key] = found
+        return self._lines[key]
+
+
 class StageTemplate:
     """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(path, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
@@ -147,13 +182,11 @@ class StageTemplate:
     `origin`: the rank whose nodes they are, when not the representative (a rank kind's, moe_load.RankKinds):
     the ranks written from it are moved from there."""
 
-    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh,
-                 origin: int = 0):
-        self.ids, self.mesh, self.origin, self._ids_seen = ids, mesh, origin, {}
+    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, groups: GroupIds, origin: int = 0):
+        self.groups, self.mesh, self.origin, self._ids_seen = groups, groups.mesh, origin, {}
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
-        group_of_id = {str(i): g for g, i in ids.items()}
         chunks, size = [], 0
         for spec in specs:
             fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
@@ -165,31 +198,21 @@ class StageTemplate:
             for (name, value), piece in zip(per_rank, tail):
                 size += len(piece)
                 if name == "pg_name":
-                    group_at.setdefault(group_of_id[value], []).append(size - len(value))
+                    group_at.setdefault(groups.by_text[value], []).append(size - len(value))
                 else:
                     self.peer_at.append((size - PEER_BYTES, value))
             chunks += (varint(len(data)), data)
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
-        width = len(str(next(iter(ids.values())))) if ids else 0
-        self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
-        # per group (in group_at's order): the (size, stride) lines of the mesh dimensions it spans when it is
-        # a whole line along them (Mesh.dims_of), else None; and the id last patched in (none yet)
-        self.lines = []
-        for g in group_at:
-            names = mesh.dims_of(g)
-            self.lines.append(mesh.lines(*names) if len(g) == mesh.size(*names) else None)
-        self._patched = [None] * len(group_at)
+        self.group_at = {g: np.array(at)[:, None] + np.arange(groups.width) for g, at in group_at.items()}
+        self.lines = [groups.line_of(g) for g in group_at]  # in group_at's order
+        self._patched = [None] * len(group_at)  # the id last patched in for each
 
     def _group_id(self, k: int, group: tuple, by: int) -> int:
-        """The id of the group that plays, for the rank `by` moves the representative to, the part `group`
-        plays for the representative. Every mesh group is a whole line along its dimensions, and translation
-        moves it along the others by `by`'s indices there, so the translated line is known from those
-        indices: `by` less its indices along the group's own lines (a 128-rank DP group would otherwise be
-        128 translations and a sort for each of 8192 ranks)."""
-        lines = self.lines[k]
-        key = (k, by if lines is None else by - sum(by // stride % size * stride for size, stride in lines))  # first()
+        """GroupIds.moved, cached by what it depends on: `by`'s indices outside the group's own lines."""
+        line = self.lines[k]
+        key = (k, by if line is None else by - sum(by // stride % size * stride for size, stride in line[1]))
         if key not in self._ids_seen:
-            self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, by) for r in group))]
+            self._ids_seen[key] = self.groups.moved(group, line, by)
         return self._ids_seen[key]
 
     def write(self, path: str, rank: int) -> tuple[int, tuple]:
