@@ -32,7 +32,7 @@ from syntorch.parallel import plans
 from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.pipeline import schedule
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, with_node_attrs
 from syntorch.trace.meta_cache import MetaCache
 from syntorch.trace.tracer import Tracer
 
@@ -163,9 +163,7 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
         return ("optimizer", None, None) if kind == "optimizer" else (kind, _template(kind, m, M, probed), c)
 
     probed = 1 + max(m for kind, m, _ in blocks if kind != "optimizer")
-    steps = (schedule(plan.schedule, stage, plan.pp, M, plan.virtual_stages) if plan.mode == "train"
-             else [("F", m, 0) for m in range(M)])
-    order = [*steps, *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
+    order = [*stage_steps(plan, stage), *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
         finished = copy_graph(probe) if keep else probe
@@ -205,6 +203,13 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
         latest.update(step.written)
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
+
+
+def stage_steps(plan: plans.TrainPlan, stage: int) -> list[tuple[str, int, int]]:
+    """The steps a stage runs, in its schedule's order (pipeline.schedule; forwards only in inference)."""
+    if plan.mode != "train":
+        return [("F", m, 0) for m in range(plan.microbatches)]
+    return schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages)
 
 
 class _Step:
@@ -309,6 +314,26 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
     """A middle stage's trace moved to `to_stage`: `layers.i` -> `layers.{i + layer_offset}` in module and
     tensor names, global ranks (groups, peers) moved by the stage difference along pp (around the chain: a
     group holding every stage, the gradient norm's, is itself moved)."""
+    moved, attrs = _stage_move(graph, mesh, to_stage, layer_offset)
+    out = TraceGraph(**attrs)
+    # edges in graph.copy()'s order: by source node, then by target
+    out.append(map(moved, graph.node_attrs.values()),
+            ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()))
+    return out
+
+
+def shift_view(view: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> TraceGraph:
+    """What a graph made from a shifted stage (its schedule, its level view) would be, made from another shifted
+    copy of the same probe with the same schedule: the view's nodes moved as shift_stage moves them (a level's
+    group, named by its module, renamed too), its edges shared, not copied (read-only). Scheduling, level views
+    and Chakra nodes see names, modules and groups only as keys, and the move is one-to-one, so they make the
+    same nodes and edges of both; shift_stage's edge order, unlike the tracer's, is the same for every copy."""
+    moved, attrs = _stage_move(view, mesh, to_stage, layer_offset)
+    return with_node_attrs(view, {n: moved(d) for n, d in view.node_attrs.items()}, **attrs)
+
+
+def _stage_move(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -> tuple:
+    """shift_stage's move of one node's attributes, and the moved graph's attributes."""
     shift = (to_stage - graph.graph["stage"]) * mesh.stride("pp")
     span = mesh.pp * mesh.stride("pp")
     renamed, groups = {}, {}
@@ -331,16 +356,15 @@ def shift_stage(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
         if d["kind"] == "tensor":
             return {**d, "name": rename(d["name"])}
         if d["kind"] == "op":
-            return {**d, "module": rename(d["module"])}
+            out = {**d, "module": rename(d["module"])}
+            if "num_ops" in d:  # a level's group, named by its module
+                out["name"] = rename(d["name"])
+            return out
         return {**d, "module": rename(d["module"]), "group": move_group(d["group"]),
                 "src": None if d["src"] is None else move(d["src"]),
                 "dst": None if d["dst"] is None else move(d["dst"])}
 
-    out = TraceGraph(**{**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])})
-    # edges in graph.copy()'s order: by source node, then by target
-    out.append(map(moved, graph.node_attrs.values()),
-            ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()))
-    return out
+    return moved, {**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])}
 
 
 def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
