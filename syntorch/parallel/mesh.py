@@ -254,14 +254,17 @@ class Mesh:
     # --- the groups of a run and translation -------------------------------------------------------------
 
     @cache  # every rank of a symbolic run (init_groups) and the workload ask an equal mesh: made once
-    def process_groups(self, tied: bool = False) -> list[tuple[str, list[int]]]:
+    def process_groups(self, tied: bool = False, rank: int | None = None) -> list[tuple[str, list[int]]]:
         """(kind, ranks) of every process group a run creates, in the order every rank must create them:
         "tp", "dp", with ep > 1 "ep" and "expert_dp", with cp > 1 "cp" and "dp_cp", then per PP chain its
         "stage_pair"s and, for a model whose head is tied to its embedding and pp > 1, the "embedding" pair
-        of the first and last stage (Megatron's embedding group). Shared between callers: read, never change."""
+        of the first and last stage (Megatron's embedding group). `rank`: only those holding it, in that
+        order (a symbolic run's, without building every group of a large world). Shared between callers:
+        read, never change."""
         kinds = [("tp",), ("dp",)] + [("ep",), ("expert_dp",)] * (self.ep > 1) + [("cp",), ("dp", "cp")] * (self.cp > 1)
-        groups = [("_".join(names), g) for names in kinds for g in self.groups(*names)]
-        for chain in self.groups("pp"):
+        every = self.groups if rank is None else lambda *names: [self.group(rank, *names)]
+        groups = [("_".join(names), g) for names in kinds for g in every(*names)]
+        for chain in every("pp"):
             groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
             if self.ring and self.pp > 1:
                 groups.append(("stage_pair", [chain[-1], chain[0]]))
@@ -270,10 +273,10 @@ class Mesh:
         # the gradient norm's all-reduce (parallel/clip.py): over the model-parallel group (TP x PP), or over
         # every rank when the optimizer's state is sharded (ZeRO, FSDP) or experts differ across DP
         if self.tp * self.pp > 1:
-            groups += [("model_parallel", g) for g in self.groups("tp", "pp")]
+            groups += [("model_parallel", g) for g in every("tp", "pp")]
         if self.dp * self.cp > 1:
             groups.append(("world", list(range(self.world_size))))
-        return groups
+        return groups if rank is None else [(kind, g) for kind, g in groups if rank in g]
 
     def translate(self, rank: int, to_rank: int, back: bool = False) -> int:
         """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative (dp 0,
@@ -344,9 +347,7 @@ def init_groups(mesh: Mesh, tied: bool = False, only_mine: bool = False) -> Mesh
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     mine = MeshGroups(mesh, rank)
-    for kind, ranks in mesh.process_groups(tied):
-        if rank not in ranks and only_mine:
-            continue
+    for kind, ranks in mesh.process_groups(tied, rank if only_mine else None):
         group = dist.new_group(ranks)
         if rank not in ranks:
             continue
