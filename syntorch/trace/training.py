@@ -55,31 +55,46 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
     return _finish(graph, plan, list(blocks), [start for start, _ in blocks.values()])
 
 
-def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
-                microbatches: int = PROBE_MICROBATCHES, finish: list | None = None) -> tuple[TraceGraph, dict]:
+@dataclasses.dataclass
+class Gradients:
+    """The parameters' gradients where the end of the last backward starts, by parameter name: a probe's
+    (`nodes`, filled there; `last`: the one accumulated last) or, given to probe_optimizer, those of the probe
+    it stands in for (`versions`, and `last`), which it registers first (`nodes`: theirs there)."""
+    versions: dict = dataclasses.field(default_factory=dict)
+    nodes: dict = dataclasses.field(default_factory=dict)
+    last: str | None = None
+
+
+def probe_stage(config, plan, stage, dtype=torch.float32, rank=None, microbatches: int = PROBE_MICROBATCHES,
+                finish: list | None = None, grads: Gradients | None = None) -> tuple[TraceGraph, dict]:
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
     {(kind, microbatch, chunk): (first node, end)}. `finish` (a list): gets the node where the end of the
-    last backward (the gradient synchronisation's `finish`) starts."""
+    last backward (the gradient synchronisation's `finish`) starts; `grads` the gradients there."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
-    return _run_stage(config, probe, stage, dtype, rank, finish=finish)
+    return _run_stage(config, probe, stage, dtype, rank, finish=finish, grads=grads)
 
 
 def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
-                    rank: int | None = None) -> tuple[TraceGraph, dict]:
+                    rank: int | None = None, finish: list | None = None,
+                    grads: Gradients | None = None) -> tuple[TraceGraph, dict]:
     """The stage's end of backward and optimizer step on their own: no micro-batch runs; every gradient is
     accumulated first, untraced, as backward would (so overlap has launched its buckets; their reduced
     gradients are named grad_sync.flat.<bucket>); then the end of backward is traced (the nodes before the
-    ("optimizer", None, None) block) and the optimizer step (that block)."""
-    return _run_stage(config, dataclasses.replace(plan, schedule="gpipe"), stage, dtype, rank, microbatches=0)
+    ("optimizer", None, None) block, from `finish`'s node) and the optimizer step (that block). With
+    `grads` (a probe's versions), their gradients are registered first, with those versions."""
+    return _run_stage(config, dataclasses.replace(plan, schedule="gpipe"), stage, dtype, rank, microbatches=0,
+                      finish=finish, grads=grads)
 
 
-def _accumulate_gradients(run: plans.StageRun, zero: int) -> None:
-    """Every parameter's gradient accumulated in backward's order (the reverse of registration), so DDP/ZeRO's
-    hooks see them as in the last backward; FSDP's and ZeRO's shards just hold one."""
+def _accumulate_gradients(run: plans.StageRun, zero: int, last: str | None = None) -> None:
+    """Every parameter's gradient accumulated in backward's order (the reverse of registration; `last`, a
+    parameter's name, last), so DDP/ZeRO's hooks see them as in the last backward; FSDP's and ZeRO's shards
+    just hold one."""
     if zero != 3:
         run.grad_sync.active = True
-        for p in reversed(list(run.model.parameters())):
+        named = list(reversed(list(run.model.named_parameters())))
+        for _, p in sorted(named, key=lambda item: item[0] == last):
             torch.autograd.backward(p, torch.zeros_like(p))
     for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
         if p.grad is None:
@@ -87,9 +102,9 @@ def _accumulate_gradients(run: plans.StageRun, zero: int) -> None:
 
 
 def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None,
-               finish: list | None = None) -> tuple[TraceGraph, dict]:
+               finish: list | None = None, grads: Gradients | None = None) -> tuple[TraceGraph, dict]:
     """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand.
-    `finish`: probe_stage's."""
+    `finish`, `grads`: probe_stage's (probe_optimizer's with `microbatches=0`)."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
@@ -103,13 +118,23 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                    for _ in range(plan.microbatches if microbatches is None else microbatches)]
         # (each micro-batch its own tensors, like its own data)
         if not batches:
-            _accumulate_gradients(run, plan.zero)
-        steps = []
+            _accumulate_gradients(run, plan.zero, grads and grads.last)
+        steps, last = [], []
+        if grads is not None and batches:  # which gradient backward accumulates last
+            for name, p in run.model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda _, name=name: last.append(name))
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
             if finish is not None:  # mark where the end of backward starts
                 end_of_backward = run.grad_sync.finish
-                run.grad_sync.finish = lambda: (finish.append(len(tracer.graph)), end_of_backward())
+
+                def marked():
+                    finish.append(len(tracer.graph))
+                    if grads is not None and batches:
+                        grads.nodes.update(_gradient_nodes(tracer, run))
+                        grads.last = last[-1] if last else None
+                    end_of_backward()
+                run.grad_sync.finish = marked
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
@@ -119,10 +144,30 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                       *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
                       *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
                 tracer.tensor_node(t)
+            if grads is not None and not batches:
+                _register_gradients(tracer, run, grads)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+def _gradient_nodes(tracer: Tracer, run: plans.StageRun) -> dict:
+    """{parameter name: the node of its gradient's current value} of every parameter with a traced one."""
+    found = {}
+    for name, p in run.model.named_parameters():
+        entry = tracer._entry(p.grad) if p.grad is not None else None
+        if entry is not None:
+            found[name] = entry[1]
+    return found
+
+
+def _register_gradients(tracer: Tracer, run: plans.StageRun, grads: Gradients) -> None:
+    """`grads.versions`' gradients as nodes of those versions (their later writes count on from there)."""
+    params = dict(run.model.named_parameters())
+    for name, version in grads.versions.items():
+        node = grads.nodes[name] = tracer.tensor_node(params[name].grad)
+        tracer.graph.node_attrs[node]["version"] = version
 
 
 def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
