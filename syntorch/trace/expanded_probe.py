@@ -15,14 +15,14 @@ on the whole stage (its parameters, buffers and optimizer state are the whole pr
 the gradients' versions where that end starts and the gradient accumulated last, so its end of backward
 reads them as the whole probe's does; its reads of them, and of the buckets overlap launched before, are
 joined to the expanded steps' nodes. Node names that are ids (t<n>) and collectives' order follow the
-whole graph. A stage whose probe cannot be expanded so (FSDP; or a period whose neighbours do not look
+whole graph. A stage whose probe cannot be expanded so (FSDP, CP; or a period whose neighbours do not look
 alike, or a node outside the periods in a middle layer) gets None: it is probed whole.
 """
 import dataclasses
 
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.trace.graph import TraceGraph
-from syntorch.trace.layer_probe import KeptLayers, _periods, _role, grad_group, reduced
+from syntorch.trace.layer_probe import KeptLayers, _periods, _role, reduced
 from syntorch.trace.training import Gradients, _renumber_orders, probe_optimizer, probe_stage
 
 
@@ -30,11 +30,13 @@ from syntorch.trace.training import Gradients, _renumber_orders, probe_optimizer
 class _Steps:
     """A probe's steps, up to where the end of the last backward starts, numbered from 0: node attributes
     (tensor names that are ids as None), in-edges ({source: attributes}; a source before the steps by its
-    name, an unnamed one as "#<k>", the k-th), step blocks, and the node of each parameter's gradient."""
+    name, an unnamed one as "#<k>", the k-th), step blocks, the node of each parameter's gradient and of
+    each bucket overlap launched."""
     nodes: list
     preds: list
     blocks: dict
     grads: dict
+    flats: list  # the nodes of the buckets overlap launched, in order
 
     @property
     def node_attrs(self):  # what layer_probe._periods reads
@@ -44,13 +46,13 @@ class _Steps:
 def expanded_probe(config, plan, stage: int, dtype, microbatches: int, rank: int | None = None):
     """probe_stage(config, plan, stage, dtype, rank, microbatches) from a probe of fewer layers, or None."""
     cut = reduced(config, plan, stage)
-    if cut is None or plan.zero == 3:
+    if cut is None or plan.zero == 3 or plan.cp > 1:
         return None
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
     finish, grads = [], Gradients()
     graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
                                 microbatches=microbatches, finish=finish, grads=grads)
-    steps = _steps(graph, blocks, finish[0], grads.nodes) if finish else None
+    steps = _steps(graph, blocks, finish[0], grads) if finish else None
     for run in cut[1] if steps else ():
         steps = _expand(steps, run)
         if steps is None:
@@ -60,10 +62,10 @@ def expanded_probe(config, plan, stage: int, dtype, microbatches: int, rank: int
     given = Gradients({name: steps.nodes[n]["version"] for name, n in steps.grads.items()}, last=grads.last)
     end = []
     whole, whole_blocks = probe_optimizer(config, plan, stage, dtype, rank, finish=end, grads=given)
-    return _joined(steps, whole, whole_blocks, end[0], given.nodes, grad_group(whole, plan.mesh))
+    return _joined(steps, whole, whole_blocks, end[0], given.nodes)
 
 
-def _steps(graph: TraceGraph, blocks: dict, finish: int, grads: dict) -> _Steps | None:
+def _steps(graph: TraceGraph, blocks: dict, finish: int, grads: Gradients) -> _Steps | None:
     """The probe's steps up to `finish` as _Steps."""
     first = min(start for key, (start, _) in blocks.items() if key[0] != "optimizer")
     unnamed = [n for n in range(first) if graph.node_attrs[n]["name"] == f"t{n}"]
@@ -73,9 +75,10 @@ def _steps(graph: TraceGraph, blocks: dict, finish: int, grads: dict) -> _Steps 
              for n in range(first, finish)]
     kept = {key: (max(a, first) - first, min(b, finish) - first) for key, (a, b) in blocks.items()
             if key[0] != "optimizer"}
-    if any(not first <= n < finish for n in grads.values()):
+    if any(not first <= n < finish for n in [*grads.nodes.values(), *grads.flats]):
         return None
-    return _Steps(nodes, preds, kept, {name: n - first for name, n in grads.items()})
+    return _Steps(nodes, preds, kept, {name: n - first for name, n in grads.nodes.items()},
+                  [n - first for n in grads.flats])
 
 
 def _unnamed(n: int, d: dict) -> dict:
@@ -177,7 +180,7 @@ class _Copier:
         except _Outside:
             return None
         blocks = {key: (self.new[a], self.new[b - 1] + 1) for key, (a, b) in old.blocks.items()}
-        return _Steps(nodes, preds, blocks, grads)
+        return _Steps(nodes, preds, blocks, grads, sorted(at for n in self.old.flats for at in self._images(n)))
 
     def _shift(self, n: int) -> int | None:
         """How many layers node n moves in the whole stage (None: outside the periods)."""
@@ -222,28 +225,35 @@ class _Copier:
 
     def _grads(self) -> dict:
         """Each parameter's gradient node in the expanded steps: the original's, renamed, and for the
-        copies' layers the copy of the node of the copied period's layer."""
-        out, copied = {}, self.kept[2]  # the layer whose period is copied, forward (the backward's is the second)
+        copies' layers the copy of the node of the copied period's layer. Raises _Outside unless every layer
+        of the run has as many."""
+        out = {}
         for name, n in self.old.grads.items():
-            out[self._rename(name, self._shift(n))] = self.new[n]
-            if int((LAYER_PATH.match(name) or [0, -1])[1]) not in (copied, copied - 1):
-                continue
-            if n not in self.region:
-                raise _Outside
-            start, layer, offset = self.region[n]
-            place = self.places[start]
-            if layer == place.layers[2]:
-                for k in range(1, self.copies + 1):
-                    moved = place.whole[2 + k] - layer
-                    out[self._rename(name, moved)] = self.periods[start, layer + moved] + offset
+            images = self._images(n)
+            out[self._rename(name, self._shift(n))] = images[0]
+            if len(images) > 1:
+                start, layer, _ = self.region[n]
+                moved = self.places[start].whole
+                out.update((self._rename(name, moved[2 + k] - layer), images[k]) for k in range(1, self.copies + 1))
+        layers = [_layer({"module": name}) for name in out]
+        if len({layers.count(i) for i in range(self.kept[0], self.kept[3] + self.copies + 1)}) > 1:
+            raise _Outside
         return out
+
+    def _images(self, n: int) -> list[int]:
+        """Node n's place in the expanded steps, then (in the copied period) its copies'."""
+        if n not in self.region or self.region[n][1] != self.places[self.region[n][0]].layers[2]:
+            return [self.new[n]]
+        start, layer, offset = self.region[n]
+        place = self.places[start]
+        return [self.new[n], *(self.periods[start, place.whole[2 + k]] + offset for k in range(1, self.copies + 1))]
 
 
 class _Outside(Exception):
     """A node outside the periods names a middle kept layer, or a period reads beyond the run."""
 
 
-def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dict, group: list) -> tuple | None:
+def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dict) -> tuple | None:
     """The whole stage's probe: probe_optimizer's first nodes (the stage's state), the expanded steps, and
     probe_optimizer's end of backward and optimizer step reading the steps' gradients and bucket outputs."""
     flats = {n: int(d["name"].rsplit(".", 1)[1]) for n, d in whole.node_attrs.items()
@@ -254,8 +264,7 @@ def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dic
     new = {n: i for i, n in enumerate(state)}
     unnamed = [i for i, n in enumerate(state) if whole.node_attrs[n]["name"] == f"t{n}"]
     named = {whole.node_attrs[n]["name"]: i for i, n in enumerate(state)}
-    launched = [base + v for v, d in enumerate(steps.nodes) if d["kind"] == "tensor" and
-                any(isinstance(u, int) and _collective_over(steps.nodes[u], group) for u in steps.preds[v])]
+    launched = [base + v for v in steps.flats]
     if len(launched) != len(flats) or any(name not in steps.grads for name in registered.values()):
         return None
     new.update({n: launched[k] for n, k in flats.items()})
@@ -288,6 +297,3 @@ def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dic
     found[last] = (found[last][0], optimizer[0][0] if optimizer else len(out))
     return out, {**found, **({("optimizer", None, None): optimizer[0]} if optimizer else {})}
 
-
-def _collective_over(d: dict, group: list) -> bool:
-    return d["kind"] == "collective" and sorted(d["group"]) == group

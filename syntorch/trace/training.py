@@ -58,11 +58,12 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
 @dataclasses.dataclass
 class Gradients:
     """The parameters' gradients where the end of the last backward starts, by parameter name: a probe's
-    (`nodes`, filled there; `last`: the one accumulated last) or, given to probe_optimizer, those of the probe
+    (`nodes`, filled there; `last`: the one accumulated last; `flats`: its launched buckets) or, given to probe_optimizer, those of the probe
     it stands in for (`versions`, and `last`), which it registers first (`nodes`: theirs there)."""
     versions: dict = dataclasses.field(default_factory=dict)
     nodes: dict = dataclasses.field(default_factory=dict)
     last: str | None = None
+    flats: list = dataclasses.field(default_factory=list)  # a probe's: the buckets overlap launched, in order
 
 
 def probe_stage(config, plan, stage, dtype=torch.float32, rank=None, microbatches: int = PROBE_MICROBATCHES,
@@ -132,17 +133,21 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                     finish.append(len(tracer.graph))
                     if grads is not None and batches:
                         grads.nodes.update(_gradient_nodes(tracer, run))
+                        grads.flats = [tracer._entry(b.flat)[1] for b in getattr(run.grad_sync, "all_buckets", ())
+                                       if b.flat is not None]
                         grads.last = last[-1] if last else None
                     end_of_backward()
                 run.grad_sync.finish = marked
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
-            for t in [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
-                      *run.optimizer.param_groups[0]["params"],
-                      *(v for state in run.optimizer.state.values() for v in state.values()),
-                      *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
-                      *(run.context.inputs().values() if run.context else ())]:  # CP positions and mask
+            # (held to the end: a name is kept by id, which a freed tensor would hand on)
+            state = [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
+                     *run.optimizer.param_groups[0]["params"],
+                     *(v for state in run.optimizer.state.values() for v in state.values()),
+                     *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
+                     *(run.context.inputs().values() if run.context else ())]  # CP positions and mask
+            for t in state:
                 tracer.tensor_node(t)
             if grads is not None and not batches:
                 _register_gradients(tracer, run, grads)
