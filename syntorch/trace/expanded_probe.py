@@ -21,7 +21,7 @@ alike, or a node outside the periods in a middle layer) gets None: it is probed 
 import dataclasses
 
 from syntorch.models import LAYER_PATH, layer_path
-from syntorch.trace.graph import TraceGraph
+from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import KeptLayers, _periods, _role, reduced
 from syntorch.trace.training import Gradients, _renumber_orders, probe_optimizer, probe_stage
 
@@ -45,6 +45,11 @@ class _Steps:
 
 def expanded_probe(config, plan, stage: int, dtype, microbatches: int, rank: int | None = None):
     """probe_stage(config, plan, stage, dtype, rank, microbatches) from a probe of fewer layers, or None."""
+    with no_gc():
+        return _expanded_probe(config, plan, stage, dtype, microbatches, rank)
+
+
+def _expanded_probe(config, plan, stage, dtype, microbatches, rank):
     cut = reduced(config, plan, stage)
     if cut is None or plan.zero == 3 or plan.cp > 1:
         return None
@@ -57,7 +62,7 @@ def expanded_probe(config, plan, stage: int, dtype, microbatches: int, rank: int
         steps = _expand(steps, run)
         if steps is None:
             return None
-    if steps is None or grads.last not in steps.grads:
+    if steps is None or grads.last not in (None, *steps.grads):
         return None
     given = Gradients({name: steps.nodes[n]["version"] for name, n in steps.grads.items()}, last=grads.last)
     end = []
@@ -102,33 +107,36 @@ def _expand(steps: _Steps, run: tuple) -> _Steps | None:
 class _Place:
     """Where a step's four kept layers' periods are (`starts`: their first nodes, `size` nodes each, in the
     order met), their layers in the probe (`layers`) and in the whole stage (`whole`: the layer of each period
-    as the whole step meets them, the copies after the third)."""
+    as the whole step meets them, the copies after the third), and of each period the nodes (offsets from its
+    start, [lo, hi)) that run what the third's do: the first and the last period met may be cut short by
+    what comes before and after them (the stage's first layer's backward ends in what it sends back)."""
     start: int
     end: int
     starts: list
     size: int
     layers: list
     whole: list
+    spans: list
 
 
 def _place(steps: _Steps, start: int, end: int, kept: tuple, copies: int) -> _Place | None:
     found = _periods(steps, start, end, (None, kept, copies))
-    if found is None:
+    if found is None or found[2] + 1 >= end:
         return None
     before, first, second = found
     size = second - first
     starts = [before + 1 - size, before + 1, first + 1, second + 1]
-    if starts[0] < start or starts[3] + size > end:
-        return None
-    roles = [[_role(steps.nodes[n]) for n in range(s, s + size)] for s in starts]
-    if any(r != roles[2] for r in roles):
-        return None
-    layers = [_layer(next(d for d in reversed(steps.nodes[s:s + size]) if d["kind"] != "tensor")) for s in starts]
-    ascending = list(kept) == layers
-    if not ascending and list(reversed(kept)) != layers:
+    period = [_role(steps.nodes[n]) for n in range(starts[2], starts[2] + size)]
+    head = next((k for k in range(size) if starts[0] + size - 1 - k < start or
+                 _role(steps.nodes[starts[0] + size - 1 - k]) != period[size - 1 - k]), size)
+    tail = next((k for k in range(size) if starts[3] + k >= end or _role(steps.nodes[starts[3] + k]) != period[k]), size)
+    layers = [_layer(next(d for d in reversed(steps.nodes[s:s + size]) if d["kind"] != "tensor")) for s in starts[1:3]]
+    ascending = [kept[1], kept[2]] == layers
+    if not ascending and [kept[2], kept[1]] != layers:
         return None
     whole = list(range(kept[0], kept[3] + copies + 1))
-    return _Place(start, end, starts, size, layers, whole if ascending else whole[::-1])
+    return _Place(start, end, starts, size, list(kept) if ascending else list(reversed(kept)),
+                  whole if ascending else whole[::-1], [(size - head, size), (0, size), (0, size), (0, tail)])
 
 
 def _layer(d: dict) -> int | None:
@@ -142,7 +150,7 @@ class _Copier:
     def __init__(self, steps: _Steps, kept: tuple, copies: int, places: dict):
         self.old, self.kept, self.copies, self.places = steps, kept, copies, places
         self.new = {}  # old node -> new node (the original's place)
-        self.periods = {}  # (step start, whole layer) -> (new first node of its period, old first node)
+        self.periods = {}  # (step start, whole layer) -> (new first node of its period, its span)
         shift = 0
         for key, (start, end) in sorted(steps.blocks.items(), key=lambda item: item[1]):
             place = places.get(start)
@@ -151,13 +159,14 @@ class _Copier:
                     shift += copies * place.size
                 self.new[n] = n + shift
             for k, layer in enumerate(place.whole if place else ()):  # k: the period's place in the step
-                first = place.starts[k] if k < 3 else place.starts[3]
-                self.periods[start, layer] = (self.new[place.starts[2]] + (k - 2) * place.size if 2 < k < 3 + copies
-                                              else self.new[first])
+                at = self.new[place.starts[2]] + (k - 2) * place.size if 2 < k < 3 + copies else \
+                    self.new[place.starts[min(k, 3)] if k < 3 else place.starts[3]]
+                span = place.spans[k] if k < 3 else (0, place.size) if k < 3 + copies else place.spans[3]
+                self.periods[start, layer] = at, *span
         self.region = {}  # old node in a period -> (step start, its layer in the probe, offset)
         for start, place in places.items():
-            for s, layer in zip(place.starts, place.layers):
-                for n in range(s, s + place.size):
+            for s, layer, (lo, hi) in zip(place.starts, place.layers, place.spans):
+                for n in range(s + lo, s + hi):
                     self.region[n] = start, layer, n - s
 
     def steps(self) -> _Steps | None:
@@ -218,9 +227,10 @@ class _Copier:
                 out[self.new[u]] = e
             else:
                 start, layer, offset = self.region[u]
-                if (start, layer + shift) not in self.periods:
+                at, lo, hi = self.periods.get((start, layer + shift), (0, 0, 0))
+                if not lo <= offset < hi:
                     raise _Outside
-                out[self.periods[start, layer + shift] + offset] = e
+                out[at + offset] = e
         return out
 
     def _grads(self) -> dict:
@@ -246,7 +256,7 @@ class _Copier:
             return [self.new[n]]
         start, layer, offset = self.region[n]
         place = self.places[start]
-        return [self.new[n], *(self.periods[start, place.whole[2 + k]] + offset for k in range(1, self.copies + 1))]
+        return [self.new[n], *(self.periods[start, place.whole[2 + k]][0] + offset for k in range(1, self.copies + 1))]
 
 
 class _Outside(Exception):
@@ -263,6 +273,7 @@ def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dic
     base = len(state)
     new = {n: i for i, n in enumerate(state)}
     unnamed = [i for i, n in enumerate(state) if whole.node_attrs[n]["name"] == f"t{n}"]
+    renamed = set(unnamed)
     named = {whole.node_attrs[n]["name"]: i for i, n in enumerate(state)}
     launched = [base + v for v in steps.flats]
     if len(launched) != len(flats) or any(name not in steps.grads for name in registered.values()):
@@ -277,7 +288,7 @@ def _joined(steps: _Steps, whole: TraceGraph, blocks: dict, end: int, grads: dic
             return base + u
         return unnamed[int(u[1:])] if u.startswith("#") else named[u]
 
-    nodes = [{**whole.node_attrs[n], "name": f"t{i}"} if i in unnamed else whole.node_attrs[n]
+    nodes = [{**whole.node_attrs[n], "name": f"t{i}"} if i in renamed else whole.node_attrs[n]
              for i, n in enumerate(state)]
     nodes += [{**d, "name": f"t{base + v}"} if d["name"] is None else d for v, d in enumerate(steps.nodes)]
     nodes += [{**whole.node_attrs[n], "name": f"t{n + after}"} if whole.node_attrs[n]["name"] == f"t{n}"

@@ -58,7 +58,7 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
 @dataclasses.dataclass
 class Gradients:
     """The parameters' gradients where the end of the last backward starts, by parameter name: a probe's
-    (`nodes`, filled there; `last`: the one accumulated last; `flats`: its launched buckets) or, given to probe_optimizer, those of the probe
+    (`nodes`, filled there; `last`: the bucketed one accumulated last; `flats`: its launched buckets) or, given to probe_optimizer, those of the probe
     it stands in for (`versions`, and `last`), which it registers first (`nodes`: theirs there)."""
     versions: dict = dataclasses.field(default_factory=dict)
     nodes: dict = dataclasses.field(default_factory=dict)
@@ -71,7 +71,8 @@ def probe_stage(config, plan, stage, dtype=torch.float32, rank=None, microbatche
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
     {(kind, microbatch, chunk): (first node, end)}. `finish` (a list): gets the node where the end of the
-    last backward (the gradient synchronisation's `finish`) starts; `grads` the gradients there."""
+    last backward (the gradient synchronisation's `finish`) starts; `grads` the gradients there, where the
+    probe then stops (no end of backward, no optimizer step)."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
     return _run_stage(config, probe, stage, dtype, rank, finish=finish, grads=grads)
 
@@ -94,9 +95,11 @@ def _accumulate_gradients(run: plans.StageRun, zero: int, last: str | None = Non
     just hold one."""
     if zero != 3:
         run.grad_sync.active = True
-        named = list(reversed(list(run.model.named_parameters())))
-        for _, p in sorted(named, key=lambda item: item[0] == last):
-            torch.autograd.backward(p, torch.zeros_like(p))
+        named = dict(run.model.named_parameters())
+        final = named.pop(last) if last in named else named.pop(next(iter(named)))
+        params = list(reversed(named.values()))  # one backward for all but the last: one pass of the engine
+        for group in (params, [final]):
+            torch.autograd.backward(group, [torch.zeros_like(p) for p in group])
     for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -121,23 +124,15 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
         if not batches:
             _accumulate_gradients(run, plan.zero, grads and grads.last)
         steps, last = [], []
-        if grads is not None and batches:  # which gradient backward accumulates last
+        if grads is not None and batches:  # which bucketed gradient backward accumulates last (buckets.py reads it)
+            bucketed = {id(p) for bucket in getattr(run.grad_sync, "buckets", ()) for p in bucket.params}
             for name, p in run.model.named_parameters():
-                p.register_post_accumulate_grad_hook(lambda _, name=name: last.append(name))
+                if id(p) in bucketed:
+                    p.register_post_accumulate_grad_hook(lambda _, name=name: last.append(name))
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
             if finish is not None:  # mark where the end of backward starts
-                end_of_backward = run.grad_sync.finish
-
-                def marked():
-                    finish.append(len(tracer.graph))
-                    if grads is not None and batches:
-                        grads.nodes.update(_gradient_nodes(tracer, run))
-                        grads.flats = [tracer._entry(b.flat)[1] for b in getattr(run.grad_sync, "all_buckets", ())
-                                       if b.flat is not None]
-                        grads.last = last[-1] if last else None
-                    end_of_backward()
-                run.grad_sync.finish = marked
+                run.grad_sync.finish = _marked(run.grad_sync.finish, tracer, run, finish, grads if batches else None, last)
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
@@ -151,10 +146,33 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                 tracer.tensor_node(t)
             if grads is not None and not batches:
                 _register_gradients(tracer, run, grads)
-            plans.train_step(run, batches, tracer.phase,
-                             on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
+            try:
+                plans.train_step(run, batches, tracer.phase,
+                                 on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
+            except _Finished:
+                pass
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+class _Finished(Exception):
+    """A probe asked for its gradients stops where the end of backward starts."""
+
+
+def _marked(end_of_backward, tracer: Tracer, run: plans.StageRun, finish: list, grads: Gradients | None,
+            last: list):
+    """The gradient synchronisation's `finish`, first marking where it starts (in `finish`); with `grads`
+    (probe_stage's), taking the gradients there and stopping the probe (_Finished): the end of backward and the
+    optimizer step are then the whole stage's (expanded_probe.py)."""
+    def marked():
+        finish.append(len(tracer.graph))
+        if grads is None:
+            return end_of_backward()
+        grads.nodes.update(_gradient_nodes(tracer, run))
+        grads.flats = [tracer._entry(b.flat)[1] for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None]
+        grads.last = last[-1] if last else None
+        raise _Finished
+    return marked
 
 
 def _gradient_nodes(tracer: Tracer, run: plans.StageRun) -> dict:
