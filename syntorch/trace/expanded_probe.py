@@ -23,7 +23,7 @@ import dataclasses
 from syntorch.models import LAYER_PATH, layer_path
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import KeptLayers, _periods, _role, reduced
-from syntorch.trace.training import Gradients, _renumber_orders, probe_optimizer, probe_stage
+from syntorch.trace.training import Gradients, _renumber_orders, probe_optimizer, probe_stage, stage_world
 
 
 @dataclasses.dataclass
@@ -45,29 +45,24 @@ class _Steps:
 
 def expanded_probe(config, plan, stage: int, dtype, microbatches: int, rank: int | None = None):
     """probe_stage(config, plan, stage, dtype, rank, microbatches) from a probe of fewer layers, or None."""
-    with no_gc():
-        return _expanded_probe(config, plan, stage, dtype, microbatches, rank)
-
-
-def _expanded_probe(config, plan, stage, dtype, microbatches, rank):
     cut = reduced(config, plan, stage)
     if cut is None or plan.zero == 3 or plan.cp > 1:
         return None
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
-    finish, grads = [], Gradients()
-    graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
-                                microbatches=microbatches, finish=finish, grads=grads)
-    steps = _steps(graph, blocks, finish[0], grads) if finish else None
-    for run in cut[1] if steps else ():
-        steps = _expand(steps, run)
-        if steps is None:
+    rank = plan.mesh.representative(stage) if rank is None else rank
+    with no_gc(), stage_world(config, plan.mesh, rank) as groups:  # both probes in one world: its groups once
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+        finish, grads = [], Gradients()
+        graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
+                                    microbatches=microbatches, finish=finish, grads=grads, groups=groups)
+        steps = _steps(graph, blocks, finish[0], grads) if finish else None
+        for run in cut[1] if steps else ():
+            steps = steps and _expand(steps, run)
+        if steps is None or grads.last not in (None, *steps.grads):
             return None
-    if steps is None or grads.last not in (None, *steps.grads):
-        return None
-    given = Gradients({name: steps.nodes[n]["version"] for name, n in steps.grads.items()}, last=grads.last)
-    end = []
-    whole, whole_blocks = probe_optimizer(config, plan, stage, dtype, rank, finish=end, grads=given)
-    return _joined(steps, whole, whole_blocks, end[0], given.nodes)
+        given = Gradients({name: steps.nodes[n]["version"] for name, n in steps.grads.items()}, last=grads.last)
+        end = []
+        whole, whole_blocks = probe_optimizer(config, plan, stage, dtype, rank, finish=end, grads=given, groups=groups)
+        return _joined(steps, whole, whole_blocks, end[0], given.nodes)
 
 
 def _steps(graph: TraceGraph, blocks: dict, finish: int, grads: Gradients) -> _Steps | None:

@@ -16,6 +16,7 @@ from syntorch.simulate.chakra_files import RANK_KINDS as RANKS
 from syntorch.workload import trace_workload, write_workload
 
 GPT = tiny_config("gpt2", n_layer=16, d_model=128, n_head=4, d_head=32, d_ff=512, vocab_size=128)
+GPT32 = tiny_config("gpt2", n_layer=32, d_model=64, n_head=4, d_head=16, d_ff=256, vocab_size=128)  # 8-layer chunks
 LLAMA = tiny_config("llama-3-8b", n_layer=16, d_model=128, n_head=4, n_kv_head=2, d_head=32, d_ff=256, vocab_size=128)
 MOE = tiny_config("deepseek-v3", n_layer=16, n_head=4, d_head=24, rotary_dim=8, v_head_dim=12, kv_lora_rank=16,
                   q_lora_rank=24, n_experts=8, d_ff_expert=32, d_ff=64, moe_top_k=3, first_k_dense=3,
@@ -28,7 +29,9 @@ DERIVED = {  # (config, plan, stages derived)
     "ddp_overlap": (GPT, TrainPlan(dp=2, microbatches=3, seq=32, bucket_mb=0.1), [0]),
     "ddp_no_overlap": (GPT, TrainPlan(dp=2, microbatches=3, seq=32, bucket_mb=0.1, overlap_grad_reduce=False), [0]),
     "pp_recompute": (LLAMA, TrainPlan(tp=2, pp=2, microbatches=4, seq=32, recompute="full"), [0, 1]),
-    "zero2_pp": (LLAMA, TrainPlan(dp=2, pp=2, zero=2, microbatches=4, seq=32, bucket_mb=0.1), [1]),
+    "zero2_pp": (LLAMA, TrainPlan(dp=2, pp=2, zero=2, microbatches=4, seq=32, bucket_mb=0.1), [0, 1]),
+    "zero1_sp_interleaved": (GPT32, TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, sp=True, zero=1, microbatches=4,
+                                              seq=32, bucket_mb=0.01), [0]),
     "moe_dense_first": (MOE, TrainPlan(pp=2, microbatches=4, seq=32), [0, 1]),
 }
 WHOLE = {  # probed whole: FSDP, CP
