@@ -214,19 +214,32 @@ class _Copier:
         return LAYER_PATH.sub(layer_path(layer + shift), name)
 
     def _edges(self, n: int, shift: int | None) -> dict:
-        out = {}
+        """Node n's in-edges in a node `shift` layers on: a period's reads move as far (None: outside the
+        periods, where an op of the run's first or last kept layer moves as that layer does, and one of
+        no layer of the run reads as the outside names)."""
+        out, d = {}, self.old.nodes[n]
         for u, e in self.old.preds[n].items():
             if isinstance(u, str):
                 out[self._rename(u, shift)] = e
-            elif shift is None or u not in self.region:
+            elif u not in self.region or (shift is None and d["kind"] == "tensor"):  # an output: its op's place
                 out[self.new[u]] = e
             else:
                 start, layer, offset = self.region[u]
-                at, lo, hi = self.periods.get((start, layer + shift), (0, 0, 0))
+                moved = shift if shift is not None else self._outside_shift(d, layer)
+                at, lo, hi = self.periods.get((start, layer + moved), (0, 0, 0))
                 if not lo <= offset < hi:
                     raise _Outside
                 out[at + offset] = e
         return out
+
+    def _outside_shift(self, d: dict, read: int) -> int:
+        """How far an op outside the periods moves what it reads of layer `read`: as its own layer moves, if
+        the run's first or last kept one; else as the layer read is renamed outside the periods."""
+        own = _layer(d)
+        layer = own if own in (self.kept[0], self.kept[3]) else read
+        if layer not in (self.kept[0], self.kept[3]):
+            raise _Outside
+        return self.copies if layer == self.kept[3] else 0
 
     def _grads(self) -> dict:
         """Each parameter's gradient node in the expanded steps: the original's, renamed, and for the

@@ -28,6 +28,8 @@ DERIVED = {  # (config, plan, stages derived)
     "one_microbatch": (GPT, TrainPlan(dp=2, tp=2, sp=True, zero=1, microbatches=1, seq=32), [0]),
     "ddp_overlap": (GPT, TrainPlan(dp=2, microbatches=3, seq=32, bucket_mb=0.1), [0]),
     "ddp_no_overlap": (GPT, TrainPlan(dp=2, microbatches=3, seq=32, bucket_mb=0.1, overlap_grad_reduce=False), [0]),
+    "ddp_tp_pp_recompute": (GPT, TrainPlan(dp=2, tp=2, pp=2, microbatches=3, seq=32, bucket_mb=0.01,
+                                           recompute="full"), [0, 1]),
     "pp_recompute": (LLAMA, TrainPlan(tp=2, pp=2, microbatches=4, seq=32, recompute="full"), [0, 1]),
     "zero2_pp": (LLAMA, TrainPlan(dp=2, pp=2, zero=2, microbatches=4, seq=32, bucket_mb=0.1), [0, 1]),
     "zero1_sp_interleaved": (GPT32, TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, sp=True, zero=1, microbatches=4,
