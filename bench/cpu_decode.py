@@ -13,9 +13,10 @@ infer_speed does (one vector-matrix product per matrix), which also measures the
 bytes over that bandwidth. Per-step times are compared at their 10th percentile over all reps (other processes
 stretch many steps on a shared machine; the low percentile survives that), medians beside them.
 
-Every step is timed twice: in wall time and in the CPU time of the thread that runs it (time.thread_time). With
-one thread the CPU time is what wall time would be on a quiet machine; with more, wall time is the figure, but
-it needs a quiet machine. Wall, CPU seconds (user + system) and peak RSS of each whole command are the child's
+A step is the time from one token's step to the next, the loop's own work included (HF's steps are the gaps
+between its stopping-criteria calls). Every step is timed twice: in wall time and in the CPU time of the thread
+that runs it (time.thread_time). With one thread the CPU time is what wall time would be on a quiet machine;
+with more, wall time is the figure, but it needs a quiet machine. Wall, CPU seconds (user + system) and peak RSS of each whole command are the child's
 own (os.wait4), the best of the reps.
 """
 import argparse
@@ -36,25 +37,28 @@ sys.path.insert(0, str(BENCH))  # infer_speed's functions, imported where a chil
 
 def syntorch_child(folder: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False,
                    capture: bool = True) -> dict:
-    from syntorch import decode_capture
     from syntorch.checkpoints import load_checkpoint
-    from syntorch.generate import Sampling, generate, stream_friendly_weights
+    from syntorch.decode_capture import CapturedForward, capturable
+    from syntorch.generate import LocalForward, Sampling, generate, stream_friendly_weights
     _, model = load_checkpoint(folder, dtype=torch.float32)
     stream_friendly_weights(model)
-    if not capture:  # every step eager, whatever the run's length
-        decode_capture.MIN_STEPS = sys.maxsize
     if compile:  # one graph for every cache length; the first steps pay the compile time
         model.forward = torch.compile(model.forward, dynamic=True)
+    # generate() keeps a run with a phase_scope eager (a tracer's hooks must run), so the clock below would turn
+    # the capture off: the forward generate() picks without one is passed in
+    forward = None
+    if capture and capturable(model, prompt.device, new_tokens - 1):
+        forward = CapturedForward(prompt.shape[1] + new_tokens, LocalForward())
     stamps = []
 
-    @contextlib.contextmanager
-    def cpu_clock(_phase):  # entered around each step: its CPU time
-        begin = time.thread_time()
-        yield
-        stamps.append(time.thread_time() - begin)
+    def clock(_phase):  # entered as each step begins: a step is the time to the next one, as HF's StepClock counts
+        stamps.append((time.perf_counter(), time.thread_time()))
+        return contextlib.nullcontext()
 
-    result = generate(model, prompt, new_tokens, Sampling(temperature=0), phase_scope=cpu_clock)
-    return {"steps": result.decode_s, "cpu_steps": stamps[1:], "tokens": result.new_tokens,
+    result = generate(model, prompt, new_tokens, Sampling(temperature=0), phase_scope=clock, forward=forward)
+    stamps.append((time.perf_counter(), time.thread_time()))
+    wall, cpu = ([b[i] - a[i] for a, b in zip(stamps[1:], stamps[2:])] for i in (0, 1))  # [0] is the prefill
+    return {"steps": wall, "cpu_steps": cpu, "tokens": result.new_tokens,
             "first_s": result.prefill_s + sum(result.decode_s[:2])}
 
 

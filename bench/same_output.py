@@ -1,5 +1,6 @@
-"""Do two checkouts write the same files? Small symbolic runs (a 4- and an 8-layer GPT-2 shape; DP2 x TP2 x PP2
-training at module and op level, with and without durations; DP2 x TP2 x PP4 interleaved under the fused
+"""Do two checkouts write the same files? Small symbolic runs (a 4-, an 8- and a 16-layer GPT-2 shape; DP2 x TP2 x
+PP2 training at module and op level, with and without durations, and with 8 layers a stage under ZeRO-1 and
+SP, and under DDP with small buckets and full recomputation; DP2 x TP2 x PP4 interleaved under the fused
 profile; TP2 x PP2 and TP2 inference with Chakra) written by this checkout and by `--base` (a git revision of
 this repository, or a folder), then compared file by file, byte for byte. Speed work must leave them equal.
 
@@ -30,6 +31,11 @@ CASES = {  # name -> (layers, arguments)
     "train_pp4": (8, [*TRAIN, "--pp", "4", "--microbatches", "8", "--virtual_stages", "2", "--hw_config",
                       "a100-80gb", "--profile", "fused", "--trace_level", "module"]),
     "train_nohw": (4, [*TRAIN, "--pp", "2", "--seq", "32", "--zero", "1", "--trace_level", "op"]),
+    # 8 layers a stage: more than a probe of four layers per run keeps (trace/expanded_probe.py)
+    "train_deep": (16, [*TRAIN, "--pp", "2", "--sp", "--microbatches", "8", "--seq", "32", "--zero", "1",
+                        "--hw_config", "h100-sxm", "--trace_level", "module"]),
+    "train_deep_ddp": (16, [*TRAIN, "--pp", "2", "--microbatches", "3", "--seq", "32", "--bucket_mb", "0.01",
+                            "--recompute", "full", "--hw_config", "a100-80gb", "--trace_level", "op"]),
     "infer": (4, [*INFER, "--pp", "2", "--batch_size", "2", "--hw_config", "h100-sxm"]),
     "infer_tp": (4, [*INFER, "--trace_level", "op"]),
 }

@@ -282,12 +282,20 @@ class _Run:
             logits = self.forward.logits(self.model, idx, start, inputs)  # None on a pipeline stage before the last
             chosen = None
             if select and logits is not None:
-                # a vocab-parallel head may pad the vocabulary; padding ids must never be chosen
-                logits = logits[:, :self.vocab_size].float()  # [B, V]
-                chosen = select(logits if self.symbolic else logits.cpu())
+                chosen = select(self._choosable(logits))
             chosen = self.forward.share(chosen, sizes)
         self.times.append(time.perf_counter() - begin)
         return chosen
+
+    def _choosable(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V'] as float32 [B, V], on CPU unless symbolic. A vocab-parallel head may pad the vocabulary:
+        padding ids must never be chosen (a tracer records the slice even when it keeps all). The conversions
+        only where they change something: on CPU even a no-op costs a decode step ~10 us, its code cold after the
+        weights streamed past."""
+        logits = logits[:, :self.vocab_size]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return logits if self.symbolic or logits.device.type == "cpu" else logits.cpu()
 
 
 def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[list[int]]:
@@ -307,13 +315,15 @@ def _sample(run: _Run, prompt, max_new_tokens, sampling, stop_tokens) -> list[li
     B, T = prompt.shape
     placeholder = torch.zeros(B, dtype=torch.long)  # meta's tokens
     finished = torch.zeros(B, dtype=torch.bool)
+    # meta has no values, so no stop token can fire; without stop tokens a CPU step skips the checks' four ops
+    stops = len(stop_tokens) and not run.symbolic
     idx, new = prompt, []
     while True:
         token, = run.step(idx, T + len(new) - 1 if new else 0, select, [B])
-        if not run.symbolic:  # meta has no values, so no stop token can fire
+        if stops:
             finished |= torch.isin(token, stop_tokens)
         new.append(placeholder if run.symbolic else token)
-        if len(new) == max_new_tokens or finished.all():
+        if len(new) == max_new_tokens or stops and finished.all():
             break
         idx = token  # [B]: the next step feeds it
     rows = torch.cat((_known(prompt), torch.stack(new, 1)), 1).tolist()

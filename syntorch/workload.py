@@ -21,7 +21,7 @@ import torch
 
 from syntorch.chakra.groups import comm_groups_json, group_ids
 from syntorch.chakra.nodes import chakra_nodes, global_metadata, rewrite_notes
-from syntorch.chakra.writer import StageTemplate, write_json_form
+from syntorch.chakra.writer import GroupIds, StageTemplate, write_json_form
 from syntorch.config import ModelConfig
 from syntorch.hardware import HardwareConfig
 from syntorch.outdir import atomic_output_dir
@@ -32,11 +32,12 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.prediction import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations, kernel_of, kernel_us
+from syntorch.trace.expanded_probe import expanded_probe
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
 from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, schedule_stage, shift_stage,
-                                     traced_stage_for)
+                                     shift_view, stage_steps, traced_stage_for)
 
 
 @dataclass
@@ -60,7 +61,9 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    attention: str = "flash", layer_probes: bool = True) -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
     `layer_probes` each probe keeps four layers of each run of alike layers (trace/layer_probe.py),
-    else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
+    else every layer; a stage's whole step is then made from one derived node for node as probing every
+    layer (trace/expanded_probe.py), where it can be. `profile`, `attention`: the software of the durations
+    (trace/kernels.py), with `hw`."""
     with no_gc():
         return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
 
@@ -79,12 +82,18 @@ def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -
             fill_durations(graph, hw, *software)
         return _workload(config, plan, [], hw, probes, source, software, estimates, kinds)
     # copies need one more micro-batch than costs do
-    probes = {key: StageProbe(*probe_stage(config, plan, key[0], dtype, kinds.representative(*key),
-                                           microbatches=PROBE_MICROBATCHES)) for key in traced}
+    probes = {key: StageProbe(*_stage_probe(config, plan, key[0], dtype, kinds.representative(*key), layer_probes))
+              for key in traced}
     for graph, _ in probes.values() if hw else ():
         fill_durations(graph, hw, *software)  # before scheduling: a copied node keeps its duration
     stages = StageGraphs(config, plan, probes, source, hw, software)
     return _workload(config, plan, stages, hw, probes, source, software, estimates, kinds)
+
+
+def _stage_probe(config, plan, stage, dtype, rank, layer_probes) -> tuple:
+    """probe_stage's (graph, steps) of the stage, derived from a probe of fewer layers where it can be."""
+    derived = expanded_probe(config, plan, stage, dtype, PROBE_MICROBATCHES, rank) if layer_probes else None
+    return derived or probe_stage(config, plan, stage, dtype, rank, microbatches=PROBE_MICROBATCHES)
 
 
 def _workload(config, plan, stages, hw, probes, source, software, estimates, kinds) -> Workload:
@@ -135,6 +144,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     config, plan, kinds = workload.config, workload.plan, workload.kinds
     mesh, world = plan.mesh, plan.mesh.world_size
     ids = group_ids(ranks for _, ranks in mesh.process_groups(config.tied_head))
+    groups = GroupIds(ids, mesh)
     # the stages' collectives are theirs
     notes = rewrite_notes(graph for graph, _ in (workload.kind_probes or workload.probes).values())
     by_kind = {}  # (stage, kind) -> its ranks
@@ -142,14 +152,15 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
         by_kind.setdefault((mesh.coordinate(rank).pp, kinds.of(rank)), []).append(rank)
     figures, total, variants = {}, 0, set()
     with atomic_output_dir(out_dir, force=force) as tmp:
+        last = None  # the stage, kind, view and figures made last
         for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
             # one template alive at a time: its graph, view and nodes, then its ranks' files
-            template, figures[stage, kind], rank0 = _template(workload, stage, kind, ids, notes, level)
+            last = stage, kind, *_stage_view(workload, stage, kind, level, last)
+            template, figures[stage, kind], rank0 = _template(workload, stage, kind, groups, notes, level, *last[2:])
             if rank0:
                 write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
             for rank in ranks:
-                with open(tmp / f"{config.name}.{rank}.et", "wb") as f:
-                    written, variant = template.write(f, rank)
+                written, variant = template.write(f"{tmp}/{config.name}.{rank}.et", rank)  # (not pathlib: 16,384 paths)
                 total += written
                 variants.add((stage, kind, *variant[1:]))  # its template and what it patched in
             del template, rank0
@@ -165,14 +176,11 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
 
 
-def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[StageTemplate, dict, tuple | None]:
-    """The StageTemplate of a stage's rank kind (every rank of the kind is written from it), its figures
-    (stage_figures, with its Chakra node count) and, for rank 0 (stage 0's representative), its header and
-    nodes as they are."""
-    graph = workload.stages.kind_graph(stage, kind)
-    figures = stage_figures(graph)
-    view = level_view(graph, level)
-    specs = chakra_nodes(view, ids, workload.kinds.p2p_all_to_all)
+def _template(workload, stage: int, kind: int, groups, notes, level, view, figures) -> tuple[StageTemplate, dict, tuple | None]:
+    """The StageTemplate of a stage's rank kind (every rank of the kind is written from it) from its `view` at
+    `level`, its figures (stage_figures, with its Chakra node count) and, for rank 0 (stage 0's
+    representative), its header and nodes as they are."""
+    specs = chakra_nodes(view, groups.ids, workload.kinds.p2p_all_to_all)
     timed = any(s.duration_micros for s in specs)
     header = global_metadata(view, workload.config.name, level, notes, timed)
     rank0 = None
@@ -180,8 +188,26 @@ def _template(workload, stage: int, kind: int, ids, notes, level) -> tuple[Stage
         rank0 = global_metadata(types.SimpleNamespace(graph={**view.graph, "rank": 0}), workload.config.name,
                                 level, notes, timed), specs
     del header.attr[[a.name for a in header.attr].index("rank")]
-    template = StageTemplate(specs, header, ids, workload.plan.mesh, workload.kinds.representative(stage, kind))
+    template = StageTemplate(specs, header, groups, workload.kinds.representative(stage, kind))
     return template, {**figures, "chakra_nodes": len(specs)}, rank0
+
+
+def _stage_view(workload, stage: int, kind: int, level: str, last: tuple | None) -> tuple[TraceGraph, dict]:
+    """A stage's rank kind's graph at `level` and its figures (stage_figures). `last`: the stage, kind, view
+    and figures made before; when both stages are shifted copies of one traced stage that run one schedule,
+    this one's are that view moved (training.shift_view) with its collectives costed again where they are
+    now (as kind_graph costs them), and those figures with the moved collectives' time."""
+    plan, source = workload.plan, workload.source
+    shifted = last and last[1] == kind and source[last[0]] == source[stage] and source[stage] not in (last[0], stage)
+    if shifted and stage_steps(plan, last[0]) == stage_steps(plan, stage):
+        was, _, view, figures = last
+        first = [plan.stage(workload.config, k).layers[0] for k in (stage, was)]
+        view = shift_view(view, plan.mesh, stage, first[0] - first[1])
+        for n, d in view.collectives() if workload.hw else ():
+            d["duration_us"] = kernel_us(kernel_of(view, n, {}), workload.hw, workload.profile, workload.attention)
+        return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in view.collectives())}
+    graph = workload.stages.kind_graph(stage, kind)
+    return level_view(graph, level), stage_figures(graph)
 
 
 def _progress(kinds: list, world: int, progress: bool):

@@ -139,21 +139,54 @@ def _attr_piece(name: str, value) -> bytes:
     return varint(_ATTR_FIELD << 3 | 2) + varint(len(attr)) + attr
 
 
+class GroupIds:
+    """The comm-group ids of a mesh's groups (chakra/groups.py) as the stage templates of a run look them up:
+    by their text in a node, and by the group a representative's group moves to for another rank (cached
+    by line, shared by the templates of every stage)."""
+
+    def __init__(self, ids: dict[tuple, int], mesh: Mesh):
+        self.ids, self.mesh, self._lines, self._line_of = ids, mesh, {}, {}
+        self.by_text = {str(i): g for g, i in ids.items()}
+        self.width = len(str(next(iter(ids.values())))) if ids else 0  # every id's (groups.py)
+
+    def line_of(self, group: tuple) -> tuple | None:
+        """The mesh dimensions `group` spans and their (size, stride) lines when it is a whole line along them
+        (Mesh.dims_of: every mesh group is), else None. Asked once per group (the world's 16,384 ranks included)."""
+        if group not in self._line_of:
+            names = self.mesh.dims_of(group)
+            self._line_of[group] = (names, self.mesh.lines(*names)) if len(group) == self.mesh.size(*names) else None
+        return self._line_of[group]
+
+    def moved(self, group: tuple, line: tuple | None, by: int) -> int:
+        """The id of the group that plays, for the rank `by` moves the representative to (Mesh.translate), the
+        part `group` plays for the representative; `line`: line_of(group). Translation moves a whole line to
+        the line through its first member moved, known by that line's lowest rank (Mesh.first): a 128-rank
+        DP group is translated and sorted once per line, not once per rank of every stage."""
+        key = None
+        if line is not None:
+            first = self.mesh.translate(group[0], by)
+            key = line[0], first - sum(first // stride % size * stride for size, stride in line[1])
+        if key not in self._lines:
+            found = self.ids[tuple(sorted(self.mesh.translate(r, by) for r in group))]
+            if key is None:
+                return found
+            self._lines[key] = found
+        return self._lines[key]
+
+
 class StageTemplate:
-    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(f, rank)`
+    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(path, rank)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
     Those attributes are appended to the node's other bytes, so their values sit at known offsets.
     `origin`: the rank whose nodes they are, when not the representative (a rank kind's, moe_load.RankKinds):
     the ranks written from it are moved from there."""
 
-    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, ids: dict[tuple, int], mesh: Mesh,
-                 origin: int = 0):
-        self.ids, self.mesh, self.origin, self._ids_seen = ids, mesh, origin, {}
+    def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, groups: GroupIds, origin: int = 0):
+        self.groups, self.mesh, self.origin, self._ids_seen = groups, groups.mesh, origin, {}
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         self.peer_at: list[tuple[int, int]] = []  # (offset of a padded peer, representative's peer)
-        group_of_id = {str(i): g for g, i in ids.items()}
         chunks, size = [], 0
         for spec in specs:
             fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
@@ -165,44 +198,40 @@ class StageTemplate:
             for (name, value), piece in zip(per_rank, tail):
                 size += len(piece)
                 if name == "pg_name":
-                    group_at.setdefault(group_of_id[value], []).append(size - len(value))
+                    group_at.setdefault(groups.by_text[value], []).append(size - len(value))
                 else:
                     self.peer_at.append((size - PEER_BYTES, value))
             chunks += (varint(len(data)), data)
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
-        width = len(str(next(iter(ids.values())))) if ids else 0
-        self.group_at = {g: np.array(at)[:, None] + np.arange(width) for g, at in group_at.items()}
-        # per group (in group_at's order): the mesh dimensions it spans, and whether it is a whole line along them
-        self.lines = []
-        for g in group_at:
-            names = mesh.dims_of(g)
-            self.lines.append((names, len(g) == mesh.size(*names)))
+        self.group_at = {g: np.array(at)[:, None] + np.arange(groups.width) for g, at in group_at.items()}
+        self.lines = [groups.line_of(g) for g in group_at]  # in group_at's order
+        self._patched = [None] * len(group_at)  # the id last patched in for each
 
-    def _group_id(self, k: int, group: tuple, rank: int) -> int:
-        """The id of the group that plays, for `rank`, the part `group` plays for the representative. Every
-        mesh group is a whole line along its dimensions (Mesh.dims_of), and translation moves it along the
-        others, so the translated line is known from the lowest rank of the line its first member lands on
-        (a 128-rank DP group would otherwise be 128 translations and a sort for each of 8192 ranks)."""
-        (names, whole), moved = self.lines[k], self.mesh.translate(group[0], rank)
-        key = (k, self.mesh.first(moved, *names) if whole else moved)  # k, not the group: a long tuple hashes slowly
+    def _group_id(self, k: int, group: tuple, by: int) -> int:
+        """GroupIds.moved, cached by what it depends on: `by`'s indices outside the group's own lines."""
+        line = self.lines[k]
+        key = (k, by if line is None else by - sum(by // stride % size * stride for size, stride in line[1]))
         if key not in self._ids_seen:
-            self._ids_seen[key] = self.ids[tuple(sorted(self.mesh.translate(r, rank) for r in group))]
+            self._ids_seen[key] = self.groups.moved(group, line, by)
         return self._ids_seen[key]
 
-    def write(self, f, rank: int) -> tuple[int, tuple]:
-        """Writes rank's file to `f`; returns the bytes written and what its nodes hold that another rank's
+    def write(self, path: str, rank: int) -> tuple[int, tuple]:
+        """Writes rank's file at `path`; returns the bytes written and what its nodes hold that another rank's
         may not (its group ids and peers): ranks with equal ones have equal nodes."""
         rank_attr = et.GlobalMetadata(attr=[et.AttributeProto(name="rank", int64_val=rank)]).SerializeToString()
         head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
-        # patched in place, not in a copy: every rank overwrites every per-rank byte, and a fresh 100+ KB
-        # buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
+        # patched in place, not in a copy: every rank overwrites every per-rank byte that differs from the
+        # rank before's, and a fresh 100+ KB buffer per rank cost a memcpy and its page faults (8192 ranks: ~1 GB)
         body, by = self.body, self.mesh.translate(rank, self.origin, back=True)  # the move from origin to rank
         ids = [self._group_id(k, group, by) for k, group in enumerate(self.group_at)]
-        for at, group_id in zip(self.group_at.values(), ids):
-            body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
+        for k, (at, group_id) in enumerate(zip(self.group_at.values(), ids)):
+            if self._patched[k] != group_id:
+                body[at] = np.frombuffer(str(group_id).encode(), dtype=np.uint8)
+                self._patched[k] = group_id
         peers = [self.mesh.translate(peer, by) for _, peer in self.peer_at]
         for (at, _), peer in zip(self.peer_at, peers):
             body[at:at + PEER_BYTES] = np.frombuffer(_padded_varint(peer), dtype=np.uint8)
-        f.write(head)
-        f.write(body.data)
+        with open(path, "wb") as f:
+            f.write(head)
+            f.write(body.data)
         return len(head) + body.nbytes, (id(self), *ids, *peers)

@@ -81,30 +81,51 @@ class StageParams:
     largest_unit: int
 
 
+# (the config's fields, the rank plan, the stage's shape) -> StageParams: a run asks every stage, and middle
+# stages of one shape hold as many parameters (a 405B plan's 14 of 16)
+_PARAMS: dict[tuple, StageParams] = {}
+
+
 def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
     """Counted on the model a rank of `stage` holds, as assemble_rank builds it on meta (every rank of a stage
-    holds as many: equal TP and ETP shards, 1/ep of the experts), tied weights once."""
+    holds as many: equal TP and ETP shards, 1/ep of the experts), tied weights once. Stages that hold
+    the embedding and the head alike and layers of the same MLPs in chunks of the same sizes (a layer's
+    parameters differ from another's only by its MLP: dense or experts, models/gpt.py's Block) share a count."""
     assert stage == plan.stage(config, stage.index), f"{stage} is not one of the plan's stages"
+    small = _rank_plan(plan)
+    shape = (stage.first, stage.last, tuple(map(len, stage.chunks)),
+             tuple(bool(config.n_experts) and i >= config.first_k_dense for i in stage.layers))
+    key = (repr(config), small, shape)
+    if key not in _PARAMS:
+        _PARAMS[key] = _count_params(_rank_model(config, small, stage.index), plan.ep)
+    return _PARAMS[key]
+
+
+def _count_params(model: nn.Module, ep: int) -> StageParams:
     dense = experts = 0
     units: dict[str, int] = {}
-    for name, p in _rank_model(config, plan, stage.index).named_parameters():
+    for name, p in model.named_parameters():
         expert = is_expert_param(name)
         if expert:
             experts += p.numel()
         else:
             dense += p.numel()
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
-        unit += ".experts" if expert and plan.ep > 1 else ""
+        unit += ".experts" if expert and ep > 1 else ""
         units[unit] = units.get(unit, 0) + p.numel()
     return StageParams(dense, experts, max(units.values()))
 
 
-def _rank_model(config: ModelConfig, plan, stage: int) -> nn.Module:
-    """The model of stage `stage`'s representative rank, assembled on meta against the fake backend, on the
-    smallest mesh whose ranks hold as much: parameters do not depend on DP or CP, so neither is kept but for
-    the DP replicas EP is carved out of (mesh.py)."""
+def _rank_plan(plan) -> RankPlan:
+    """The smallest plan whose ranks hold as much as `plan`'s: parameters do not depend on DP or CP, so
+    neither is kept but for the DP replicas EP is carved out of (mesh.py)."""
     dp = plan.ep // math.gcd(plan.ep, plan.tp // plan.etp)
-    small = RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)} | dict(dp=dp, cp=1))
+    return RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)} | dict(dp=dp, cp=1))
+
+
+def _rank_model(config: ModelConfig, small: RankPlan, stage: int) -> nn.Module:
+    """The model of stage `stage`'s representative rank of `small` (_rank_plan), assembled on meta against the
+    fake backend."""
     rank = small.mesh.representative(stage)
     with symbolic_world(rank, small.mesh.world_size):
         return assemble_rank(config, small, init_groups(small.mesh, only_mine=True), "meta").model

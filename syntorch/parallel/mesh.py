@@ -37,7 +37,7 @@ first/last-stage pair that shares a tied embedding, and the model-parallel group
 over which the gradient norm is summed.
 """
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from itertools import product
 from math import prod
 from typing import NamedTuple
@@ -169,17 +169,18 @@ class Mesh:
                 raise ValueError(f"no mesh dimension {name!r}; the names are {', '.join(NAMES)}")
         return sorted({i for name in names for i in self._parts[name]})
 
-    def _lines(self, names) -> list[tuple[int, int]]:
+    def lines(self, *names: str) -> list[tuple[int, int]]:
+        """(size, stride) of each run of ranks `names` span (flattened), innermost first."""
         return [self._atoms[i][:2] for i in self._atoms_of(names)]
 
     def size(self, *names: str) -> int:
         """The ranks of one group along `names` (flattened): the product of their sizes."""
-        return prod(size for size, _ in self._lines(names))
+        return prod(size for size, _ in self.lines(*names))
 
     def stride(self, name: str) -> int:
         """How far apart in rank two neighbours along `name` are (its innermost atom's stride; of size 1,
         where it would start)."""
-        lines = self._lines((name,))
+        lines = self.lines(name)
         if lines:
             return lines[0][1]
         if name in DIMS:
@@ -193,7 +194,7 @@ class Mesh:
         for name, i in index.items():
             if not 0 <= i < self.size(name):
                 raise ValueError(f"{name} index {i} is outside 0..{self.size(name) - 1}")
-            for size, stride in self._lines((name,)):
+            for size, stride in self.lines(name):
                 rank, i = rank + i % size * stride, i // size
         return rank
 
@@ -204,19 +205,19 @@ class Mesh:
         """`rank`'s place in its group along `names` (flattened, ranks in order): coordinate(rank).cp for
         "cp", the EP rank for "ep", dp * cp_size + cp for ("dp", "cp")."""
         place, scale = 0, 1
-        for size, stride in self._lines(names):
+        for size, stride in self.lines(*names):
             place += rank // stride % size * scale
             scale *= size
         return place
 
     def first(self, rank: int, *names: str) -> int:
         """The lowest rank of `rank`'s group along `names`."""
-        return rank - sum(rank // stride % size * stride for size, stride in self._lines(names))
+        return rank - sum(rank // stride % size * stride for size, stride in self.lines(*names))
 
     def group(self, rank: int, *names: str) -> list[int]:
         """The ranks that differ from `rank` only along `names`, in rank order (a flattened view:
         `group(r, "dp", "cp")` is the DP x CP group)."""
-        lines, first = self._lines(names), self.first(rank, *names)
+        lines, first = self.lines(*names), self.first(rank, *names)
         return sorted(first + sum(i * stride for i, (_, stride) in zip(at, lines))
                       for at in product(*(range(size) for size, _ in lines)))
 
@@ -252,14 +253,18 @@ class Mesh:
 
     # --- the groups of a run and translation -------------------------------------------------------------
 
-    def process_groups(self, tied: bool = False) -> list[tuple[str, list[int]]]:
+    @cache  # every rank of a symbolic run (init_groups) and the workload ask an equal mesh: made once
+    def process_groups(self, tied: bool = False, rank: int | None = None) -> list[tuple[str, list[int]]]:
         """(kind, ranks) of every process group a run creates, in the order every rank must create them:
         "tp", "dp", with ep > 1 "ep" and "expert_dp", with cp > 1 "cp" and "dp_cp", then per PP chain its
         "stage_pair"s and, for a model whose head is tied to its embedding and pp > 1, the "embedding" pair
-        of the first and last stage (Megatron's embedding group)."""
+        of the first and last stage (Megatron's embedding group). `rank`: only those holding it, in that
+        order (a symbolic run's, without building every group of a large world). Shared between callers:
+        read, never change."""
         kinds = [("tp",), ("dp",)] + [("ep",), ("expert_dp",)] * (self.ep > 1) + [("cp",), ("dp", "cp")] * (self.cp > 1)
-        groups = [("_".join(names), g) for names in kinds for g in self.groups(*names)]
-        for chain in self.groups("pp"):
+        every = self.groups if rank is None else lambda *names: [self.group(rank, *names)]
+        groups = [("_".join(names), g) for names in kinds for g in every(*names)]
+        for chain in every("pp"):
             groups += [("stage_pair", [a, b]) for a, b in zip(chain, chain[1:])]
             if self.ring and self.pp > 1:
                 groups.append(("stage_pair", [chain[-1], chain[0]]))
@@ -268,10 +273,10 @@ class Mesh:
         # the gradient norm's all-reduce (parallel/clip.py): over the model-parallel group (TP x PP), or over
         # every rank when the optimizer's state is sharded (ZeRO, FSDP) or experts differ across DP
         if self.tp * self.pp > 1:
-            groups += [("model_parallel", g) for g in self.groups("tp", "pp")]
+            groups += [("model_parallel", g) for g in every("tp", "pp")]
         if self.dp * self.cp > 1:
             groups.append(("world", list(range(self.world_size))))
-        return groups
+        return groups if rank is None else [(kind, g) for kind, g in groups if rank in g]
 
     def translate(self, rank: int, to_rank: int, back: bool = False) -> int:
         """The rank that plays, for `to_rank`, the part `rank` plays for its stage's representative (dp 0,
@@ -342,9 +347,7 @@ def init_groups(mesh: Mesh, tied: bool = False, only_mine: bool = False) -> Mesh
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     mine = MeshGroups(mesh, rank)
-    for kind, ranks in mesh.process_groups(tied):
-        if rank not in ranks and only_mine:
-            continue
+    for kind, ranks in mesh.process_groups(tied, rank if only_mine else None):
         group = dist.new_group(ranks)
         if rank not in ranks:
             continue

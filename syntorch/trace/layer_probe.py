@@ -175,7 +175,9 @@ def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microba
 
 def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGraph:
     """Nodes [start, end) of `graph` (one step; what they read from outside it left out) with each run's
-    third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk)."""
+    third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk). The step
+    shares the probe's node and edge dicts (a copy per node would cost as much as simulating it): it is
+    read, never written."""
     if not runs:
         return _step_only(graph, start, end)
     for run in runs:  # each a copy of nodes [start, end) (the first of the graph's, the others of the last copy)
@@ -217,7 +219,8 @@ def _with_end(step: TraceGraph, whole: TraceGraph, blocks: dict, grad_group: lis
 def _step_only(graph: TraceGraph, start: int, end: int) -> TraceGraph:
     out = TraceGraph(**graph.graph)
     out.append((graph.node_attrs[n] for n in range(start, end)),
-               ((u - start, v - start, e) for v in range(start, end) for u, e in graph.preds[v].items() if u >= start))
+               ((u - start, v - start, e) for v in range(start, end) for u, e in graph.preds[v].items() if u >= start),
+               copy=False)
     return out
 
 
@@ -277,5 +280,5 @@ def _repeat(graph: TraceGraph, start: int, end: int, before: int, first: int, se
         edges += [(moved(u, copy), v - start + copy * size, e) for v in period for u, e in pred[v].items() if u >= start]
     edges += [(moved(u, copies), v - start + copies * size, e) for v in after for u, e in pred[v].items() if u >= start]
     out.append([*(nodes[n] for n in range(start, second + 1)), *(nodes[n] for _ in range(copies) for n in period),
-                *(nodes[n] for n in after)], edges)
+                *(nodes[n] for n in after)], edges, copy=False)
     return out

@@ -42,8 +42,9 @@ def retarget(graph: TraceGraph, mesh: Mesh, to_mesh: Mesh, to_stage: int, end: i
     out = TraceGraph(**{**graph.graph, "rank": rank, "stage": to_stage, "pp": to_mesh.pp, "dp": to_mesh.dp,
                         "world_size": to_mesh.world_size})
     end = len(graph) if end is None else end
+    # ops, tensors and edges as the probe's dicts (recost_collectives writes only the collectives, new here)
     out.append((moved(graph.node_attrs[n]) for n in range(end)),
-               ((u, v, e) for v in range(end) for u, e in graph.preds[v].items()))
+               ((u, v, e) for v in range(end) for u, e in graph.preds[v].items()), copy=False)
     return out
 
 

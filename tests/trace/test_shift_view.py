@@ -1,0 +1,37 @@
+"""A stage written from the stage before it (workload._stage_view: the earlier shifted stage's level view moved
+by training.shift_view, its collectives costed again) against the stage's own graph scheduled and viewed: the
+same nodes, the same edges in the same order, the same figures."""
+import pytest
+import torch
+
+from conftest import tiny_config
+from syntorch.hardware import load_hw_config
+from syntorch.parallel.plans import TrainPlan
+from syntorch.workload import _stage_view, trace_workload
+
+HW = load_hw_config("a100-80gb")
+
+
+def _edges(graph) -> tuple:
+    """Every edge with its attributes, in both of networkx's orders (level views and Chakra read both)."""
+    return ([(u, list(vs.items())) for u, vs in graph.succs.items()],
+            [(v, list(us.items())) for v, us in graph.preds.items()])
+
+
+@pytest.mark.parametrize("level", ["module", "op"])
+def test_a_moved_view_is_the_stage_own(level):
+    # TP4 x PP5 with 8 GPUs a node: stage 2 sends within a node, stage 3 across (costing again must see it)
+    config, plan = tiny_config("gpt2", n_layer=10, vocab_size=200), TrainPlan(tp=4, pp=5, microbatches=1, seq=16)
+    workload = trace_workload(config, plan, torch.float32, HW)
+    assert workload.source == [0, 1, 1, 1, 4]
+    last = (2, 0, *_stage_view(workload, 2, 0, level, None))
+    moved, figures = _stage_view(workload, 3, 0, level, last)
+    assert moved.succs is last[2].succs  # made from stage 2's, not traced
+    own, own_figures = _stage_view(workload, 3, 0, level, None)
+    assert moved.graph == own.graph
+    assert moved.node_attrs == own.node_attrs
+    assert _edges(moved) == _edges(own)
+    assert figures == own_figures
+    sends = [{d["duration_us"] for _, d in view.collectives() if d["collective"] == "send" and d["phase"] == "forward"}
+             for view in (last[2], own)]
+    assert sends[0] != sends[1]
