@@ -6,6 +6,9 @@
 in a fresh process, `--repeat` times: the minimum wall time, CPU seconds (user + system: what wall time would be
 on an idle machine) and peak RSS of the child (os.wait4), and which slow imports it made (torch._dynamo,
 sympy, matplotlib, protobuf). `--syntorch DIR` times another checkout (e.g. the commit before a change).
+sympy (~0.33 s) comes with any run on meta: torch's Python meta kernels call torch._check, whose
+torch.fx.experimental.symbolic_shapes imports sympy at its top (torch 2.13); this command draws and
+writes Chakra, so matplotlib and protobuf are its own.
 
     python bench/startup.py [--repeat 3] [--syntorch DIR]
 """
