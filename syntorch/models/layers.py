@@ -85,6 +85,9 @@ class Attention(nn.Module):
         """(query heads, K/V heads) of a qkv output holding `qkv_heads` heads in all: the model's, or one TP
         rank's: n_head/tp query heads with n_kv_head/tp K/V heads, or with one K/V head when tp exceeds n_kv_head
         (replicated, as Megatron and vLLM do; then fewer than one K/V head's worth is left by the formula)."""
+        if self.n_kv_head == self.n_head:  # thirds: one division (a captured decode step runs each as an op)
+            third = qkv_heads // 3
+            return third, third
         kv = max(1, self.n_kv_head * qkv_heads // (self.n_head + 2 * self.n_kv_head))
         return qkv_heads - 2 * kv, kv
 

@@ -22,22 +22,23 @@ VIEWS = {"aten.view", "aten.slice", "aten.transpose", "aten.split_with_sizes", "
 
 class OpCount(TorchDispatchMode):
     """Counts the ops on tensors with at least one dimension (a traced step also does arithmetic on sizes, as
-    0-dim tensors; an op without tensor arguments, such as arange, counts)."""
+    0-dim tensors; an op without tensor arguments, such as arange, counts), or with `sizes` only those."""
 
-    def __init__(self):
+    def __init__(self, sizes: bool = False):
         super().__init__()
+        self.sizes = sizes
         self.ops = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors or any(t.dim() for t in tensors):
+        if self.sizes == bool(tensors and not any(t.dim() for t in tensors)):
             self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
-def decode_step_ops(n_layer: int, captured: bool = False) -> Counter:
+def decode_step_ops(n_layer: int, captured: bool = False, sizes: bool = False) -> Counter:
     """The non-view ops of one greedy decode step (cache length 10) of a tiny GPT-2 with n_layer layers, eager
-    or replayed from the trace of the step before."""
+    or replayed from the trace of the step before; with `sizes`, its arithmetic on sizes instead."""
     model = build_model(tiny_config("gpt2", n_layer=n_layer))
     forward = CapturedForward(16, LocalForward())
     with torch.inference_mode():
@@ -45,12 +46,12 @@ def decode_step_ops(n_layer: int, captured: bool = False) -> Counter:
         model(torch.zeros(1, 8, dtype=torch.long))
         token = torch.zeros(1, 1, dtype=torch.long)
         forward.logits(model, token, 8, {})  # traced as it runs
-        with OpCount() as count:
+        with OpCount(sizes) as count:
             if captured:
                 forward.logits(model, token, 9, {}).argmax(-1)
             else:
                 model(token, start=9, last_only=True)[:, -1].argmax(-1)
-    return Counter({op: n for op, n in count.ops.items() if op not in VIEWS})
+    return Counter({op: n for op, n in count.ops.items() if op not in VIEWS | {"aten.item"}})
 
 
 def test_a_decode_step_runs_the_blocks_kernels_and_writes_the_cache_in_place():
@@ -68,6 +69,14 @@ def test_a_decode_step_runs_the_blocks_kernels_and_writes_the_cache_in_place():
 def test_a_captured_decode_step_runs_the_same_kernels():
     for n_layer in (1, 3):
         assert decode_step_ops(n_layer, captured=True) == decode_step_ops(n_layer)
+
+
+def test_a_captured_layer_computes_only_its_cache_end_and_its_head_count_from_sizes():
+    """Each op on a size is a kernel call in the captured step: a layer needs the end of its cache slots (one
+    add) and its heads per q/k/v (a third of the qkv heads: one division), nothing more."""
+    one, three = decode_step_ops(1, captured=True, sizes=True), decode_step_ops(3, captured=True, sizes=True)
+    three.subtract(one)
+    assert +three == Counter({"aten.add": 2, "aten.floor_divide": 2})
 
 
 def test_the_lean_step_still_generates_what_a_full_recomputation_does():
