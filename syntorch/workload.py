@@ -11,7 +11,7 @@ every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/gr
 load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
 per rank kind, and every rank's file is made from its kind's nodes the same way. A middle stage that is a
 shifted copy of the same traced stage as the stage before it, in the same schedule, is not scheduled and
-viewed again: its view is that stage's moved (_stage_view; 12 of a 16-stage Llama-3.1 405B plan's).
+viewed again: its view is that stage's moved (_stage_view; 11 of a 16-stage Llama-3.1 405B plan's).
 """
 import json
 import types
