@@ -9,7 +9,9 @@ nodes, serialized once, with only what differs per rank patched in (chakra/write
 comm-group id of each communication node and the peer of each send and recv. Comm-group ids are those of
 every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/groups.py. Under a routing
 load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
-per rank kind, and every rank's file is made from its kind's nodes the same way.
+per rank kind, and every rank's file is made from its kind's nodes the same way. A middle stage that is a
+shifted copy of the same traced stage as the stage before it, in the same schedule, is not scheduled and
+viewed again: its view is that stage's moved (_stage_view; 11 of a 16-stage Llama-3.1 405B plan's).
 """
 import json
 import types
@@ -154,7 +156,9 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     with atomic_output_dir(out_dir, force=force) as tmp:
         last = None  # the stage, kind, view and figures made last
         for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
-            # one template alive at a time: its graph, view and nodes, then its ranks' files
+            # one template alive at a time: its graph, view and nodes, then its ranks' files (the view before
+            # is kept only to be moved here)
+            last = last if last and _moves_to(workload, last[:2], (stage, kind)) else None
             last = stage, kind, *_stage_view(workload, stage, kind, level, last)
             template, figures[stage, kind], rank0 = _template(workload, stage, kind, groups, notes, level, *last[2:])
             if rank0:
@@ -176,7 +180,8 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     return {**summary, "dir": str(out_dir), "prefix": str(Path(out_dir) / config.name)}
 
 
-def _template(workload, stage: int, kind: int, groups, notes, level, view, figures) -> tuple[StageTemplate, dict, tuple | None]:
+def _template(workload, stage: int, kind: int, groups, notes, level, view,
+              figures) -> tuple[StageTemplate, dict, tuple | None]:
     """The StageTemplate of a stage's rank kind (every rank of the kind is written from it) from its `view` at
     `level`, its figures (stage_figures, with its Chakra node count) and, for rank 0 (stage 0's
     representative), its header and nodes as they are."""
@@ -192,14 +197,21 @@ def _template(workload, stage: int, kind: int, groups, notes, level, view, figur
     return template, {**figures, "chakra_nodes": len(specs)}, rank0
 
 
+def _moves_to(workload, was: tuple, now: tuple) -> bool:
+    """Is stage and kind `now`'s view the one of `was` moved (_stage_view)? When both stages are shifted
+    copies of one traced stage, of one kind, and run one schedule."""
+    (a, kind_a), (b, kind_b), source = was, now, workload.source
+    return kind_a == kind_b and source[a] == source[b] and source[b] not in (a, b) \
+        and stage_steps(workload.plan, a) == stage_steps(workload.plan, b)
+
+
 def _stage_view(workload, stage: int, kind: int, level: str, last: tuple | None) -> tuple[TraceGraph, dict]:
     """A stage's rank kind's graph at `level` and its figures (stage_figures). `last`: the stage, kind, view
-    and figures made before; when both stages are shifted copies of one traced stage that run one schedule,
-    this one's are that view moved (training.shift_view) with its collectives costed again where they are
-    now (as kind_graph costs them), and those figures with the moved collectives' time."""
-    plan, source = workload.plan, workload.source
-    shifted = last and last[1] == kind and source[last[0]] == source[stage] and source[stage] not in (last[0], stage)
-    if shifted and stage_steps(plan, last[0]) == stage_steps(plan, stage):
+    and figures of a stage this one's view is moved from (_moves_to): then they are that view moved
+    (training.shift_view) with its collectives costed again where they are now (as kind_graph costs them),
+    and those figures with the moved collectives' time."""
+    plan = workload.plan
+    if last:
         was, _, view, figures = last
         first = [plan.stage(workload.config, k).layers[0] for k in (stage, was)]
         view = shift_view(view, plan.mesh, stage, first[0] - first[1])

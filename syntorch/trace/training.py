@@ -308,8 +308,8 @@ class _Step:
             if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
                 self.moving[n - a] = ("tag", None)
             elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w in pred[n] for t in pred[w] if data["version"] and
-                           nodes[t]["version"] == data["version"] - 1 and nodes[t]["shape"] == data["shape"]]
+                earlier = [t for w in pred[n] for t in pred[w] if nodes[t]["version"] == data["version"] - 1
+                           and nodes[t]["shape"] == data["shape"]] if data["version"] else []
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
             self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
         self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
@@ -454,15 +454,15 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
     """Step k (nodes from starts[k] to starts[k+1]) runs after step k-1: its first nodes (those with no
     producer inside the step) read a 0-byte tensor written by step k-1's last node."""
     bounds = [*starts, len(graph)]
-    pred = graph.preds
-    work = {n for n, d in graph.node_attrs.items() if d["kind"] != "tensor"}
+    nodes, pred = graph.node_attrs, graph.preds
     for k in range(1, len(starts)):
         start, end = bounds[k], bounds[k + 1]
-        before = [n for n in range(bounds[k - 1], start) if n in work]
-        roots = [n for n in range(start, end) if n in work and not any(p >= start for t in pred[n] for p in pred[t])]
-        if not before or not roots:
+        last = next((n for n in range(start - 1, bounds[k - 1] - 1, -1) if nodes[n]["kind"] != "tensor"), None)
+        roots = [n for n in range(start, end)
+                 if nodes[n]["kind"] != "tensor" and not any(p >= start for t in pred[n] for p in pred[t])]
+        if last is None or not roots:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
-        graph.add_edge(before[-1], token, arg=len(graph.succ[before[-1]]))
+        graph.add_edge(last, token, arg=len(graph.succ[last]))
         for n in roots:
             graph.add_edge(token, n, arg=len(graph.pred[n]))

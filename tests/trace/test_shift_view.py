@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_config
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
-from syntorch.workload import _stage_view, trace_workload
+from syntorch.workload import _moves_to, _stage_view, trace_workload
 
 HW = load_hw_config("a100-80gb")
 
@@ -25,6 +25,7 @@ def test_a_moved_view_is_the_stage_own(level):
     workload = trace_workload(config, plan, torch.float32, HW)
     assert workload.source == [0, 1, 1, 1, 4]
     last = (2, 0, *_stage_view(workload, 2, 0, level, None))
+    assert _moves_to(workload, (2, 0), (3, 0)) and not _moves_to(workload, (1, 0), (2, 0))  # 1 is traced
     moved, figures = _stage_view(workload, 3, 0, level, last)
     assert moved.succs is last[2].succs  # made from stage 2's, not traced
     own, own_figures = _stage_view(workload, 3, 0, level, None)
