@@ -31,7 +31,7 @@ CASES = {  # name -> (layers, arguments)
     "train_pp4": (8, [*TRAIN, "--pp", "4", "--microbatches", "8", "--virtual_stages", "2", "--hw_config",
                       "a100-80gb", "--profile", "fused", "--trace_level", "module"]),
     "train_nohw": (4, [*TRAIN, "--pp", "2", "--seq", "32", "--zero", "1", "--trace_level", "op"]),
-    # 8 layers a stage: more than a probe of four layers per run keeps (trace/expanded_probe.py)
+    # 8 layers a stage: more than a layer probe keeps of a run (trace/layer_probe.py)
     "train_deep": (16, [*TRAIN, "--pp", "2", "--sp", "--microbatches", "8", "--seq", "32", "--zero", "1",
                         "--hw_config", "h100-sxm", "--trace_level", "module"]),
     "train_deep_ddp": (16, [*TRAIN, "--pp", "2", "--microbatches", "3", "--seq", "32", "--bucket_mb", "0.01",

@@ -34,7 +34,6 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.prediction import TIMELINE, Prediction
 from syntorch.trace.cost import fill_durations, kernel_of, kernel_us
-from syntorch.trace.expanded_probe import expanded_probe
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
@@ -63,9 +62,7 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    attention: str = "flash", layer_probes: bool = True) -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
     `layer_probes` each probe keeps four layers of each run of alike layers (trace/layer_probe.py),
-    else every layer; a stage's whole step is then made from one derived node for node as probing every
-    layer (trace/expanded_probe.py), where it can be. `profile`, `attention`: the software of the durations
-    (trace/kernels.py), with `hw`."""
+    else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
         return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
 
@@ -84,18 +81,12 @@ def _trace_workload(config, plan, dtype, hw, schedule, software, layer_probes) -
             fill_durations(graph, hw, *software)
         return _workload(config, plan, [], hw, probes, source, software, estimates, kinds)
     # copies need one more micro-batch than costs do
-    probes = {key: StageProbe(*_stage_probe(config, plan, key[0], dtype, kinds.representative(*key), layer_probes))
-              for key in traced}
+    probes = {key: StageProbe(*probe_stage(config, plan, key[0], dtype, kinds.representative(*key),
+                                           microbatches=PROBE_MICROBATCHES)) for key in traced}
     for graph, _ in probes.values() if hw else ():
         fill_durations(graph, hw, *software)  # before scheduling: a copied node keeps its duration
     stages = StageGraphs(config, plan, probes, source, hw, software)
     return _workload(config, plan, stages, hw, probes, source, software, estimates, kinds)
-
-
-def _stage_probe(config, plan, stage, dtype, rank, layer_probes) -> tuple:
-    """probe_stage's (graph, steps) of the stage, derived from a probe of fewer layers where it can be."""
-    derived = expanded_probe(config, plan, stage, dtype, PROBE_MICROBATCHES, rank) if layer_probes else None
-    return derived or probe_stage(config, plan, stage, dtype, rank, microbatches=PROBE_MICROBATCHES)
 
 
 def _workload(config, plan, stages, hw, probes, source, software, estimates, kinds) -> Workload:

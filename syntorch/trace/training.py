@@ -21,7 +21,6 @@ another, so the ops of a step that depend on nothing inside it get a dependency 
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
 """
 import bisect
-import contextlib
 import dataclasses
 
 import torch
@@ -56,156 +55,76 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
     return _finish(graph, plan, list(blocks), [start for start, _ in blocks.values()])
 
 
-@dataclasses.dataclass
-class Gradients:
-    """The parameters' gradients where the end of the last backward starts, by parameter name: a probe's
-    (`nodes`, filled there; `last`: the bucketed one accumulated last; `flats`: its launched buckets) or, given to probe_optimizer, those of the probe
-    it stands in for (`versions`, and `last`), which it registers first (`nodes`: theirs there)."""
-    versions: dict = dataclasses.field(default_factory=dict)
-    nodes: dict = dataclasses.field(default_factory=dict)
-    last: str | None = None
-    flats: list = dataclasses.field(default_factory=list)  # a probe's: the buckets overlap launched, in order
-
-
-def probe_stage(config, plan, stage, dtype=torch.float32, rank=None, microbatches: int = PROBE_MICROBATCHES,
-                finish: list | None = None, grads: Gradients | None = None, groups=None) -> tuple[TraceGraph, dict]:
+def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
+                microbatches: int = PROBE_MICROBATCHES, finish: list | None = None) -> tuple[TraceGraph, dict]:
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
     {(kind, microbatch, chunk): (first node, end)}. `finish` (a list): gets the node where the end of the
-    last backward (the gradient synchronisation's `finish`) starts; `grads` the gradients there, where the
-    probe then stops (no end of backward, no optimizer step). `groups`: stage_world's, to run in."""
+    last backward (the gradient synchronisation's `finish`) starts."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
-    return _run_stage(config, probe, stage, dtype, rank, finish=finish, grads=grads, groups=groups)
+    return _run_stage(config, probe, stage, dtype, rank, finish=finish)
 
 
 def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
-                    rank: int | None = None, finish: list | None = None, grads: Gradients | None = None,
-                    groups=None) -> tuple[TraceGraph, dict]:
+                    rank: int | None = None) -> tuple[TraceGraph, dict]:
     """The stage's end of backward and optimizer step on their own: no micro-batch runs; every gradient is
     accumulated first, untraced, as backward would (so overlap has launched its buckets; their reduced
     gradients are named grad_sync.flat.<bucket>); then the end of backward is traced (the nodes before the
-    ("optimizer", None, None) block, from `finish`'s node) and the optimizer step (that block). With
-    `grads` (a probe's versions), their gradients are registered first, with those versions."""
-    return _run_stage(config, dataclasses.replace(plan, schedule="gpipe"), stage, dtype, rank, microbatches=0,
-                      finish=finish, grads=grads, groups=groups)
+    ("optimizer", None, None) block) and the optimizer step (that block)."""
+    return _run_stage(config, dataclasses.replace(plan, schedule="gpipe"), stage, dtype, rank, microbatches=0)
 
 
-def _accumulate_gradients(run: plans.StageRun, zero: int, last: str | None = None) -> None:
-    """Every parameter's gradient accumulated in backward's order (the reverse of registration; `last`, a
-    parameter's name, last), so DDP/ZeRO's hooks see them as in the last backward; FSDP's and ZeRO's shards
-    just hold one."""
+def _accumulate_gradients(run: plans.StageRun, zero: int) -> None:
+    """Every parameter's gradient accumulated in backward's order (the reverse of registration), so DDP/ZeRO's
+    hooks see them as in the last backward; FSDP's and ZeRO's shards just hold one."""
     if zero != 3:
         run.grad_sync.active = True
-        named = dict(run.model.named_parameters())
-        final = named.pop(last) if last in named else named.pop(next(iter(named)))
-        params = list(reversed(named.values()))  # one backward for all but the last: one pass of the engine
-        for group in (params, [final]):
-            torch.autograd.backward(group, [torch.zeros_like(p) for p in group])
+        for p in reversed(list(run.model.parameters())):
+            torch.autograd.backward(p, torch.zeros_like(p))
     for p in [*run.model.parameters(), *run.grad_sync.optimizer_params()]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
 
 
-@contextlib.contextmanager
-def stage_world(config: ModelConfig, mesh: Mesh, rank: int):
-    """`rank`'s symbolic world and process groups, for one probe or several of its stage (`groups=`)."""
-    with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
-        yield init_groups(mesh, config.tied_head, only_mine=True)
-
-
 def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None,
-               finish: list | None = None, grads: Gradients | None = None, groups=None) -> tuple[TraceGraph, dict]:
+               finish: list | None = None) -> tuple[TraceGraph, dict]:
     """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand.
-    `finish`, `grads`: probe_stage's (probe_optimizer's with `microbatches=0`); `groups`: stage_world's."""
+    `finish`: probe_stage's."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
-    if groups is None:
-        with stage_world(config, mesh, rank) as groups:
-            return _run_stage(config, plan, stage, dtype, rank, microbatches, finish, grads, groups)
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
             "stage": stage,
             "sequence_parallel": plan.sp, "zero": plan.zero, "mode": plan.mode}
-    run = plans.apply_plans(config, plan, groups, "meta", dtype)
-    run.optimizer.step = plain_step(run.optimizer)  # the same ops, without importing torch._dynamo
-    batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
-               for _ in range(plan.microbatches if microbatches is None else microbatches)]
-    # (each micro-batch its own tensors, like its own data)
-    if not batches:
-        _accumulate_gradients(run, plan.zero, grads and grads.last)
-    steps, last = [], _last_bucketed(run) if grads is not None and batches else []
-    with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
-        _name_optimizer_state(tracer, run)
-        if finish is not None:  # mark where the end of backward starts
-            run.grad_sync.finish = _marked(run.grad_sync.finish, tracer, run, finish, grads if batches else None, last)
-        # what lives across the step first, so every step's nodes look alike wherever it runs
-        # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
-        # parameters: either would be first seen inside the first forward, which then differs from the next)
-        # (held to the end: a name is kept by id, which a freed tensor would hand on)
-        state = [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
-                 *run.optimizer.param_groups[0]["params"],
-                 *(v for state in run.optimizer.state.values() for v in state.values()),
-                 *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
-                 *(run.context.inputs().values() if run.context else ())]  # CP positions and mask
-        for t in state:
-            tracer.tensor_node(t)
-        if grads is not None and not batches:
-            _register_gradients(tracer, run, grads)
-        try:
+    with symbolic_world(rank, mesh.world_size), MetaCache():  # below the Tracer's modes, see meta_cache.py
+        groups = init_groups(mesh, config.tied_head, only_mine=True)
+        run = plans.apply_plans(config, plan, groups, "meta", dtype)
+        run.optimizer.step = plain_step(run.optimizer)  # the same ops, without importing torch._dynamo
+        batches = [(torch.zeros(plan.micro_batch_size, plan.seq, dtype=torch.long, device="meta"),) * 2
+                   for _ in range(plan.microbatches if microbatches is None else microbatches)]
+        # (each micro-batch its own tensors, like its own data)
+        if not batches:
+            _accumulate_gradients(run, plan.zero)
+        steps = []
+        with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
+            _name_optimizer_state(tracer, run)
+            if finish is not None:  # mark where the end of backward starts
+                end_of_backward = run.grad_sync.finish
+                run.grad_sync.finish = lambda: (finish.append(len(tracer.graph)), end_of_backward())
+            # what lives across the step first, so every step's nodes look alike wherever it runs
+            # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
+            # parameters: either would be first seen inside the first forward, which then differs from the next)
+            # (held to the end: a name is kept by id, which a freed tensor would hand on)
+            state = [*run.model.parameters(), *run.model.buffers(), *run.grad_sync.optimizer_params(),
+                     *run.optimizer.param_groups[0]["params"],
+                     *(v for state in run.optimizer.state.values() for v in state.values()),
+                     *(b.flat for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None),
+                     *(run.context.inputs().values() if run.context else ())]  # CP positions and mask
+            for t in state:
+                tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
-        except _Finished:
-            pass
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
-
-
-def _last_bucketed(run: plans.StageRun) -> list:
-    """A list backward appends the name of each bucketed parameter to as it accumulates its gradient (the
-    last one's is what buckets.py's end of backward reads)."""
-    names = []
-    bucketed = {id(p) for bucket in getattr(run.grad_sync, "buckets", ()) for p in bucket.params}
-    for name, p in run.model.named_parameters():
-        if id(p) in bucketed:
-            p.register_post_accumulate_grad_hook(lambda _, name=name: names.append(name))
-    return names
-
-
-class _Finished(Exception):
-    """A probe asked for its gradients stops where the end of backward starts."""
-
-
-def _marked(end_of_backward, tracer: Tracer, run: plans.StageRun, finish: list, grads: Gradients | None,
-            last: list):
-    """The gradient synchronisation's `finish`, first marking where it starts (in `finish`); with `grads`
-    (probe_stage's), taking the gradients there and stopping the probe (_Finished): the end of backward and the
-    optimizer step are then the whole stage's (expanded_probe.py)."""
-    def marked():
-        finish.append(len(tracer.graph))
-        if grads is None:
-            return end_of_backward()
-        grads.nodes.update(_gradient_nodes(tracer, run))
-        grads.flats = [tracer._entry(b.flat)[1] for b in getattr(run.grad_sync, "all_buckets", ()) if b.flat is not None]
-        grads.last = last[-1] if last else None
-        raise _Finished
-    return marked
-
-
-def _gradient_nodes(tracer: Tracer, run: plans.StageRun) -> dict:
-    """{parameter name: the node of its gradient's current value} of every parameter with a traced one."""
-    found = {}
-    for name, p in run.model.named_parameters():
-        entry = tracer._entry(p.grad) if p.grad is not None else None
-        if entry is not None:
-            found[name] = entry[1]
-    return found
-
-
-def _register_gradients(tracer: Tracer, run: plans.StageRun, grads: Gradients) -> None:
-    """`grads.versions`' gradients as nodes of those versions (their later writes count on from there)."""
-    params = dict(run.model.named_parameters())
-    for name, version in grads.versions.items():
-        node = grads.nodes[name] = tracer.tensor_node(params[name].grad)
-        tracer.graph.node_attrs[node]["version"] = version
 
 
 def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
