@@ -29,10 +29,10 @@ CASES = {
     "llama405b": ["--model", "llama-3.1-405b", "--gpus", "16384", "--hw_config", "h100-sxm",
                   "--tokens_per_step", str(16 * 2**20), "--seq", "8192"],
 }
-# the issue's 1,000 layouts: the default search prunes layouts no option of Megatron-Core's would pick over a
-# neighbour (more recomputation than fits, FSDP under a pipeline) and so predicts ~200; the wide case adds
-# every ZeRO stage (Megatron-Core's --data-parallel-sharding-strategy optim, optim_grads, optim_grads_params)
-# with a pipeline too, and --sequence-parallel off as well as on: 1,067 layouts, none of them dominated
+# the issue's 1,000 layouts: the default search predicts ~200 (it leaves out layouts recomputing more than they
+# need to fit, never faster, and FSDP under a pipeline, m times ZeRO-1's traffic); the wide case adds every
+# ZeRO stage (Megatron-Core's --data-parallel-sharding-strategy optim, optim_grads, optim_grads_params) with a
+# pipeline too, and --sequence-parallel off as well as on: 1,067 layouts, none recomputing more than it needs
 CASES["llama405b-wide"] = [*CASES["llama405b"], "--zero", "0,1,2,3", "--sp", "both"]
 
 

@@ -114,18 +114,19 @@ def kept_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbat
 
 def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe | None:
     """`kept` standing for `runs` (StageProbe.runs), with the whole stage's end of backward and optimizer step
-    (probe_optimizer's); None when the buckets that end reads are not those its expanded last backward
-    launches (in number, shape and type)."""
+    (probe_optimizer's); None when the buckets that end reads are not those its expanded last backwards
+    launch (in number, shape, type and order): with overlap, each chunk's last backward launches its own
+    (an interleaved stage's other chunks before the one the end follows), else the end launches them all."""
     probe = StageProbe(*kept, runs, optimizer, kept.finish)
+    if kept.finish is None:
+        return probe
     graph, blocks = kept
-    for key, (start, end) in blocks.items():
-        if kept.finish is not None and start <= kept.finish < end:
-            group = grad_group(graph, mesh)
-            launched = _launched(graph, start, kept.finish, [run for run in runs if run[0] == key[2]], group)
-            whole = optimizer[0]
-            if launched != [_kind(whole.node_attrs[n]) for n in _flats(whole, optimizer[1])]:
-                return None
-    return probe
+    group, last = grad_group(graph, mesh), max(key[1] for key in blocks if key[0] == "B")
+    launched = [bucket for key, (start, end) in blocks.items() if key[:2] == ("B", last) and start <= kept.finish
+                for bucket in _launched(graph, start, min(end, kept.finish), [r for r in runs if r[0] == key[2]],
+                                        group)]
+    whole = optimizer[0]
+    return probe if launched == [_kind(whole.node_attrs[n]) for n in _flats(whole, optimizer[1])] else None
 
 
 def _launched(graph: TraceGraph, start: int, end: int, runs: list, group: list[int]) -> list[tuple]:
@@ -203,16 +204,19 @@ def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> Trace
 
 def _with_end(step: TraceGraph, whole: TraceGraph, blocks: dict, grad_group: list[int]) -> TraceGraph:
     """`step` (a new graph) followed by probe_optimizer's end of backward (`whole`'s nodes before the
-    optimizer's block), each reduced bucket read there written by the step's bucket collective (over
-    `grad_group`) of its place (with_end checked they are alike)."""
+    optimizer's block), each reduced bucket the step launched read there as written by the step's bucket
+    collective (over `grad_group`) of its place: the last buckets (with_end checked they are alike). Those an
+    interleaved stage's other chunks launched in their own last backward are read from outside the step,
+    as in a probe of every layer."""
     flats = _flats(whole, blocks)
     written = [(n, next(v for v in step.succs[n] if step.node_attrs[v]["kind"] == "tensor"))
                for n, d in step.collectives() if sorted(d["group"]) == grad_group]
-    assert len(written) == len(flats), "the end of backward reads other buckets than the step launched"
+    assert len(written) <= len(flats), "the end of backward reads other buckets than the step launched"
     base, end = len(step), blocks[("optimizer", None, None)][0]
     step.append((whole.node_attrs[n] for n in range(end)),
-                ((base + u, base + v, e) for v in range(end) for u, e in whole.preds[v].items()))
-    step.append((), ((n, base + f, step.succs[n][t]) for (n, t), f in zip(written, flats)))
+                ((base + u, base + v, e) for v in range(end) for u, e in whole.preds[v].items()), copy=False)
+    step.append((), ((n, base + f, step.succs[n][t]) for (n, t), f in zip(written, flats[len(flats) - len(written):])),
+                copy=False)
     return step
 
 

@@ -26,6 +26,10 @@ PAIRS = {  # (plan traced first, plan predicted from its probes, probes the seco
     "interleaved": (tiny_config("gpt2", n_layer=40, d_model=64, n_head=2, d_head=32, d_ff=256, vocab_size=128),
                     TrainPlan(pp=2, dp=4, virtual_stages=2, zero=1, **SP),
                     TrainPlan(pp=4, dp=2, virtual_stages=2, zero=1, **SP), 4),
+    # the same under DDP: each chunk's last backward launches its own buckets
+    "interleaved_ddp": (tiny_config("gpt2", n_layer=40, d_model=64, n_head=2, d_head=32, d_ff=256, vocab_size=128),
+                        TrainPlan(pp=2, dp=4, virtual_stages=2, **SP),
+                        TrainPlan(pp=4, dp=2, virtual_stages=2, **SP), 4),
     "fsdp": (GPT, TrainPlan(pp=2, dp=2, zero=3, microbatches=4, seq=32), TrainPlan(pp=4, dp=2, zero=3, microbatches=4,
                                                                                   seq=32), 4),
     # the micro-batch size changes the kept layers' probe, not the end of backward or the optimizer's

@@ -45,6 +45,8 @@ for overlap in (True, False):
         f"sp{o}": (GPT, TrainPlan(tp=2, sp=True, microbatches=3, seq=32, overlap_grad_reduce=overlap)),
         f"ddp_sp{o}": (LLAMA, TrainPlan(dp=2, tp=2, sp=True, microbatches=3, seq=32, bucket_mb=0.1,
                                         grad_reduce_dtype="fp32", overlap_grad_reduce=overlap)),
+        f"ddp_sp_interleaved{o}": (GPT, TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, sp=True, microbatches=4, seq=32,
+                                                  bucket_mb=0.1, overlap_grad_reduce=overlap)),
         f"zero1_sp_interleaved{o}": (GPT, TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, sp=True, zero=1,
                                                     microbatches=4, seq=32, bucket_mb=0.1,
                                                     overlap_grad_reduce=overlap)),
