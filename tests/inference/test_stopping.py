@@ -27,8 +27,10 @@ SLACK_S = 3.0  # launcher reaction, teardown and exit on a loaded 2-core machine
 
 def start(argv, cwd):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # a process group of its own, as a shell gives a command, with Ctrl-C's default action: a suite started in the
+    # background by a shell without job control inherits SIGINT ignored, which Python keeps (the CLI then never sees it)
     return subprocess.Popen(CLI + argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a process group of its own, as a shell gives a command
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def infer_args(tmp_path):
