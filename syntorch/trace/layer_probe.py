@@ -118,6 +118,8 @@ def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe
     launch (in number, shape, type and order): with overlap, each chunk's last backward launches its own
     (an interleaved stage's other chunks before the one the end follows), else the end launches them all."""
     probe = StageProbe(*kept, runs, optimizer, kept.finish)
+    if not _expandable(probe):
+        return None
     if kept.finish is None:
         return probe
     graph, blocks = kept
@@ -127,6 +129,22 @@ def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe
                                         group)]
     whole = optimizer[0]
     return probe if launched == [_kind(whole.node_attrs[n]) for n in _flats(whole, optimizer[1])] else None
+
+
+def _expandable(probe: StageProbe) -> bool:
+    """Whether each step of `probe` holds its runs' periods where expanded_step will look for them (up to the
+    probe's end of backward in the step it starts in). kept_probe checked the steps where it traced them; a
+    probe moved to another layout and cut at its end of backward (ProbeCache) may not hold them: an FSDP stage
+    of Llama-3.1 405B (TP8 PP4 CP2, no SP) did not."""
+    graph, blocks = probe
+    for key, (start, end) in blocks.items():
+        if key[0] == "optimizer":
+            continue
+        if probe.finish is not None and start <= probe.finish < end:
+            end = probe.finish
+        if not all(_periods(graph, start, end, run) for run in probe.runs if run[0] == key[2]):
+            return False
+    return True
 
 
 def _launched(graph: TraceGraph, start: int, end: int, runs: list, group: list[int]) -> list[tuple]:
