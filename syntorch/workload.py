@@ -143,7 +143,7 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
     by_kind = {}  # (stage, kind) -> its ranks
     for rank in range(world):
         by_kind.setdefault((mesh.coordinate(rank).pp, kinds.of(rank)), []).append(rank)
-    figures, total, variants = {}, 0, set()
+    figures, total, variants = {}, 0, 0
     with atomic_output_dir(out_dir, force=force) as tmp:
         last = None  # the stage, kind, view and figures made last
         for (stage, kind), ranks in _progress(sorted(by_kind.items()), world, progress):
@@ -154,16 +154,14 @@ def _write_workload(workload, out_dir, level, force, progress, prediction) -> di
             template, figures[stage, kind], rank0 = _template(workload, stage, kind, groups, notes, level, *last[2:])
             if rank0:
                 write_json_form(tmp / "tensor_trace_chakra.json", *rank0)
-            for rank in ranks:
-                written, variant = template.write(f"{tmp}/{config.name}.{rank}.et", rank)  # (not pathlib: 16,384 paths)
-                total += written
-                variants.add((stage, kind, *variant[1:]))  # its template and what it patched in
+            written, differ = template.write(f"{tmp}/{config.name}", ranks)
+            total, variants = total + written, variants + differ
             del template, rank0
         (tmp / "comm_groups.json").write_text(comm_groups_json(ids))
         (tmp / RANK_KINDS).write_text(rank_kinds_json(config.name, mesh, tmp, workload.hw, workload.profile,
                                                        workload.attention, kinds.groups))
         summary = summarize(workload, figures, level)
-        summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=len(variants))
+        summary.update(et_bytes=total, comm_groups=len(ids), notes=notes, distinct_rank_traces=variants)
         if prediction is not None:
             summary["predicted"] = prediction.summary
             prediction.write_timeline(tmp / TIMELINE)
