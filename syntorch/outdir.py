@@ -248,8 +248,11 @@ def _stays_inside(name: str) -> bool:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted((Path(root, name).relative_to(folder)).as_posix()
-                  for root, _, names in os.walk(folder) for name in names)
+    found = []
+    for root, _, names in os.walk(folder):
+        rel = Path(root).relative_to(folder).as_posix()  # a Path per folder, not per file (16,384 rank files)
+        found += names if rel == "." else (f"{rel}/{name}" for name in names)
+    return sorted(found)
 
 
 def _write_manifest(folder: Path, files: list[str], complete: bool = True) -> None:
