@@ -237,8 +237,9 @@ class StageTemplate:
             ids = np.array([self.groups.moved(group, line, by) for by in moves[first].tolist()])[where]
             digits = ids[:, None] // 10 ** np.arange(self.groups.width - 1, -1, -1) % 10 + ord("0")
             rows.append(np.tile(digits.astype(np.uint8), count))
-        peers = np.array([[self.mesh.translate(peer, by) for peer in self.peers] for by in moves.tolist()])
-        rows.append((peers.reshape(len(ranks), -1, 1) >> 7 * np.arange(PEER_BYTES) & 0x7F | _CONTINUED).astype(np.uint8))
+        peers = np.array([[self.mesh.translate(peer, by) for peer in self.peers] for by in moves.tolist()],
+                         dtype=np.int64).reshape(len(ranks), -1, 1)
+        rows.append((peers >> 7 * np.arange(PEER_BYTES) & 0x7F | _CONTINUED).astype(np.uint8))
         return np.concatenate([row.reshape(len(ranks), -1) for row in rows], axis=1)
 
 
