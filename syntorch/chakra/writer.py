@@ -227,20 +227,27 @@ class StageTemplate:
 
     def _patches(self, ranks: list[int]) -> np.ndarray:
         """Each rank's bytes at `sites`, a row per rank: its group ids, each as often as it stands in the body,
-        then its peers, padded. A group's id is looked up once per line it moves to (GroupIds.moved)."""
+        then its peers, padded."""
         moves = np.array([self.mesh.translate(rank, self.origin, back=True) for rank in ranks])  # origin -> rank
         rows = []
         for group, line, count in zip(self.group_list, self.lines, self.counts):
-            # the moves that take the group to one line differ only along the line
-            keys = moves if line is None else moves - sum(moves // stride % size * stride for size, stride in line[1])
-            _, first, where = np.unique(keys, return_index=True, return_inverse=True)
-            ids = np.array([self.groups.moved(group, line, by) for by in moves[first].tolist()])[where]
+            if line is None:  # not a whole line (a send's pair): each rank's own group, its members moved
+                members = np.sort(self._moved(group, moves), axis=1).tolist()
+                ids = np.array([self.groups.ids[tuple(m)] for m in members])
+            else:  # the moves that take the group to one line differ only along the line: a lookup per line
+                keys = moves - sum(moves // stride % size * stride for size, stride in line[1])
+                _, first, where = np.unique(keys, return_index=True, return_inverse=True)
+                ids = np.array([self.groups.moved(group, line, by) for by in moves[first].tolist()])[where]
             digits = ids[:, None] // 10 ** np.arange(self.groups.width - 1, -1, -1) % 10 + ord("0")
             rows.append(np.tile(digits.astype(np.uint8), count))
-        peers = np.array([[self.mesh.translate(peer, by) for peer in self.peers] for by in moves.tolist()],
-                         dtype=np.int64).reshape(len(ranks), -1, 1)
+        peers = self._moved(self.peers, moves)[:, :, None]
         rows.append((peers >> 7 * np.arange(PEER_BYTES) & 0x7F | _CONTINUED).astype(np.uint8))
         return np.concatenate([row.reshape(len(ranks), -1) for row in rows], axis=1)
+
+    def _moved(self, ranks: list[int], moves: np.ndarray) -> np.ndarray:
+        """`ranks` moved by each of `moves` (Mesh.translate's arithmetic takes an array of them): a row per move."""
+        moved = [self.mesh.translate(rank, moves) for rank in ranks]
+        return np.array(moved, dtype=np.int64).reshape(len(ranks), len(moves)).T
 
 
 _CONTINUED = np.array([0x80] * (PEER_BYTES - 1) + [0])  # the continuation bits of a padded varint's bytes
