@@ -14,9 +14,12 @@ bytes of `syntorch trace` (per-rank Chakra files), for
 each as the user runs it (`syntorch trace --model gpt3-175b --mode train --dp 4 --tp 8 --pp 8 --sp
 --microbatches 1 --micro_batch_size 1 --seq 2048 --zero 1 --hw_config h100-sxm --trace_level module ...`),
 in a fresh process: wall time, CPU seconds (user + system: what wall time would be on an idle machine) and
-peak RSS are the child's own (os.wait4). A case whose model or options this syntorch lacks prints what it
-needs instead of running. `--stg DIR` (or $STG_DIR) runs the same cases through the Symbolic Tensor Graph
-generator beside (bench/stg_compare.py).
+peak RSS are the child's own (os.wait4). The system part (sys s) is mostly creating and filling the rank
+files, and varies several-fold with what the disk went through just before (ext4 steps over recently freed
+inodes one by one when it allocates one: after other runs' 16,384-file folders were removed, one run's
+system time went from 1.5 s to 8 s here); CPU s minus sys s is the steady part. A case whose model or
+options this syntorch lacks prints what it needs instead of running. `--stg DIR` (or $STG_DIR) runs the same
+cases through the Symbolic Tensor Graph generator beside (bench/stg_compare.py).
 
     python bench/train_trace_scale.py [--cases 256x1,256x8,...] [--levels module,op] [--validate] [--stg DIR]
 """
@@ -108,9 +111,9 @@ def measure(cmd: list[str], out: Path, cwd=None, env=None) -> dict:
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {stderr.strip()[-500:]}")
     files = [p.stat().st_size for p in out.glob("*.et")]
-    return dict(wall_s=wall, cpu_s=usage.ru_utime + usage.ru_stime, rss_mb=usage.ru_maxrss / 1024,
-                ranks=len(files), mb=sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6,
-                rank_kb=max(files, default=0) / 1e3)
+    return dict(wall_s=wall, cpu_s=usage.ru_utime + usage.ru_stime, sys_s=usage.ru_stime,
+                rss_mb=usage.ru_maxrss / 1024, ranks=len(files),
+                mb=sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6, rank_kb=max(files, default=0) / 1e3)
 
 
 def run_syntorch(case: Case, level: str, validate: bool) -> dict:
@@ -131,8 +134,8 @@ def run_syntorch(case: Case, level: str, validate: bool) -> dict:
 
 
 def row(tool: str, name: str, level: str, r: dict) -> str:
-    return (f"{name:10} {tool:8} {level:6} {r['ranks']:6} {r['wall_s']:8.2f} {r['cpu_s']:8.2f} {r['rss_mb']:7.0f} "
-            f"{r['mb']:9.1f} {r['rank_kb']:8.1f}")
+    return (f"{name:10} {tool:8} {level:6} {r['ranks']:6} {r['wall_s']:8.2f} {r['cpu_s']:8.2f} {r['sys_s']:6.2f} "
+            f"{r['rss_mb']:7.0f} {r['mb']:9.1f} {r['rank_kb']:8.1f}")
 
 
 def main():
@@ -144,8 +147,8 @@ def main():
                    help="a checkout of astra-sim/symbolic_tensor_graph: run each case through it too ($STG_DIR)")
     args = p.parse_args()
     from stg_compare import run_stg, stg_missing
-    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'RSS MB':>7} {'MB':>9} "
-          f"{'rank KB':>8}  (rank KB: largest .et)")
+    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'sys s':>6} {'RSS MB':>7} "
+          f"{'MB':>9} {'rank KB':>8}  (rank KB: largest .et)")
     for name in args.cases.split(","):
         case = CASES[name]
         if needs := missing(case):
