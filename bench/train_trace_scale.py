@@ -112,8 +112,8 @@ def measure(cmd: list[str], out: Path, cwd=None, env=None) -> dict:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {stderr.strip()[-500:]}")
     files = [p.stat().st_size for p in out.glob("*.et")]
     return dict(wall_s=wall, cpu_s=usage.ru_utime + usage.ru_stime, sys_s=usage.ru_stime,
-                rss_mb=usage.ru_maxrss / 1024, ranks=len(files),
-                mb=sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6, rank_kb=max(files, default=0) / 1e3)
+                rss_mb=usage.ru_maxrss / 1024, ranks=len(files), rank_kb=max(files, default=0) / 1e3,
+                mb=sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6)
 
 
 def run_syntorch(case: Case, level: str, validate: bool) -> dict:
