@@ -5,8 +5,9 @@ mlc-chakra schema and protolib (length-delimited: one GlobalMetadata, then the n
 Two paths, one encoding:
 - `write_chakra`: a graph per rank (ranks may share one graph, and then its encoding).
 - `StageTemplate`: one stage's nodes serialized once as its representative rank's; any other rank of the
-  stage is that with, in a copy, the group id of each communication node and the peer of each send/recv
-  overwritten in place (the cluster-scale workload writes thousands of ranks this way).
+  stage is that with the group id of each communication node and the peer of each send/recv overwritten
+  in place, the bytes of every rank computed at once (the cluster-scale workload writes thousands of ranks
+  this way).
 """
 import io
 import json
@@ -175,7 +176,7 @@ class GroupIds:
 
 
 class StageTemplate:
-    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(path, rank)`
+    """One stage's Chakra nodes serialized once, as its representative's (dp 0, cp 0, tp 0); `write(prefix, ranks)`
     writes any of the stage's ranks by overwriting what differs: the group id in each
     communication node's `pg_name` (fixed width, see groups.py) and the peer of each send and recv.
     Those attributes are appended to the node's other bytes, so their values sit at known offsets.
@@ -183,7 +184,7 @@ class StageTemplate:
     the ranks written from it are moved from there."""
 
     def __init__(self, specs: list[NodeSpec], header: et.GlobalMetadata, groups: GroupIds, origin: int = 0):
-        self.groups, self.mesh, self.origin, self._ids_seen = groups, groups.mesh, origin, {}
+        self.groups, self.mesh, self.origin = groups, groups.mesh, origin
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         peer_at, self.peers = [], []  # offsets of the padded peers, and the representative's peers
