@@ -11,6 +11,7 @@ Two paths, one encoding:
 """
 import io
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -220,10 +221,7 @@ class StageTemplate:
             head = varint(len(self.header) + len(rank_attr)) + self.header + rank_attr
             # patched in place, not in a copy (a fresh 100+ KB buffer per rank cost a memcpy and its page faults)
             self.body[self.sites] = patch
-            with open(f"{prefix}.{rank}.et", "wb") as f:  # (not pathlib: 16,384 paths)
-                f.write(head)
-                f.write(self.body.data)
-            total += len(head) + self.body.nbytes
+            total += _write_file(f"{prefix}.{rank}.et", [head, self.body.data])  # (not pathlib: 16,384 paths)
         return total, len({patch.tobytes() for patch in patches})
 
     def _patches(self, ranks: list[int]) -> np.ndarray:
@@ -252,6 +250,19 @@ class StageTemplate:
 
 
 _CONTINUED = np.array([0x80] * (PEER_BYTES - 1) + [0])  # the continuation bits of a padded varint's bytes
+
+
+def _write_file(path: str, parts: list) -> int:
+    """`open(path, "wb")` and a write of `parts`, in 3 system calls (a file object makes 7); returns the bytes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        size, written = sum(map(len, parts)), os.writev(fd, parts)
+        rest = memoryview(b"".join(parts))[written:] if written < size else b""
+        while rest:  # after a short write (a full disk), the rest: its write says why it cannot
+            rest = rest[os.write(fd, rest):]
+        return size
+    finally:
+        os.close(fd)
 
 
 def _bytes_at(starts: list[int], width: int) -> np.ndarray:
