@@ -6,8 +6,11 @@ for
     gpt3        GPT-3 175B TP8 x PP8 x DP4, ZeRO-1, SP, seq 2048, stage 1
 
 each in a fresh process, `--repeats` times: the first run (meta kernels not yet cached, as a process's first probe)
-and the fastest of the others (as a search's later probes), in CPU seconds (time.process_time: what wall time
-would be on an idle machine), with the number of graph nodes recorded.
+and the others (as a search's later probes): their fastest and their mean (which carries the cyclic garbage
+collections a run of probes sets off), in CPU seconds (time.process_time: what wall time would be on an idle
+machine), with the number of graph nodes recorded and the CPU seconds a warm probe spent in the cyclic
+garbage collector on average (when it runs, and what it frees, depends on where its counters stand: a probe
+that leaves cycles behind sets off a costly pass every few probes, or leaves its garbage to a later full one).
 
     python bench/probe_speed.py [--cases llama405b,gpt3] [--repeats 4] [--profile FILE]
 
@@ -26,7 +29,7 @@ CASES = {  # name -> (model, TrainPlan options, stage)
 }
 
 RUN = r"""
-import cProfile, json, sys, time
+import cProfile, gc, json, sys, time
 import torch
 from syntorch.config import get_config
 from syntorch.parallel.plans import TrainPlan
@@ -34,18 +37,23 @@ from syntorch.trace.layer_probe import whole_probe
 
 model, options, stage, repeats, profile = json.loads(sys.argv[1])
 config, plan = get_config(model), TrainPlan(**options)
-seconds, nodes = [], 0
+seconds, collecting, nodes = [], [], 0
+started = []
+gc.callbacks.append(lambda phase, info: started.append(time.process_time()) if phase == "start" else
+                    collecting.append(time.process_time() - started.pop()))
 profiler = cProfile.Profile() if profile else None
 for i in range(repeats):
     if profiler and i == 1:
         profiler.enable()
+    if i == 1:
+        collecting.clear()
     begin = time.process_time()
     nodes = len(whole_probe(config, plan, stage, torch.bfloat16, 3)[0])
     seconds.append(time.process_time() - begin)
 if profiler:
     profiler.disable()
     profiler.dump_stats(profile)
-print(json.dumps({"seconds": seconds, "nodes": nodes}))
+print(json.dumps({"seconds": seconds, "nodes": nodes, "gc": sum(collecting)}))
 """
 
 
@@ -59,14 +67,14 @@ def run_case(name: str, repeats: int, profile: str | None) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--profile", help="write a cProfile of the repeats after the first here (one case)")
     args = p.parse_args()
-    print(f"{'case':10s} {'nodes':>8s} {'first CPU s':>12s} {'best CPU s':>11s}  all")
+    print(f"{'case':10s} {'nodes':>8s} {'first CPU s':>12s} {'best CPU s':>11s} {'mean CPU s':>11s} {'gc s':>6s}  all")
     for name in args.cases.split(","):
         r = run_case(name, max(2, args.repeats), args.profile)
         first, rest = r["seconds"][0], r["seconds"][1:]
-        print(f"{name:10s} {r['nodes']:8d} {first:12.2f} {min(rest):11.2f}  "
+        print(f"{name:10s} {r['nodes']:8d} {first:12.2f} {min(rest):11.3f} {sum(rest) / len(rest):11.3f} {r['gc'] / len(rest):6.3f}  "
               f"{' '.join(f'{s:.2f}' for s in r['seconds'])}", flush=True)
 
 

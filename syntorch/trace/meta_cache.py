@@ -59,6 +59,12 @@ class MetaCache(TorchDispatchMode):
     # shared by every instance: a result depends on the key alone, so runs in one process reuse each other's
     results: dict = {}
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No torch._dynamo.disable wrapper around __torch_dispatch__ (two Python calls an op, with nodynamo's):
+        nothing compiles on meta."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _functional(func):
@@ -79,3 +85,19 @@ class MetaCache(TorchDispatchMode):
         single, metas = found
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
         return outs[0] if single else tuple(outs)
+
+    def run_below(self, func, args, kwargs: dict):
+        """What func(*args, **kwargs) returns through this mode, called by a mode stacked right above it (the
+        tracer's) instead of dispatched down to it: a dispatch into a Python mode costs more than most ops
+        recorded. Python dispatch is off meanwhile, as it is for this mode's own __torch_dispatch__ when this
+        mode is the last on the stack (`below(mode)`)."""
+        with torch._C._DisableTorchDispatch():
+            return self.__torch_dispatch__(func, (), args, kwargs)
+
+
+def below() -> MetaCache | None:
+    """The MetaCache a mode entered now would sit on, if it is the only dispatch mode."""
+    if torch._C._len_torch_dispatch_stack() == 1:
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        return mode if isinstance(mode, MetaCache) else None
+    return None
