@@ -14,6 +14,7 @@ from syntorch.trace.values import flat_tensors
 
 # argument values a result may depend on and that hash by value (their type is part of the key: 1 == True)
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_META = torch.device("meta")  # (a device given as text is parsed at every call)
 _UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
@@ -35,16 +36,22 @@ def _is_functional(func) -> bool:
             and not any(tag in func.tags for tag in _UNSHAPED))
 
 
-def _key(value):
-    if isinstance(value, torch.Tensor):
-        # (is_meta first: building a device object costs more than the rest of the key)
-        device = "meta" if value.is_meta else value.device.type
-        return type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, device
-    if isinstance(value, (list, tuple)):
-        return type(value), *map(_key, value)
-    if isinstance(value, _VALUES):
-        return type(value), value
-    raise TypeError(f"not memoized: {type(value)}")
+def _key(values) -> tuple:
+    """A hashable key of a list or tuple of argument values (its type, then each value's; nested lists and
+    tuples in turn)."""
+    key = [type(values)]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            # (is_meta first: building a device object costs more than the rest of the key)
+            key.append((type(value), value.shape, value.stride(), value.storage_offset(), value.dtype,
+                        "meta" if value.is_meta else value.device.type))
+        elif isinstance(value, (list, tuple)):
+            key.append(_key(value))
+        elif isinstance(value, _VALUES):
+            key.append((type(value), value))
+        else:
+            raise TypeError(f"not memoized: {type(value)}")
+    return tuple(key)
 
 
 def _fresh_meta(out, args) -> bool:
@@ -70,7 +77,7 @@ class MetaCache(TorchDispatchMode):
         if not _functional(func):
             return func(*args, **kwargs)
         try:
-            key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
+            key = (func, _key(args), _key(sorted(kwargs.items())) if kwargs else ())
         except TypeError:
             return func(*args, **kwargs)
         found = self.results.get(key)
@@ -83,7 +90,7 @@ class MetaCache(TorchDispatchMode):
         if found is False:  # results this cache cannot rebuild (not on meta, or sharing storage)
             return func(*args, **kwargs)
         single, metas = found
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
         return outs[0] if single else tuple(outs)
 
     def run_below(self, func, args, kwargs: dict):

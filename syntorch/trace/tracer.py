@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from syntorch.quant import FLOP_FORMULAS
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
@@ -269,7 +269,7 @@ class Tracer:
                 return self.record_collective(call)
         inputs, written = _schema_inputs(op.arguments, args, kwargs)
         outputs = [out] if isinstance(out, torch.Tensor) else flat_tensors(out, keep_others=True)
-        flops = op.flops(*args, **kwargs, out_val=out) if op.flops else 0
+        flops = _flops(op.flops, args, kwargs, out) if op.flops else 0
         self.record_op(op.name, inputs, outputs, flops, is_view=op.is_view, written=written, duration_us=duration_us)
 
     def record_collective(self, call):
@@ -373,7 +373,7 @@ class _AtenOp(NamedTuple):
     is_view: bool
     collective: bool  # a c10d op (collectives.py tells what it is)
     arguments: tuple  # (position, name, written) of each argument that may hold tensors
-    flops: object  # its FLOP formula (flop_counter's, or quant's), or None
+    flops: object  # its FLOP formula (flop_counter's, or quant's), or None; see _flops
     decomposes: bool  # no formula of flop_counter's: recorded as the ops it decomposes into, if it does
 
 
@@ -386,9 +386,40 @@ def _aten_op(func) -> _AtenOp:
         packet = func._overloadpacket
         found = _ATEN_OPS[id(func)] = (func, _AtenOp(
             f"{func.namespace}.{packet.__name__}", func.is_view, func.namespace in ("c10d", "_c10d_functional"),
-            _tensor_arguments(func), flop_registry.get(packet) or FLOP_FORMULAS.get(packet),
-            packet not in flop_registry))
+            _tensor_arguments(func), _flop_formula(packet), packet not in flop_registry))
     return found[1]
+
+
+_SHAPE_WRAPPER = shape_wrapper(lambda: 0).__code__  # flop_counter's wrapper of formulas taking shapes
+
+
+def _flop_formula(packet):
+    """The FLOP formula of an op: (formula taking shapes, True) for flop_counter's shape-wrapped ones, whose
+    wrapper maps tensors to shapes with pytree (~30 us an op, _flops does it in a loop); else (formula, False)."""
+    formula = flop_registry.get(packet) or FLOP_FORMULAS.get(packet)
+    if formula is None:
+        return None
+    if getattr(formula, "__code__", None) is _SHAPE_WRAPPER:
+        return formula.__wrapped__, True
+    return formula, False
+
+
+def _flops(formula: tuple, args, kwargs, out) -> int:
+    """What flop_counter's formula counts for the op (shape_wrapper's call: each tensor replaced by its shape)."""
+    fn, takes_shapes = formula
+    if not takes_shapes:
+        return fn(*args, **kwargs, out_val=out)
+    return fn(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()})
+
+
+def _shapes(value):
+    """value with its tensors replaced by their shapes, in lists and tuples (the containers aten ops take and
+    return), as pytree's map does."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if type(value) in (list, tuple):
+        return type(value)(map(_shapes, value))
+    return value
 
 
 def _tensor_arguments(func) -> tuple:
