@@ -59,7 +59,7 @@ print(json.dumps({"seconds": seconds, "nodes": nodes, "gc": sum(collecting)}))
 
 def run_case(name: str, repeats: int, profile: str | None) -> dict:
     model, options, stage = CASES[name]
-    out = subprocess.run([sys.executable, "-c", RUN, json.dumps([model, options, stage, repeats, profile])],
+    out = subprocess.run([sys.executable, "-P", "-c", RUN, json.dumps([model, options, stage, repeats, profile])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
