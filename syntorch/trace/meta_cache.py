@@ -5,7 +5,9 @@ micro-batch, so each is run once and its results rebuilt as fresh meta tensors a
 
 Only functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors.
 Views, in-place ops and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's
-dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before.
+dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before. (The tracer takes a
+MetaCache that is the only mode off the stack while it records and calls its `run` itself: a dispatch into a
+Python mode costs more than most ops, and each op then takes one instead of two.)
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,7 +75,10 @@ class MetaCache(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args, kwargs: dict):
+        """func(*args, **kwargs), its results rebuilt from the cache when they can be."""
         if not _functional(func):
             return func(*args, **kwargs)
         try:
@@ -93,17 +98,9 @@ class MetaCache(TorchDispatchMode):
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
         return outs[0] if single else tuple(outs)
 
-    def run_below(self, func, args, kwargs: dict):
-        """What func(*args, **kwargs) returns through this mode, called by a mode stacked right above it (the
-        tracer's) instead of dispatched down to it: a dispatch into a Python mode costs more than most ops
-        recorded. Python dispatch is off meanwhile, as it is for this mode's own __torch_dispatch__ when this
-        mode is the last on the stack (`below(mode)`)."""
-        with torch._C._DisableTorchDispatch():
-            return self.__torch_dispatch__(func, (), args, kwargs)
 
-
-def below() -> MetaCache | None:
-    """The MetaCache a mode entered now would sit on, if it is the only dispatch mode."""
+def only_mode() -> MetaCache | None:
+    """The MetaCache on the dispatch mode stack, when it is the only mode there."""
     if torch._C._len_torch_dispatch_stack() == 1:
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         return mode if isinstance(mode, MetaCache) else None

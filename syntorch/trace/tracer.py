@@ -81,7 +81,10 @@ class Tracer:
         self._exits.callback(self._forget_tensors)  # (before the collector runs again)
         if self.model is not None:
             self._watch_modules(self.model)
-        self._modes = (_FunctionMode(self), _DispatchMode(self, meta_cache.below()))
+        cache = meta_cache.only_mode()
+        if cache is not None:  # off the stack while we record; our dispatch mode runs ops through it itself
+            self._exits.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
+        self._modes = (_FunctionMode(self), _DispatchMode(self, cache))
         for mode in self._modes:
             self._exits.enter_context(mode)
         return self
@@ -288,7 +291,7 @@ class _DispatchMode(TorchDispatchMode):
     def __init__(self, tracer: Tracer, cache: "meta_cache.MetaCache | None" = None):
         super().__init__()
         self.tracer = tracer
-        self.cache = cache  # the MetaCache right below this mode, asked directly
+        self.cache = cache  # the MetaCache taken off the stack below this mode (meta_cache.py), run directly
         self.atomic = set()  # ids of ops that do not decompose (an OpOverload hashes in Python)
 
     @classmethod
@@ -311,15 +314,15 @@ class _DispatchMode(TorchDispatchMode):
                 return out
             self.atomic.add(id(func))  # remembered: asking again costs more than most ops
         if self.tracer.time_ops:
-            out, duration_us = self.tracer.timed(func, *args, **kwargs)
+            out, duration_us = self.tracer.timed(self.run, func, args, kwargs)
         else:
             out, duration_us = self.run(func, args, kwargs), None
         self.tracer.record_aten(func, op, args, kwargs, out, duration_us)
         return out
 
     def run(self, func, args, kwargs: dict):
-        """func(*args, **kwargs) as the modes below run it (a MetaCache right below: asked directly)."""
-        return func(*args, **kwargs) if self.cache is None else self.cache.run_below(func, args, kwargs)
+        """func(*args, **kwargs) as the modes below run it (and the MetaCache taken off the stack)."""
+        return func(*args, **kwargs) if self.cache is None else self.cache.run(func, args, kwargs)
 
 
 class _FunctionMode(TorchFunctionMode):
