@@ -74,8 +74,8 @@ def main():
     for name in args.cases.split(","):
         r = run_case(name, max(2, args.repeats), args.profile)
         first, rest = r["seconds"][0], r["seconds"][1:]
-        print(f"{name:10s} {r['nodes']:8d} {first:12.2f} {min(rest):11.3f} {sum(rest) / len(rest):11.3f} {r['gc'] / len(rest):6.3f}  "
-              f"{' '.join(f'{s:.2f}' for s in r['seconds'])}", flush=True)
+        print(f"{name:10s} {r['nodes']:8d} {first:12.2f} {min(rest):11.3f} {sum(rest) / len(rest):11.3f} "
+              f"{r['gc'] / len(rest):6.3f}  {' '.join(f'{s:.2f}' for s in r['seconds'])}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from syntorch.quant import FLOP_FORMULAS
+from syntorch.trace import meta_cache
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
-from syntorch.trace import meta_cache
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.replicate import LayerCall
 from syntorch.trace.values import flat_tensors
@@ -376,7 +376,7 @@ class _AtenOp(NamedTuple):
     is_view: bool
     collective: bool  # a c10d op (collectives.py tells what it is)
     arguments: tuple  # (position, name, written) of each argument that may hold tensors
-    flops: object  # its FLOP formula (flop_counter's, or quant's), or None; see _flops
+    flops: tuple | None  # its FLOP formula (flop_counter's, or quant's) and whether it takes shapes (_flop_formula)
     decomposes: bool  # no formula of flop_counter's: recorded as the ops it decomposes into, if it does
 
 
