@@ -3,7 +3,8 @@ arguments' shapes, strides, dtypes and other values. Most meta kernels are Pytho
 more than recording the op, and a training step runs the same ones with the same shapes in every layer and
 micro-batch, so each is run once and its results rebuilt as fresh meta tensors afterwards.
 
-Functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors. So are
+Functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors (or a list
+of them, as foreach ops do). So are
 in-place ops (they write arguments and return one of them, or nothing) that leave every argument's shape,
 strides, offset, dtype and storage as they were: on meta they only check their arguments, and the Python checks of
 an optimizer step's foreach ops over every parameter cost ~10% of a probe. Views and collectives run as they
@@ -42,8 +43,9 @@ def _kind(func) -> str | None:
 
 
 def _is_functional(schema) -> bool:
-    return (bool(schema.returns) and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
-            and all(a.alias_info is None for a in schema.arguments))
+    """Returns new tensors (or one list of them, as foreach ops do) and aliases no argument."""
+    return (bool(schema.returns) and all(a.alias_info is None for a in schema.arguments)
+            and all(str(r.type) in ("Tensor", "List[Tensor]") and r.alias_info is None for r in schema.returns))
 
 
 def _is_in_place(schema) -> bool:
@@ -124,9 +126,9 @@ class MetaCache(TorchDispatchMode):
             return func(*args, **kwargs)
         if kind == "in_place":  # checked the same arguments before: the argument it returns, if any
             return None if not found else args[found[0]] if isinstance(found[0], int) else kwargs[found[0]]
-        single, metas = found
+        container, metas = found
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
-        return outs[0] if single else tuple(outs)
+        return outs[0] if container is torch.Tensor else container(outs)
 
     def _first(self, kind: str, key: tuple, func, args, kwargs: dict):
         """func run, and what it returns remembered under `key`."""
@@ -137,8 +139,9 @@ class MetaCache(TorchDispatchMode):
             self.results[key] = _returned(out, args, kwargs) if on_meta and _layouts(args, kwargs) == before else False
             return out
         out = func(*args, **kwargs)
-        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-        self.results[key] = (isinstance(out, torch.Tensor), [(t.shape, t.stride(), t.dtype) for t in outs]
+        container = torch.Tensor if isinstance(out, torch.Tensor) else type(out)  # or a tuple, or a list
+        outs = (out,) if container is torch.Tensor else tuple(out)
+        self.results[key] = (container, [(t.shape, t.stride(), t.dtype) for t in outs]
                              ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
         return out
 
