@@ -4,14 +4,13 @@ more than recording the op, and a training step runs the same ones with the same
 micro-batch, so each is run once and its results rebuilt as fresh meta tensors afterwards.
 
 Functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors (or a list
-of them, as foreach ops do). So are
-in-place ops (they write arguments and return one of them, or nothing) that leave every argument's shape,
-strides, offset, dtype and storage as they were: on meta they only check their arguments, and the Python checks of
-an optimizer step's foreach ops over every parameter cost ~10% of a probe. Views and collectives run as they
-are. Enter `MetaCache()` before the Tracer, so the tracer's
-dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before. (The tracer takes a
-MetaCache that is the only mode off the stack while it records and calls its `run` itself: a dispatch into a
-Python mode costs more than most ops, and each op then takes one instead of two.)
+of them, as foreach ops do). So are in-place ops (they write arguments and return one of them, or nothing) that
+leave every argument's shape, strides, offset, dtype and storage as they were: on meta they only check their
+arguments, and the Python checks of an optimizer step's foreach ops over every parameter cost ~10% of a probe.
+Views and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's dispatch mode sits
+above it: the tracer sees every op and its (rebuilt) outputs as before. (The tracer takes a MetaCache that is the
+only mode off the stack while it records and calls its `run` itself: a dispatch into a Python mode costs more
+than most ops, and each op then takes one instead of two.)
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
