@@ -81,8 +81,10 @@ class TraceGraph(nx.DiGraph):
     # --- building -------------------------------------------------------------------------------
     # Nodes and edges go straight into networkx's dicts: every node is new, so add_node's checks would find
     # nothing, and the tracer adds a node per tensor and op (10^5 a stage); networkx's cache is cleared as
-    # its own methods would.
+    # its own methods would (nx._clear_cache, inline: it runs for every node).
     def _new_node(self, data: dict) -> int:
+        if cache := getattr(self, "__networkx_cache__", None):
+            cache.clear()
         node = len(self._node)  # ids are dense and in traced order; nodes are never removed
         self._node[node], self._succ[node], self._pred[node] = data, {}, {}
         return node
@@ -111,7 +113,6 @@ class TraceGraph(nx.DiGraph):
 
     def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
                    device: str = "cpu", version: int = 0, **attrs) -> int:
-        nx._clear_cache(self)
         node = len(self._node)
         return self._new_node(dict(kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
                                    bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs))
@@ -120,7 +121,6 @@ class TraceGraph(nx.DiGraph):
                flops: int = 0, bytes_read: int = 0, bytes_written: int = 0, is_view: bool = False,
                **attrs) -> int:
         """inputs/outputs: tensor node ids in argument order (None skips a position)."""
-        nx._clear_cache(self)
         node = self._new_node(dict(kind="op", name=name, module=module, phase=phase, flops=int(flops),
                                    bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view,
                                    **attrs))
@@ -131,7 +131,6 @@ class TraceGraph(nx.DiGraph):
         """group: the global ranks of the process group; `order` is assigned here, per group; `fields`: those
         of collective_attrs."""
         assert collective in COLLECTIVES, f"unknown collective {collective!r}"
-        nx._clear_cache(self)
         group = [int(r) for r in group]
         node = self._new_node(collective_attrs(collective, group=group, order=self._next_order(group), **fields))
         self._connect(node, inputs, outputs)

@@ -3,9 +3,14 @@ arguments' shapes, strides, dtypes and other values. Most meta kernels are Pytho
 more than recording the op, and a training step runs the same ones with the same shapes in every layer and
 micro-batch, so each is run once and its results rebuilt as fresh meta tensors afterwards.
 
-Only functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors.
-Views, in-place ops and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's
-dispatch mode sits above it: the tracer sees every op and its (rebuilt) outputs as before.
+Functional ops are memoized: aten ops that neither alias nor write any argument and return new tensors (or a list
+of them, as foreach ops do). So are in-place ops (they write arguments and return one of them, or nothing) that
+leave every argument's shape, strides, offset, dtype and storage as they were: on meta they only check their
+arguments, and the Python checks of an optimizer step's foreach ops over every parameter cost ~10% of a probe.
+Views and collectives run as they are. Enter `MetaCache()` before the Tracer, so the tracer's dispatch mode sits
+above it: the tracer sees every op and its (rebuilt) outputs as before. (The tracer takes a MetaCache that is the
+only mode off the stack while it records and calls its `run` itself: a dispatch into a Python mode costs more
+than most ops, and each op then takes one instead of two.)
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,37 +19,73 @@ from syntorch.trace.values import flat_tensors
 
 # argument values a result may depend on and that hash by value (their type is part of the key: 1 == True)
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_META = torch.device("meta")  # (a device given as text is parsed at every call)
 _UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
-_FUNCTIONAL: dict[int, tuple] = {}  # id(func) -> (func, is functional): an OpOverload hashes in Python
+_KINDS: dict[int, tuple] = {}  # id(func) -> (func, its kind): an OpOverload hashes in Python
 
 
-def _functional(func) -> bool:
-    found = _FUNCTIONAL.get(id(func))
+def _kind(func) -> str | None:
+    """"functional", "in_place" (both memoized, see above) or None (run as it is)."""
+    found = _KINDS.get(id(func))
     if found is None or found[0] is not func:
-        found = _FUNCTIONAL[id(func)] = (func, _is_functional(func))
+        schema = func._schema
+        kind = None
+        if func.namespace == "aten" and not any(tag in func.tags for tag in _UNSHAPED):
+            if _is_functional(schema):
+                kind = "functional"
+            elif _is_in_place(schema):
+                kind = "in_place"
+        found = _KINDS[id(func)] = (func, kind)
     return found[1]
 
 
-def _is_functional(func) -> bool:
-    schema = func._schema
-    return (func.namespace == "aten" and bool(schema.returns)
-            and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
-            and all(a.alias_info is None for a in schema.arguments)
-            and not any(tag in func.tags for tag in _UNSHAPED))
+def _is_functional(schema) -> bool:
+    """Returns new tensors (or one list of them, as foreach ops do) and aliases no argument."""
+    return (bool(schema.returns) and all(a.alias_info is None for a in schema.arguments)
+            and all(str(r.type) in ("Tensor", "List[Tensor]") and r.alias_info is None for r in schema.returns))
 
 
-def _key(value):
-    if isinstance(value, torch.Tensor):
-        # (is_meta first: building a device object costs more than the rest of the key)
-        device = "meta" if value.is_meta else value.device.type
-        return type(value), value.shape, value.stride(), value.storage_offset(), value.dtype, device
-    if isinstance(value, (list, tuple)):
-        return type(value), *map(_key, value)
-    if isinstance(value, _VALUES):
-        return type(value), value
-    raise TypeError(f"not memoized: {type(value)}")
+def _is_in_place(schema) -> bool:
+    """Writes its aliased arguments (none is only a view) and returns one of them, or nothing."""
+    aliased = [a for a in schema.arguments if a.alias_info is not None]
+    return (bool(aliased) and all(a.alias_info.is_write for a in aliased) and len(schema.returns) <= 1
+            and all(str(r.type) == "Tensor" and r.alias_info is not None and r.alias_info.is_write
+                    for r in schema.returns))
+
+
+def _key(values) -> tuple:
+    """A hashable key of a list or tuple of argument values (its type, then each value's; nested lists and
+    tuples in turn)."""
+    key = [type(values)]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            # (is_meta first: building a device object costs more than the rest of the key)
+            key.append((type(value), value.shape, value.stride(), value.storage_offset(), value.dtype,
+                        "meta" if value.is_meta else value.device.type))
+        elif isinstance(value, (list, tuple)):
+            key.append(_key(value))
+        elif isinstance(value, _VALUES):
+            key.append((type(value), value))
+        else:
+            raise TypeError(f"not memoized: {type(value)}")
+    return tuple(key)
+
+
+def _layouts(args, kwargs: dict) -> list:
+    """What an in-place op must leave as it was: each tensor argument's shape, strides, offset, dtype, storage."""
+    return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage()._cdata)
+            for t in flat_tensors((args, list(kwargs.values())))]
+
+
+def _returned(out, args, kwargs: dict) -> tuple | bool:
+    """Where an in-place op's result is among its arguments: () for none, (position,) or (name,); False if
+    it is not one of them."""
+    if out is None:
+        return ()
+    where = [i for i, a in enumerate(args) if a is out] or [k for k, v in kwargs.items() if v is out]
+    return (where[0],) if where else False
 
 
 def _fresh_meta(out, args) -> bool:
@@ -59,23 +100,54 @@ class MetaCache(TorchDispatchMode):
     # shared by every instance: a result depends on the key alone, so runs in one process reuse each other's
     results: dict = {}
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No torch._dynamo.disable wrapper around __torch_dispatch__ (two Python calls an op, with nodynamo's):
+        nothing compiles on meta."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not _functional(func):
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args, kwargs: dict):
+        """func(*args, **kwargs), its results rebuilt from the cache when they can be."""
+        kind = _kind(func)
+        if kind is None:
             return func(*args, **kwargs)
         try:
-            key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
+            key = (func, _key(args), _key(sorted(kwargs.items())) if kwargs else ())
         except TypeError:
             return func(*args, **kwargs)
         found = self.results.get(key)
         if found is None:
-            out = func(*args, **kwargs)
-            outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-            self.results[key] = (isinstance(out, torch.Tensor), [(t.shape, t.stride(), t.dtype) for t in outs]
-                                 ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
-            return out
-        if found is False:  # results this cache cannot rebuild (not on meta, or sharing storage)
+            return self._first(kind, key, func, args, kwargs)
+        if found is False:  # results this cache cannot rebuild (not on meta, sharing storage, changed arguments)
             return func(*args, **kwargs)
-        single, metas = found
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
-        return outs[0] if single else tuple(outs)
+        if kind == "in_place":  # checked the same arguments before: the argument it returns, if any
+            return None if not found else args[found[0]] if isinstance(found[0], int) else kwargs[found[0]]
+        container, metas = found
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
+        return outs[0] if container is torch.Tensor else container(outs)
+
+    def _first(self, kind: str, key: tuple, func, args, kwargs: dict):
+        """func run, and what it returns remembered under `key`."""
+        if kind == "in_place":
+            before = _layouts(args, kwargs)
+            out = func(*args, **kwargs)
+            on_meta = all(t.device.type == "meta" for t in flat_tensors((args, list(kwargs.values()))))
+            self.results[key] = _returned(out, args, kwargs) if on_meta and _layouts(args, kwargs) == before else False
+            return out
+        out = func(*args, **kwargs)
+        container = torch.Tensor if isinstance(out, torch.Tensor) else type(out)  # or a tuple, or a list
+        outs = (out,) if container is torch.Tensor else tuple(out)
+        self.results[key] = (container, [(t.shape, t.stride(), t.dtype) for t in outs]
+                             ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
+        return out
+
+
+def only_mode() -> MetaCache | None:
+    """The MetaCache on the dispatch mode stack, when it is the only mode there."""
+    if torch._C._len_torch_dispatch_stack() == 1:
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        return mode if isinstance(mode, MetaCache) else None
+    return None

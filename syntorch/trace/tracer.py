@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from syntorch.quant import FLOP_FORMULAS
+from syntorch.trace import meta_cache
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
 from syntorch.trace.graph import TraceGraph, no_gc
@@ -77,16 +78,26 @@ class Tracer:
     # --- entering and leaving ------------------------------------------------------------------
     def __enter__(self):
         self._exits.enter_context(no_gc())
+        self._exits.callback(self._forget_tensors)  # (before the collector runs again)
         if self.model is not None:
             self._watch_modules(self.model)
-        self._modes = (_FunctionMode(self), _DispatchMode(self))
+        cache = meta_cache.only_mode()
+        if cache is not None:  # off the stack while we record; our dispatch mode runs ops through it itself
+            self._exits.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
+        self._modes = (_FunctionMode(self), _DispatchMode(self, cache))
         for mode in self._modes:
             self._exits.enter_context(mode)
         return self
 
     def __exit__(self, *exc):
         self._exits.close()
+        self._modes = ()  # they point back at the tracer: a cycle, which only the cyclic collector would free
         return False
+
+    def _forget_tensors(self):
+        """The tensor table freed when recording ends (the graph and layer calls are what a trace leaves): its
+        10^5 objects of a training probe would otherwise be scanned by the cyclic collector's next passes."""
+        self.tensors, self.writes = {}, {}
 
     def _name_tensors(self):
         for name, p in self.model.named_parameters():
@@ -254,16 +265,14 @@ class Tracer:
                 self.output_node(t, op, -1, wrote=True)
         return op
 
-    def record_aten(self, func, args, kwargs, out, duration_us=None):
-        op = _aten_op(func)
+    def record_aten(self, func, op: "_AtenOp", args, kwargs, out, duration_us=None):
         if op.collective:
             call = collective_call(func, args, kwargs, out)
             if call is not None:
                 return self.record_collective(call)
         inputs, written = _schema_inputs(op.arguments, args, kwargs)
-        outputs = flat_tensors(out, keep_others=True)
-        flop_fn = flop_registry.get(func._overloadpacket) or FLOP_FORMULAS.get(func._overloadpacket)
-        flops = flop_fn(*args, **kwargs, out_val=out) if flop_fn else 0
+        outputs = [out] if isinstance(out, torch.Tensor) else flat_tensors(out, keep_others=True)
+        flops = _flops(op.flops, args, kwargs, out) if op.flops else 0
         self.record_op(op.name, inputs, outputs, flops, is_view=op.is_view, written=written, duration_us=duration_us)
 
     def record_collective(self, call):
@@ -279,26 +288,41 @@ class Tracer:
 
 
 class _DispatchMode(TorchDispatchMode):
-    def __init__(self, tracer: Tracer):
+    def __init__(self, tracer: Tracer, cache: "meta_cache.MetaCache | None" = None):
         super().__init__()
         self.tracer = tracer
-        self.atomic = set()  # ops that do not decompose
+        self.cache = cache  # the MetaCache taken off the stack below this mode (meta_cache.py), run directly
+        self.atomic = set()  # ids of ops that do not decompose (an OpOverload hashes in Python)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No torch._dynamo.disable wrapper around __torch_dispatch__ (two Python calls an op, with nodynamo's):
+        nothing compiles under a trace."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.tracer.paused:
-            return func(*args, **kwargs)
-        if func not in self.atomic and func._overloadpacket not in flop_registry:
+            return self.run(func, args, kwargs)
+        op = _aten_op(func)
+        if op.decomposes and id(func) not in self.atomic:
             # as FlopCounterMode does: a composite op (aten.linear under inference_mode) is recorded as the
             # ops it decomposes into (t, addmm), which have FLOP formulas -- the same ops training runs
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-            self.atomic.add(func)  # remembered: asking again costs more than most ops
-        out, duration_us = self.tracer.timed(func, *args, **kwargs)
-        self.tracer.record_aten(func, args, kwargs, out, duration_us)
+            self.atomic.add(id(func))  # remembered: asking again costs more than most ops
+        if self.tracer.time_ops:
+            out, duration_us = self.tracer.timed(self.run, func, args, kwargs)
+        else:
+            out, duration_us = self.run(func, args, kwargs), None
+        self.tracer.record_aten(func, op, args, kwargs, out, duration_us)
         return out
+
+    def run(self, func, args, kwargs: dict):
+        """func(*args, **kwargs) as the modes below run it (and the MetaCache taken off the stack)."""
+        return func(*args, **kwargs) if self.cache is None else self.cache.run(func, args, kwargs)
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -352,6 +376,8 @@ class _AtenOp(NamedTuple):
     is_view: bool
     collective: bool  # a c10d op (collectives.py tells what it is)
     arguments: tuple  # (position, name, written) of each argument that may hold tensors
+    flops: tuple | None  # its FLOP formula (flop_counter's, or quant's) and whether it takes shapes (_flop_formula)
+    decomposes: bool  # no formula of flop_counter's: recorded as the ops it decomposes into, if it does
 
 
 _ATEN_OPS: dict[int, tuple] = {}  # id(func) -> (func, _AtenOp); OpOverloads live as long as torch
@@ -360,10 +386,43 @@ _ATEN_OPS: dict[int, tuple] = {}  # id(func) -> (func, _AtenOp); OpOverloads liv
 def _aten_op(func) -> _AtenOp:
     found = _ATEN_OPS.get(id(func))
     if found is None or found[0] is not func:
+        packet = func._overloadpacket
         found = _ATEN_OPS[id(func)] = (func, _AtenOp(
-            f"{func.namespace}.{func._overloadpacket.__name__}", func.is_view,
-            func.namespace in ("c10d", "_c10d_functional"), _tensor_arguments(func)))
+            f"{func.namespace}.{packet.__name__}", func.is_view, func.namespace in ("c10d", "_c10d_functional"),
+            _tensor_arguments(func), _flop_formula(packet), packet not in flop_registry))
     return found[1]
+
+
+_SHAPE_WRAPPER = shape_wrapper(lambda: 0).__code__  # flop_counter's wrapper of formulas taking shapes
+
+
+def _flop_formula(packet):
+    """The FLOP formula of an op: (formula taking shapes, True) for flop_counter's shape-wrapped ones, whose
+    wrapper maps tensors to shapes with pytree (~30 us an op, _flops does it in a loop); else (formula, False)."""
+    formula = flop_registry.get(packet) or FLOP_FORMULAS.get(packet)
+    if formula is None:
+        return None
+    if getattr(formula, "__code__", None) is _SHAPE_WRAPPER:
+        return formula.__wrapped__, True
+    return formula, False
+
+
+def _flops(formula: tuple, args, kwargs, out) -> int:
+    """What flop_counter's formula counts for the op (shape_wrapper's call: each tensor replaced by its shape)."""
+    fn, takes_shapes = formula
+    if not takes_shapes:
+        return fn(*args, **kwargs, out_val=out)
+    return fn(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()})
+
+
+def _shapes(value):
+    """value with its tensors replaced by their shapes, in lists and tuples (the containers aten ops take and
+    return), as pytree's map does."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if type(value) in (list, tuple):
+        return type(value)(map(_shapes, value))
+    return value
 
 
 def _tensor_arguments(func) -> tuple:

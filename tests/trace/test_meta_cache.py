@@ -21,6 +21,16 @@ def test_rebuilt_results_match_and_aliasing_ops_run():
     assert view.untyped_storage()._cdata == x.untyped_storage()._cdata and inplace is x
 
 
+def test_in_place_ops_given_again_return_their_argument_and_those_changing_it_run():
+    with MetaCache():
+        x, y = torch.empty(3, 4, device="meta"), torch.empty(3, 4, device="meta")
+        assert x.add_(y) is x and x.add_(y) is x  # the second from the cache
+        flipped = [torch.empty(2, 3, device="meta").t_() for _ in range(2)]  # changes its argument: run each time
+        cpu = [torch.zeros(3).fill_(value) for value in (1.0, 2.0)]  # writes data: run each time
+    assert [t.shape for t in flipped] == [(3, 2), (3, 2)]
+    assert [t.tolist() for t in cpu] == [[1.0] * 3, [2.0] * 3]
+
+
 @pytest.mark.parametrize("base", ["gpt2", "gptj-6b", "bert-base-uncased"])
 def test_stage_traces_equal_running_every_meta_kernel(monkeypatch, base):
     config = tiny_config(base, n_layer=4, vocab_size=200)
