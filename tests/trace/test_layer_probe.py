@@ -154,3 +154,15 @@ def test_a_stated_routing_load_makes_an_moe_layer_with_another_row_another_kind(
     assert reduced(MOE, plan, 1)[1] == [(0, (11, 12, 13, 14), 1)]  # 8-9, 10, then 11-15
     assert traced_stage_for(MOE, TrainPlan(pp=8, microbatches=8, seq=32, moe_load=tuple(rows))) == \
         [0, 1, 2, 2, 2, 5, 2, 7]  # stage 5 (layers 10, 11) traced on its own
+
+
+def test_fsdp_recomputing_every_layer_keeps_five_layers_a_run():
+    """Under the fused profile the second-last layer's backward fuses otherwise: with four kept layers its period
+    was the one repeated (the step failed to expand); five leave two alike periods before it."""
+    plan = TrainPlan(dp=2, tp=2, sp=True, zero=3, recompute="full", microbatches=3, seq=32)
+    assert reduced(LLAMA, plan, 0)[1] == [(0, (0, 1, 2, 3, 4), 11)]
+    out = [trace_workload(LLAMA, plan, torch.bfloat16, HW, schedule=False, profile="fused", layer_probes=probes)
+           for probes in (True, False)]
+    assert any(probe.runs for probe in out[0].probes.values())
+    mine, theirs = (predict_training(w.probes, w.source, plan, HW, "fused").summary for w in out)
+    same_prediction(mine, theirs)
