@@ -5,11 +5,11 @@ load) run the same ops on the same shapes, and in a step each one's nodes -- its
 collectives it issues (TP, CP, EP, FSDP's gathers and reduce-scatters, the DP buckets overlap launches) and
 their tensors -- read the period before as that one read its own predecessor's. Only the first and the last
 layer a step meets of a run differ (what comes before and after them is no layer: an FSDP gather is
-prefetched for the next unit). So each run of alike layers is probed with its first four layers (five
+prefetched for the next unit). So each run of alike layers is probed with its first four layers (more
 under FSDP with full recomputation: `kept_per_run`), and a step of the whole stage is that probe's step
 with the third period it meets repeated for the run's other layers (`expand_step`: a copy reads the copy
-before it where the third read the second), which simulate/steps.py then simulates like a probed step. The second and third periods must run the same ops, else the stage is
-probed whole.
+before it where the third read the second), which simulate/steps.py then simulates like a probed step.
+The second and third periods must run the same ops, else the stage is probed whole.
 
 What the end of the last backward does is not layer by layer: DDP/ZeRO buckets launched or copied back
 together, their shards joined, sequence parallel's LayerNorm gradients summed over TP in one all-reduce. So
@@ -90,12 +90,15 @@ def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
 
 
 def kept_per_run(plan: TrainPlan) -> int:
-    """Layers a probe keeps of each run: four (the first and the last a step meets, two alike periods between),
-    five under FSDP with full recomputation, whose backward fuses the second-last layer's kernels otherwise
-    (the fused profile: Llama's RMSNorm backward pow joins another kernel only there; the periods compared and
-    repeated are the second and third, so its stage was probed whole, or with the fused profile crashed
-    `trace --predict_only`)."""
-    return 5 if plan.zero == 3 and plan.recompute == "full" else 4
+    """Layers a probe keeps of each run: four (the first and the last a step meets, two alike periods between).
+    Under FSDP with full recomputation the fused profile fuses the backward of the second-last layer a step
+    meets otherwise (Llama's RMSNorm backward pow joins another kernel only there), and in an interleaved
+    chunk's first backward the third-last's too: five, six when interleaved, so the second and third periods
+    (those compared and repeated) are middle ones. With fewer, such stages were probed whole after a kept
+    probe, or with the fused profile `trace --predict_only` failed."""
+    if plan.zero == 3 and plan.recompute == "full":
+        return 6 if plan.virtual_stages > 1 else 5
+    return 4
 
 
 def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
