@@ -218,9 +218,12 @@ def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGra
     return graph
 
 
-def expanded_steps(probe: StageProbe, grad_group: list[int]) -> dict:
-    """{key: expanded_step} of every step of a probe that left layers out, but the optimizer's."""
-    return {key: expanded_step(probe, key, grad_group) for key in probe[1] if key[0] != "optimizer"}
+def expanded_steps(probe: StageProbe, grad_group: list[int]):
+    """(key, expanded_step) of every step of a probe that left layers out, but the optimizer's, one at a time
+    (a whole stage's step of a large model holds ~10^5 nodes: a caller keeps one at a time)."""
+    for key in probe[1]:
+        if key[0] != "optimizer":
+            yield key, expanded_step(probe, key, grad_group)
 
 
 def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> TraceGraph:
