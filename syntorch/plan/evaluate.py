@@ -7,7 +7,7 @@ probe has two parts, cached apart by what shapes each:
 - its kept layers run for COST_MICROBATCHES micro-batches (layer_probe.kept_probe), keyed by `layer_key`: the
   model, the dtype, the plan but its pipeline depth, DP degree (only whether there is DP, unless ZeRO-2/FSDP
   shard by it), micro-batch count and layer split, and the stage's part (per chunk: whether it holds the
-  embedding and the loss, its runs of alike layers, four kept of each). Layouts that differ in PP (and so in DP
+  embedding and the loss, its runs of alike layers, four (or five) kept of each). Layouts that differ in PP (and so in DP
   on a fixed cluster) share it, moved onto their own mesh (trace/retarget.py), with their own copy counts;
 - the whole stage's end of backward and optimizer step (training.probe_optimizer), keyed by `optimizer_key`:
   the plan but its micro-batch count and size and recomputation, which change no parameter.
@@ -28,7 +28,7 @@ from syntorch.hardware import HardwareConfig
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.prediction import Prediction, predict_training
 from syntorch.trace.cost import fill_durations
-from syntorch.trace.layer_probe import StageProbe, kept_probe, reduced, runs, whole_probe, with_end
+from syntorch.trace.layer_probe import StageProbe, kept_per_run, kept_probe, reduced, runs, whole_probe, with_end
 from syntorch.trace.retarget import recost_collectives, retarget
 from syntorch.trace.training import COST_MICROBATCHES, layer_kind, probe_optimizer, traced_stage_for
 
@@ -57,9 +57,9 @@ def share_key(config: ModelConfig, plan: TrainPlan, dtype: torch.dtype) -> tuple
 
 def layer_key(config: ModelConfig, plan: TrainPlan, stage: int, dtype: torch.dtype) -> tuple:
     """What a stage's kept-layer probe is a function of (module docstring)."""
-    full = plan.stage(config, stage)
+    full, keep = plan.stage(config, stage), kept_per_run(plan)
     part = tuple((full.holds_input(c), full.holds_loss(c),
-                  tuple((layer_kind(config, run[0], plan.moe_load), min(len(run), 4), len(run) > 4)
+                  tuple((layer_kind(config, run[0], plan.moe_load), min(len(run), keep), len(run) > keep)
                         for run in runs(config, chunk, plan.moe_load)))
                  for c, chunk in enumerate(full.chunks or (full.layers,)))
     return (share_key(config, plan, dtype), plan.micro_batch_size, plan.recompute,

@@ -45,7 +45,9 @@ class MeshFrame:
     def __init__(self, mesh: Mesh, kinds=None):
         self.mesh, self.kinds = mesh, kinds
         self.pp_stride = mesh.stride("pp")
-        self.labels, self.kinds_of = {}, {}  # per group: its label (from every member's coordinates), its kinds
+        # per group: its label (from every member's coordinates), its kinds, its canonical form (a stage's
+        # groups recur in every step, the gradient norm's holding every rank)
+        self.labels, self.kinds_of, self.canonicals = {}, {}, {}
 
     def kind(self, rank: int) -> int:
         """Its stage (plain arithmetic, asked for every member of a group), and its kind in the stage."""
@@ -61,8 +63,11 @@ class MeshFrame:
 
     def canonical(self, ranks) -> tuple:
         """The group as the kinds' representatives name it: moved back by its lowest rank's place but EP's."""
-        origin = self.mesh.first(min(ranks), "ep")
-        return tuple(self.mesh.translate(r, origin, back=True) for r in ranks)
+        key = tuple(ranks)
+        if key not in self.canonicals:
+            origin = self.mesh.first(min(key), "ep")
+            self.canonicals[key] = tuple(self.mesh.translate(r, origin, back=True) for r in key)
+        return self.canonicals[key]
 
     def label(self, group) -> str:
         """The communicator's kind, which names its stream: every group of a rank has its own (the mesh's

@@ -95,8 +95,7 @@ def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
         return probe_costs(*probe, mesh, sync_tp_backward)
     frame = MeshFrame(mesh)
     costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
-    steps = expanded_steps(probe, grad_group(probe[0], mesh))
-    for key, step in steps.items():
+    for key, step in expanded_steps(probe, grad_group(probe[0], mesh)):
         costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
     return costs
 

@@ -5,11 +5,11 @@ load) run the same ops on the same shapes, and in a step each one's nodes -- its
 collectives it issues (TP, CP, EP, FSDP's gathers and reduce-scatters, the DP buckets overlap launches) and
 their tensors -- read the period before as that one read its own predecessor's. Only the first and the last
 layer a step meets of a run differ (what comes before and after them is no layer: an FSDP gather is
-prefetched for the next unit). So each run of alike layers is probed with its first four layers, and a step
-of the whole stage is that probe's step with the third period it meets repeated for the run's other layers
-(`expand_step`: a copy reads the copy before it where the third read the second), which simulate/steps.py
-then simulates like a probed step. The second and third periods must run the same ops, else the stage is
-probed whole.
+prefetched for the next unit). So each run of alike layers is probed with its first four layers (more
+under FSDP with full recomputation: `kept_per_run`), and a step of the whole stage is that probe's step
+with the third period it meets repeated for the run's other layers (`expand_step`: a copy reads the copy
+before it where the third read the second), which simulate/steps.py then simulates like a probed step.
+The second and third periods must run the same ops, else the stage is probed whole.
 
 What the end of the last backward does is not layer by layer: DDP/ZeRO buckets launched or copied back
 together, their shards joined, sequence parallel's LayerNorm gradients summed over TP in one all-reduce. So
@@ -49,7 +49,7 @@ class KeptLayers(TrainPlan):
 class StageProbe(tuple):
     """A stage's probe, which unpacks as trace/training.py's probe_stage result (graph, where each step's
     nodes are); when layers were left out, `runs` says which: (chunk, kept layers, copies) for each run of
-    alike layers the probe kept four of, `copies` being how many more the stage has; `optimizer` is the
+    alike layers the probe kept some of (kept_per_run), `copies` being how many more the stage has; `optimizer` is the
     whole stage's end of backward and optimizer step probed on their own ((graph, blocks), probe_optimizer's)
     and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept)."""
 
@@ -78,19 +78,32 @@ def runs(config: ModelConfig, layers, load=None) -> list[list[int]]:
 
 def reduced(config: ModelConfig, plan: TrainPlan, stage: int) -> tuple | None:
     """(the chunks of layers a probe keeps, the runs it stands for as StageProbe.runs), or None when every
-    run of alike layers is at most four long, or the first forward gathers every ZeRO bucket
+    run of alike layers is at most kept_per_run long, or the first forward gathers every ZeRO bucket
     (overlap_param_gather), or experts and dense parameters have buckets of their own (EP without FSDP)."""
-    full = plan.stage(config, stage)
+    full, keep = plan.stage(config, stage), kept_per_run(plan)
     chunks = [runs(config, chunk, plan.moe_load) for chunk in (full.chunks or (full.layers,))]
-    long = [(c, tuple(run[:4]), len(run) - 4) for c, chunk in enumerate(chunks) for run in chunk if len(run) > 4]
+    long = [(c, tuple(run[:keep]), len(run) - keep) for c, chunk in enumerate(chunks) for run in chunk
+            if len(run) > keep]
     if not long or (plan.zero != 3 and (plan.ep > 1 or (plan.zero and plan.overlap_param_gather))):
         return None
-    return tuple(tuple(i for run in chunk for i in run[:4]) for chunk in chunks), long
+    return tuple(tuple(i for run in chunk for i in run[:keep]) for chunk in chunks), long
+
+
+def kept_per_run(plan: TrainPlan) -> int:
+    """Layers a probe keeps of each run: four (the first and the last a step meets, two alike periods between).
+    Under FSDP with full recomputation the fused profile fuses the backward of the second-last layer a step
+    meets otherwise (Llama's RMSNorm backward pow joins another kernel only there), and in an interleaved
+    chunk's first backward the third-last's too: five, six when interleaved, so the second and third periods
+    (those compared and repeated) are middle ones. With fewer, such stages were probed whole after a kept
+    probe, or with the fused profile `trace --predict_only` failed."""
+    if plan.zero == 3 and plan.recompute == "full":
+        return 6 if plan.virtual_stages > 1 else 5
+    return 4
 
 
 def layer_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
                 rank: int | None = None) -> StageProbe:
-    """The stage probed with four layers per run of alike layers, or whole when that cannot stand for it
+    """The stage probed with kept_per_run layers per run of alike layers, or whole when that cannot stand for it
     (`rank`: the stage's rank probed, default its representative)."""
     cut = reduced(config, plan, stage)
     kept = cut and kept_probe(config, plan, stage, dtype, microbatches, cut, rank)
@@ -205,9 +218,12 @@ def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGra
     return graph
 
 
-def expanded_steps(probe: StageProbe, grad_group: list[int]) -> dict:
-    """{key: expanded_step} of every step of a probe that left layers out, but the optimizer's."""
-    return {key: expanded_step(probe, key, grad_group) for key in probe[1] if key[0] != "optimizer"}
+def expanded_steps(probe: StageProbe, grad_group: list[int]):
+    """(key, expanded_step) of every step of a probe that left layers out, but the optimizer's, one at a time
+    (a whole stage's step of a large model holds ~10^5 nodes: a caller keeps one at a time)."""
+    for key in probe[1]:
+        if key[0] != "optimizer":
+            yield key, expanded_step(probe, key, grad_group)
 
 
 def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> TraceGraph:
@@ -247,7 +263,7 @@ def _step_only(graph: TraceGraph, start: int, end: int) -> TraceGraph:
 
 
 def _periods(graph: TraceGraph, start: int, end: int, run: tuple) -> tuple[int, int, int] | None:
-    """The ends of the first, second and third period of the run's four kept layers in nodes [start, end),
+    """The ends of the first, second and third period of the run's kept layers in nodes [start, end),
     in the order the step meets them: each period runs from after the one before to its layer's last op or
     collective and that one's outputs. None when the second and third do not run the same ops, or the
     step lacks them."""
@@ -257,9 +273,9 @@ def _periods(graph: TraceGraph, start: int, end: int, run: tuple) -> tuple[int, 
         match = LAYER_PATH.match(d.get("module") or "") if d["kind"] != "tensor" else None
         if match and int(match.group(1)) in run[1]:
             last[int(match.group(1))] = n
-    if len(last) < 4:
+    if len(last) < len(run[1]):
         return None
-    before, first, second, _ = sorted(_outputs_end(graph, n, end) for n in last.values())
+    before, first, second, *_ = sorted(_outputs_end(graph, n, end) for n in last.values())
     if [_role(graph.node_attrs[n]) for n in range(before + 1, first + 1)] != \
             [_role(graph.node_attrs[n]) for n in range(first + 1, second + 1)]:
         return None

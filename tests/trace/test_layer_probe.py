@@ -154,3 +154,27 @@ def test_a_stated_routing_load_makes_an_moe_layer_with_another_row_another_kind(
     assert reduced(MOE, plan, 1)[1] == [(0, (11, 12, 13, 14), 1)]  # 8-9, 10, then 11-15
     assert traced_stage_for(MOE, TrainPlan(pp=8, microbatches=8, seq=32, moe_load=tuple(rows))) == \
         [0, 1, 2, 2, 2, 5, 2, 7]  # stage 5 (layers 10, 11) traced on its own
+
+
+
+L32 = tiny_config("llama-3-8b", n_layer=32, d_model=128, n_head=4, n_kv_head=2, d_head=32, d_ff=256, vocab_size=128)
+FSDP_FULL = {  # (model, plan, the runs stage 0's probe stands for)
+    "fsdp_full": (LLAMA, TrainPlan(dp=2, tp=2, sp=True, zero=3, recompute="full", microbatches=3, seq=32),
+                  [(0, (0, 1, 2, 3, 4), 11)]),
+    "fsdp_full_interleaved": (L32, TrainPlan(dp=2, tp=2, pp=2, virtual_stages=2, zero=3, recompute="full",
+                                             microbatches=4, seq=32),
+                              [(0, (0, 1, 2, 3, 4, 5), 2), (1, (16, 17, 18, 19, 20, 21), 2)]),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_FULL)
+def test_fsdp_recomputing_every_layer_keeps_five_or_six_layers_a_run(name):
+    """Under the fused profile the backward of the second-last layers fuses otherwise (of an interleaved chunk,
+    the third-last too): with fewer kept layers such a period was the one repeated (the step failed to expand)."""
+    config, plan, kept = FSDP_FULL[name]
+    assert reduced(config, plan, 0)[1] == kept
+    out = [trace_workload(config, plan, torch.bfloat16, HW, schedule=False, profile="fused", layer_probes=probes)
+           for probes in (True, False)]
+    assert any(probe.runs for probe in out[0].probes.values())
+    mine, theirs = (predict_training(w.probes, w.source, plan, HW, "fused").summary for w in out)
+    same_prediction(mine, theirs)
