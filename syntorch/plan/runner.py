@@ -50,9 +50,16 @@ def _pool_group(task: tuple) -> list:
     return evaluate_group(*args, group)
 
 
+# tasks a worker process runs before a fresh one (forked from the search) takes its place: a task's stage runs
+# are not all freed after it (their gradient hooks hold them: ~130 MB a task of Llama-3.1 405B TP8 PP8, which
+# gc.collect() does not return), so a worker of the 1,067-layout 405B search grew past 9 GB by its 60th task
+TASKS_PER_WORKER = 16
+
+
 def _on_pool(args, groups, workers, advance) -> list:
     results = []
-    with multiprocessing.Pool(min(workers, len(groups)), initializer=_worker_init) as pool:  # exit: terminate
+    with multiprocessing.Pool(min(workers, len(groups)), initializer=_worker_init,
+                              maxtasksperchild=TASKS_PER_WORKER) as pool:  # exit: terminate
         for out in pool.imap_unordered(_pool_group, [(args, group) for group in groups]):
             results.append(out)
             advance(len(out))
