@@ -61,7 +61,7 @@ def trace_workload(config: ModelConfig, plan: TrainPlan, dtype=torch.bfloat16,
                    hw: HardwareConfig | None = None, schedule: bool = True, profile: str = "eager",
                    attention: str = "flash", layer_probes: bool = True) -> Workload:
     """`schedule=False`: only the probes (enough to predict, syntorch/simulate), no stage's whole step; with
-    `layer_probes` each probe keeps four layers of each run of alike layers (trace/layer_probe.py),
+    `layer_probes` each probe keeps a few layers (layer_probe.kept_per_run) of each run of alike layers,
     else every layer. `profile`, `attention`: the software of the durations (trace/kernels.py), with `hw`."""
     with no_gc():
         return _trace_workload(config, plan, dtype, hw, schedule, (profile, attention), layer_probes)
