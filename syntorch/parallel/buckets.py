@@ -32,6 +32,7 @@ their own (last) buckets: a weight shared by the first and the last pipeline sta
 Megatron's embedding group) and, under sequence parallel, the LayerNorms and biases each TP rank applied to
 its part of the sequence (over the TP group), as Megatron's finalize_model_grads does.
 """
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -94,9 +95,12 @@ class GradSync:
         # flat partition), so its step is a few ops on one tensor whatever the bucket count
         self.shard = nn.Parameter(torch.cat([self._shard_of(_flat([p.detach() for p in b.params], b.size))
                                              for b in self.all_buckets])) if self.zero and self.all_buckets else None
+        # the hooks hold this object weakly: a parameter's hooks live in torch's C++ grad accumulator, where the
+        # cyclic collector cannot see the cycle through self.params (each traced stage leaked its whole model)
+        ready = weakref.WeakMethod(self._grad_ready)
         for p in self.params:
             if id(p) in self._bucket_of:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(lambda p: ready()(p))
         self._last_grad = None  # the gradient accumulated last in this backward
         # overlap_param_gather: id -> bucket to gather, its gathered values. Stale from the start, as in every
         # step but the first (a traced step is a steady-state one; the first gathers what the weights hold)

@@ -32,6 +32,8 @@ Each all-gather reads a copy of the shard (FSDP2's copy-in) made together with a
 (or gradient) that was current when it was issued: real runs move no extra data, and a trace orders the
 collective after the compute before it, as FSDP2's all-gather stream waits for the compute stream.
 """
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -152,9 +154,10 @@ class FullyShard:
         for i, (layer, units) in enumerate(zip(layers, self.layers)):
             self._hook(layer, units, self.layers[i + 1] if i + 1 < len(layers) else [],
                        self.layers[i - 1] if i else [])
+        ready = weakref.WeakMethod(self._grad_ready)  # held weakly: as buckets.GradSync's hooks
         for unit in self.units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit: ready()(unit))
 
     @staticmethod
     def _layer_units(layer: nn.Module, group, size: int, reduce_fp32: bool, experts) -> list[Unit]:

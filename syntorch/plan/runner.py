@@ -50,9 +50,9 @@ def _pool_group(task: tuple) -> list:
     return evaluate_group(*args, group)
 
 
-# tasks a worker process runs before a fresh one (forked from the search) takes its place: a task's stage runs
-# are not all freed after it (their gradient hooks hold them: ~130 MB a task of Llama-3.1 405B TP8 PP8, which
-# gc.collect() does not return), so a worker of the 1,067-layout 405B search grew past 9 GB by its 60th task
+# tasks a worker process runs before a fresh one (forked from the search) takes its place: what a process keeps
+# across tasks (the meta cache's results, torch's own caches) grows with the layouts it saw. (Until stop 31 the
+# gradient hooks also kept every probed stage alive, ~130 MB a 405B task: tests/trace/test_probe_frees.py.)
 TASKS_PER_WORKER = 16
 
 
