@@ -7,8 +7,9 @@ probe has two parts, cached apart by what shapes each:
 - its kept layers run for COST_MICROBATCHES micro-batches (layer_probe.kept_probe), keyed by `layer_key`: the
   model, the dtype, the plan but its pipeline depth, DP degree (only whether there is DP, unless ZeRO-2/FSDP
   shard by it), micro-batch count and layer split, and the stage's part (per chunk: whether it holds the
-  embedding and the loss, its runs of alike layers, four (or five) kept of each). Layouts that differ in PP (and so in DP
-  on a fixed cluster) share it, moved onto their own mesh (trace/retarget.py), with their own copy counts;
+  embedding and the loss, its runs of alike layers, layer_probe.kept_per_run kept of each). Layouts that differ
+  in PP (and so in DP on a fixed cluster) share it, moved onto their own mesh (trace/retarget.py), with their
+  own copy counts;
 - the whole stage's end of backward and optimizer step (training.probe_optimizer), keyed by `optimizer_key`:
   the plan but its micro-batch count and size and recomputation, which change no parameter.
 

@@ -49,9 +49,9 @@ class KeptLayers(TrainPlan):
 class StageProbe(tuple):
     """A stage's probe, which unpacks as trace/training.py's probe_stage result (graph, where each step's
     nodes are); when layers were left out, `runs` says which: (chunk, kept layers, copies) for each run of
-    alike layers the probe kept some of (kept_per_run), `copies` being how many more the stage has; `optimizer` is the
-    whole stage's end of backward and optimizer step probed on their own ((graph, blocks), probe_optimizer's)
-    and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept)."""
+    alike layers the probe kept some of (kept_per_run), `copies` being how many more the stage has;
+    `optimizer` is the whole stage's end of backward and optimizer step probed on their own ((graph, blocks),
+    probe_optimizer's) and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept)."""
 
     def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None,
                 finish: int | None = None):
