@@ -103,6 +103,7 @@ class StageGraphs(Sequence):
     def __init__(self, config, plan, probes, source, hw, software):
         self.config, self.plan, self.probes, self.source, self.hw, self.software = \
             config, plan, probes, source, hw, software
+        self._in_place = {}  # (traced stage, kind) -> its probe in shift_stage's edge order, and its prepared steps
 
     def __len__(self) -> int:
         return self.plan.pp
@@ -122,6 +123,31 @@ class StageGraphs(Sequence):
             for n, d in graph.collectives() if self.hw else ():
                 d["duration_us"] = kernel_us(kernel_of(graph, n, {}), self.hw, *self.software)
         return schedule_stage(graph, blocks, self.plan, keep=traced == s)
+
+    def kind_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict]:
+        """level_view(kind_graph(s, kind), level) and its stage_figures, made for a shifted copy as for its
+        traced stage in the copy's schedule, then moved (moved_view). The probe is first shifted in place
+        (to its own stage, by no layers): shift_stage's edge order is the same for every copy (shift_view), and
+        that probe and its steps as prepared for copying are kept for the next copy of the stage."""
+        traced = self.source[s]
+        if traced == s:
+            graph = self.kind_graph(s, kind)
+            return level_view(graph, level), stage_figures(graph)
+        if (traced, kind) not in self._in_place:
+            graph, blocks = self.probes[traced, kind]
+            self._in_place[traced, kind] = shift_stage(graph, self.plan.mesh, traced, 0), blocks, {}
+        graph, blocks, steps = self._in_place[traced, kind]
+        graph = schedule_stage(graph, blocks, self.plan, keep=True, stage=s, steps=steps)
+        return self.moved_view(level_view(graph, level), stage_figures(graph), s)
+
+    def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:
+        """A view of a shifted copy of a stage moved to stage s (training.shift_view), its collectives costed
+        again where they are now (as kind_graph costs them), and its figures with the moved collectives' time."""
+        first = [self.plan.stage(self.config, k).layers[0] for k in (s, view.graph["stage"])]
+        view = shift_view(view, self.plan.mesh, s, first[0] - first[1])
+        for n, d in view.collectives() if self.hw else ():
+            d["duration_us"] = kernel_us(kernel_of(view, n, {}), self.hw, *self.software)
+        return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in view.collectives())}
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
@@ -197,18 +223,10 @@ def _moves_to(workload, was: tuple, now: tuple) -> bool:
 def _stage_view(workload, stage: int, kind: int, level: str, last: tuple | None) -> tuple[TraceGraph, dict]:
     """A stage's rank kind's graph at `level` and its figures (stage_figures). `last`: the stage, kind, view
     and figures of a stage this one's view is moved from (_moves_to): then they are that view moved
-    (training.shift_view) with its collectives costed again where they are now (as kind_graph costs them),
-    and those figures with the moved collectives' time."""
-    plan = workload.plan
+    (StageGraphs.moved_view)."""
     if last:
-        was, _, view, figures = last
-        first = [plan.stage(workload.config, k).layers[0] for k in (stage, was)]
-        view = shift_view(view, plan.mesh, stage, first[0] - first[1])
-        for n, d in view.collectives() if workload.hw else ():
-            d["duration_us"] = kernel_us(kernel_of(view, n, {}), workload.hw, workload.profile, workload.attention)
-        return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in view.collectives())}
-    graph = workload.stages.kind_graph(stage, kind)
-    return level_view(graph, level), stage_figures(graph)
+        return workload.stages.moved_view(*last[2:], stage)
+    return workload.stages.kind_view(stage, kind, level)
 
 
 def _progress(kinds: list, world: int, progress: bool):

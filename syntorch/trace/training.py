@@ -151,14 +151,17 @@ def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
     return probed - 1 if kind == "F" or m == microbatches - 1 else probed - 2
 
 
-def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False) -> TraceGraph:
+def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False,
+                   stage: int | None = None, steps: dict | None = None) -> TraceGraph:
     """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
     each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
-    play the same part (the same micro-batch's forward, the previous backward).
+    play the same part (the same micro-batch's forward, the previous backward). `stage`: whose schedule
+    (default: the probe's stage); `steps`: the probe's steps as prepared for copying, kept across calls on
+    one probe (a dict, filled here).
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
-    stage, M = probe.graph["stage"], plan.microbatches
+    stage, M = probe.graph["stage"] if stage is None else stage, plan.microbatches
 
     def source(kind, m, c):
         """The probed step a step is copied from (the optimizer's one step for itself)."""
@@ -175,7 +178,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     out = TraceGraph(**probe.graph)
     out.append((probe.node_attrs[n] for n in range(prefix)),
             ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix))
-    placed, steps = {}, {}  # (kind, microbatch) -> first node in `out`; probed step -> _Step
+    placed = {}  # (kind, microbatch) -> first node in `out`
+    steps = {} if steps is None else steps  # probed step -> _Step
     # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
     # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
     latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}

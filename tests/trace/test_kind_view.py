@@ -1,0 +1,43 @@
+"""A shifted stage's view made as its traced stage's in the shifted stage's schedule, then moved
+(StageGraphs.kind_view: one probe and its prepared steps serve every copy), against the shifted stage's own
+graph scheduled and viewed (level_view(kind_graph)): the same nodes, the same edges in the same order, the
+same figures; with several micro-batches, interleaved and not, at module and op level."""
+import pytest
+import torch
+
+from conftest import tiny_config
+from syntorch.hardware import load_hw_config
+from syntorch.parallel.plans import TrainPlan
+from syntorch.trace.levels import level_view
+from syntorch.workload import stage_figures, trace_workload
+
+HW = load_hw_config("a100-80gb")
+
+
+def _edges(graph) -> tuple:
+    """Every edge with its attributes, in both of networkx's orders (level views and Chakra read both)."""
+    return ([(u, list(vs.items())) for u, vs in graph.succs.items()],
+            [(v, list(us.items())) for v, us in graph.preds.items()])
+
+
+@pytest.mark.parametrize("level", ["module", "op"])
+@pytest.mark.parametrize("plan", [
+    # TP2 x PP5, 1F1B: stages 2 and 3 are copies of stage 1, each with its own warm-up
+    TrainPlan(tp=2, pp=5, microbatches=6, seq=16, sp=True),
+    # interleaved: two chunks a stage, stages 2..4 copies of 1
+    TrainPlan(tp=2, pp=6, microbatches=6, seq=16, virtual_stages=2),
+], ids=["1f1b", "interleaved"])
+def test_a_copied_stage_viewed_as_its_traced_stage_is_its_own(plan, level):
+    config = tiny_config("gpt2", n_layer=10 if plan.virtual_stages == 1 else 12, vocab_size=200)
+    workload = trace_workload(config, plan, torch.float32, HW)
+    copies = [s for s, t in enumerate(workload.source) if t != s]
+    assert len(copies) >= 2
+    for s in copies:
+        view, figures = workload.stages.kind_view(s, 0, level)
+        graph = workload.stages.kind_graph(s, 0)
+        own = level_view(graph, level)
+        assert view.graph == own.graph
+        assert view.node_attrs == own.node_attrs
+        assert _edges(view) == _edges(own)
+        assert figures == stage_figures(graph)
+    assert len(workload.stages._in_place) == 1  # one probe serves every copy
