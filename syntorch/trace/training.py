@@ -381,11 +381,20 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
     for k in range(1, len(starts)):
         start, end = bounds[k], bounds[k + 1]
         last = next((n for n in range(start - 1, bounds[k - 1] - 1, -1) if nodes[n]["kind"] != "tensor"), None)
-        roots = [n for n in range(start, end)
-                 if nodes[n]["kind"] != "tensor" and not any(p >= start for t in pred[n] for p in pred[t])]
+        roots = [n for n in range(start, end) if nodes[n]["kind"] != "tensor" and _made_before(pred, n, start)]
         if last is None or not roots:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
         graph.add_edge(last, token, arg=len(graph.succ[last]))
         for n in roots:
             graph.add_edge(token, n, arg=len(graph.pred[n]))
+
+
+def _made_before(pred: dict, n: int, start: int) -> bool:
+    """Were all of node n's inputs made before node `start`? (Loops, not any() over a generator: asked of
+    every node of a stage's step.)"""
+    for t in pred[n]:
+        for p in pred[t]:
+            if p >= start:
+                return False
+    return True
