@@ -11,7 +11,9 @@ every process group of the plan's mesh (parallel/mesh.py), numbered by chakra/gr
 load that makes EP ranks differ (--moe_load, parallel/moe_load.py's RankKinds), each stage is traced once
 per rank kind, and every rank's file is made from its kind's nodes the same way. A middle stage that is a
 shifted copy of the same traced stage as the stage before it, in the same schedule, is not scheduled and
-viewed again: its view is that stage's moved (_stage_view; 11 of a 16-stage Llama-3.1 405B plan's).
+viewed again: its view is that stage's moved (_stage_view; 11 of a 16-stage Llama-3.1 405B plan's). Any other
+shifted copy is scheduled and viewed as its traced stage, in the copy's own schedule, and then moved
+(StageGraphs.kind_view): no shifted op graph is made, and one probe's prepared steps serve every copy.
 """
 import json
 import types
@@ -103,7 +105,7 @@ class StageGraphs(Sequence):
     def __init__(self, config, plan, probes, source, hw, software):
         self.config, self.plan, self.probes, self.source, self.hw, self.software = \
             config, plan, probes, source, hw, software
-        self._in_place = {}  # (traced stage, kind) -> its probe in shift_stage's edge order, and its prepared steps
+        self._steps = {}  # (traced stage, kind) -> its probe's steps as prepared for copying to another stage
 
     def __len__(self) -> int:
         return self.plan.pp
@@ -113,8 +115,9 @@ class StageGraphs(Sequence):
             raise IndexError(s)
         return self.kind_graph(s, 0)
 
-    def kind_graph(self, s: int, kind: int) -> TraceGraph:
-        """Stage s's graph as its rank kind `kind`'s representative runs it (probes: by (stage, kind))."""
+    def kind_graph(self, s: int, kind: int, share: bool = False) -> TraceGraph:
+        """Stage s's graph as its rank kind `kind`'s representative runs it (probes: by (stage, kind)); `share`:
+        schedule_stage's, for a graph that is read and dropped."""
         traced, (graph, blocks) = self.source[s], self.probes[self.source[s], kind]
         if traced != s:
             first = [self.plan.stage(self.config, k).layers[0] for k in (s, traced)]
@@ -122,22 +125,18 @@ class StageGraphs(Sequence):
             # a moved group may span nodes where the source's did not; ops cost what they cost there
             for n, d in graph.collectives() if self.hw else ():
                 d["duration_us"] = kernel_us(kernel_of(graph, n, {}), self.hw, *self.software)
-        return schedule_stage(graph, blocks, self.plan, keep=traced == s)
+        return schedule_stage(graph, blocks, self.plan, keep=traced == s, share=share)
 
     def kind_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict]:
-        """level_view(kind_graph(s, kind), level) and its stage_figures, made for a shifted copy as for its
-        traced stage in the copy's schedule, then moved (moved_view). The probe is first shifted in place
-        (to its own stage, by no layers): shift_stage's edge order is the same for every copy (shift_view), and
-        that probe and its steps as prepared for copying are kept for the next copy of the stage."""
+        """level_view(kind_graph(s, kind), level) and its stage_figures; for a shifted copy, made as for its
+        traced stage in the copy's schedule (schedule_stage's `stage`) and then moved (moved_view), with the
+        probe's steps as prepared for copying kept for the next copy."""
         traced = self.source[s]
         if traced == s:
-            graph = self.kind_graph(s, kind)
+            graph = self.kind_graph(s, kind, share=True)
             return level_view(graph, level), stage_figures(graph)
-        if (traced, kind) not in self._in_place:
-            graph, blocks = self.probes[traced, kind]
-            self._in_place[traced, kind] = shift_stage(graph, self.plan.mesh, traced, 0), blocks, {}
-        graph, blocks, steps = self._in_place[traced, kind]
-        graph = schedule_stage(graph, blocks, self.plan, keep=True, stage=s, steps=steps)
+        steps = self._steps.setdefault((traced, kind), {})
+        graph = schedule_stage(*self.probes[traced, kind], self.plan, keep=True, stage=s, steps=steps, share=True)
         return self.moved_view(level_view(graph, level), stage_figures(graph), s)
 
     def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:

@@ -152,15 +152,19 @@ def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
 
 
 def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False,
-                   stage: int | None = None, steps: dict | None = None) -> TraceGraph:
+                   stage: int | None = None, steps: dict | None = None, share: bool = False) -> TraceGraph:
     """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
     each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
-    play the same part (the same micro-batch's forward, the previous backward). `stage`: whose schedule
-    (default: the probe's stage); `steps`: the probe's steps as prepared for copying, kept across calls on
-    one probe (a dict, filled here).
+    play the same part (the same micro-batch's forward, the previous backward). `stage`: another stage's
+    schedule, for a shifted copy of the probe's stage; then each node's inputs are in the order a copy
+    shift_stage made has them, by their producers' ids (StageGraphs.kind_view). `steps`: the probe's steps
+    as prepared for copying, kept across calls on one probe and stage (a dict, filled here); `share`: nodes
+    and edges that are the probe's as they are keep its attribute dicts, not copies (for a graph that is read
+    and dropped: half the memory of a stage's step).
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
+    by_source = stage is not None and stage != probe.graph["stage"]
     stage, M = probe.graph["stage"] if stage is None else stage, plan.microbatches
 
     def source(kind, m, c):
@@ -171,13 +175,13 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     order = [*stage_steps(plan, stage), *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
     found = sorted((start, end, key) for key, (start, end) in blocks.items())
     if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
-        finished = copy_graph(probe) if keep else probe
+        finished = copy_graph(probe, by_source) if keep or by_source else probe
         _renumber_orders(finished)
         return _finish(finished, plan, order, [start for start, _, _ in found])
     prefix = found[0][0]
     out = TraceGraph(**probe.graph)
     out.append((probe.node_attrs[n] for n in range(prefix)),
-            ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix))
+               ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix), copy=not share)
     placed = {}  # (kind, microbatch) -> first node in `out`
     steps = {} if steps is None else steps  # probed step -> _Step
     # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
@@ -200,12 +204,13 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     for kind, m, c in order:
         key = source(kind, m, c)
         if key not in steps:  # each probed step prepared once, however many copies it makes
-            steps[key] = _Step(probe, *blocks[key])
+            steps[key] = _Step(probe, *blocks[key], by_source)
         step = steps[key]
         base = placed[(kind, m, c)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
         out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out, latest),
-                ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges))
+                   ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges),
+                   copy=not share)
         latest.update(step.written)
     _renumber_orders(out)
     return _finish(out, plan, order, [placed[step] for step in order])
@@ -220,18 +225,21 @@ def stage_steps(plan: plans.TrainPlan, stage: int) -> list[tuple[str, int, int]]
 
 class _Step:
     """A probed step prepared for copying: its nodes' attributes, which of them move with the micro-batch,
-    and its in-edges in their order (from inside the step as offsets, else as probe nodes)."""
+    and its in-edges in their order (from inside the step as offsets, else as probe nodes); `by_source`: each
+    node's inputs by their producers' ids (schedule_stage's)."""
 
-    def __init__(self, probe: TraceGraph, a: int, b: int):
+    def __init__(self, probe: TraceGraph, a: int, b: int, by_source: bool = False):
         self.a, self.nodes, self.moving, self.edges = a, [], {}, []
-        nodes, pred = probe.node_attrs, probe.preds
+        nodes = probe.node_attrs
+        pred = {n: dict(sorted(probe.preds[n].items())) for n in range(a, b)} if by_source else probe.preds
         for n in range(a, b):
             data = nodes[n]
             self.nodes.append(data)
             if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
                 self.moving[n - a] = ("tag", None)
             elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w in pred[n] for t in pred[w] if nodes[t]["version"] == data["version"] - 1
+                earlier = [t for w in pred[n] for t in (sorted(probe.preds[w]) if by_source else probe.preds[w])
+                           if nodes[t]["version"] == data["version"] - 1
                            and nodes[t]["shape"] == data["shape"]] if data["version"] else []
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
             self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
@@ -265,12 +273,14 @@ class _Step:
         return nodes
 
 
-def copy_graph(graph: TraceGraph) -> TraceGraph:
+def copy_graph(graph: TraceGraph, by_source: bool = False) -> TraceGraph:
     """A copy whose node, edge and graph attributes can change without changing `graph`'s. Edges go in by
-    target, each one's inputs in their order, as the tracer added them (which level views keep)."""
+    target, each one's inputs in their order, as the tracer added them (which level views keep); `by_source`:
+    by source, as shift_stage copies them."""
     out = TraceGraph(**graph.graph)
-    out.append((dict(d) for d in graph.node_attrs.values()),
-               ((u, v, dict(e)) for v, sources in graph.preds.items() for u, e in sources.items()))
+    edges = ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()) if by_source else \
+        ((u, v, e) for v, sources in graph.preds.items() for u, e in sources.items())
+    out.append((dict(d) for d in graph.node_attrs.values()), ((u, v, dict(e)) for u, v, e in edges))
     return out
 
 
@@ -280,11 +290,13 @@ def _state(n: int, d: dict) -> bool:
 
 
 def _renumber_orders(graph: TraceGraph) -> None:
-    counts = {}
-    for _, d in graph.collectives():
+    """Each collective's `order` among its group's in the graph, in a new attribute dict (a shared one is the
+    probe's: schedule_stage's `share`)."""
+    counts, nodes = {}, graph.node_attrs
+    for n, d in list(graph.collectives()):
         key = tuple(d["group"])
-        d["order"] = counts.get(key, 0)
-        counts[key] = d["order"] + 1
+        nodes[n] = {**d, "order": counts.get(key, 0)}
+        counts[key] = nodes[n]["order"] + 1
 
 
 def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:

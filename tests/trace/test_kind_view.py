@@ -1,5 +1,5 @@
 """A shifted stage's view made as its traced stage's in the shifted stage's schedule, then moved
-(StageGraphs.kind_view: one probe and its prepared steps serve every copy), against the shifted stage's own
+(StageGraphs.kind_view: the traced stage's probe and its prepared steps serve every copy), against the shifted stage's own
 graph scheduled and viewed (level_view(kind_graph)): the same nodes, the same edges in the same order, the
 same figures; with several micro-batches, interleaved and not, at module and op level."""
 import pytest
@@ -26,7 +26,9 @@ def _edges(graph) -> tuple:
     TrainPlan(tp=2, pp=5, microbatches=6, seq=16, sp=True),
     # interleaved: two chunks a stage, stages 2..4 copies of 1
     TrainPlan(tp=2, pp=6, microbatches=6, seq=16, virtual_stages=2),
-], ids=["1f1b", "interleaved"])
+    # one micro-batch: every stage runs the probe's steps in the probe's order (the probe finished as it is)
+    TrainPlan(tp=2, pp=5, microbatches=1, seq=16),
+], ids=["1f1b", "interleaved", "one_microbatch"])
 def test_a_copied_stage_viewed_as_its_traced_stage_is_its_own(plan, level):
     config = tiny_config("gpt2", n_layer=10 if plan.virtual_stages == 1 else 12, vocab_size=200)
     workload = trace_workload(config, plan, torch.float32, HW)
@@ -40,4 +42,4 @@ def test_a_copied_stage_viewed_as_its_traced_stage_is_its_own(plan, level):
         assert view.node_attrs == own.node_attrs
         assert _edges(view) == _edges(own)
         assert figures == stage_figures(graph)
-    assert len(workload.stages._in_place) == 1  # one probe serves every copy
+    assert list(workload.stages._steps) == [(1, 0)]  # one probe's steps serve every copy
