@@ -1,7 +1,8 @@
-"""A shifted stage's view made as its traced stage's in the shifted stage's schedule, then moved
-(StageGraphs.kind_view: the traced stage's probe and its prepared steps serve every copy), against the shifted stage's own
-graph scheduled and viewed (level_view(kind_graph)): the same nodes, the same edges in the same order, the
-same figures; with several micro-batches, interleaved and not, at module and op level."""
+"""A stage's view as written (StageGraphs.kind_view: a shifted copy's made as its traced stage's in the
+copy's schedule, then moved; the traced stage's probe and its prepared steps serve every copy; a graph
+made to be viewed shares the probe's dicts) against the stage's own graph scheduled and viewed
+(level_view(kind_graph)): the same nodes, the same edges in the same order, the same figures; with several
+micro-batches, interleaved and not, and one, at module and op level."""
 import pytest
 import torch
 
@@ -29,14 +30,13 @@ def _edges(graph) -> tuple:
     # one micro-batch: every stage runs the probe's steps in the probe's order (the probe finished as it is)
     TrainPlan(tp=2, pp=5, microbatches=1, seq=16),
 ], ids=["1f1b", "interleaved", "one_microbatch"])
-def test_a_copied_stage_viewed_as_its_traced_stage_is_its_own(plan, level):
+def test_each_stage_view_is_its_own_graph_viewed(plan, level):
     config = tiny_config("gpt2", n_layer=10 if plan.virtual_stages == 1 else 12, vocab_size=200)
     workload = trace_workload(config, plan, torch.float32, HW)
-    copies = [s for s, t in enumerate(workload.source) if t != s]
-    assert len(copies) >= 2
-    for s in copies:
+    assert len([s for s, t in enumerate(workload.source) if t != s]) >= 2  # shifted copies
+    graphs = [workload.stages.kind_graph(s, 0) for s in range(plan.pp)]  # first: views made later must not change them
+    for s, graph in enumerate(graphs):  # traced stages too: their views share the probe's dicts
         view, figures = workload.stages.kind_view(s, 0, level)
-        graph = workload.stages.kind_graph(s, 0)
         own = level_view(graph, level)
         assert view.graph == own.graph
         assert view.node_attrs == own.node_attrs
