@@ -160,7 +160,7 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     shift_stage made has them, by their producers' ids (StageGraphs.kind_view). `steps`: the probe's steps
     as prepared for copying, kept across calls on one probe and stage (a dict, filled here); `share`: nodes
     and edges that are the probe's as they are keep its attribute dicts, not copies (for a graph that is read
-    and dropped: half the memory of a stage's step).
+    and dropped: no second copy of them alive).
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
