@@ -320,15 +320,15 @@ def _repeat(graph: TraceGraph, start: int, end: int, before: int, first: int, se
     size = second - first
     out = TraceGraph(**graph.graph)
     nodes, pred = graph.node_attrs, graph.preds
-
-    def moved(u: int, by: int) -> int:  # u as read `by` periods later
-        return u - start + (by * size if u > before else 0)
-
     period, after = range(first + 1, second + 1), range(second + 1, end)
     edges = [(u - start, v - start, e) for v in range(start, second + 1) for u, e in pred[v].items() if u >= start]
-    for copy in range(1, copies + 1):
-        edges += [(moved(u, copy), v - start + copy * size, e) for v in period for u, e in pred[v].items() if u >= start]
-    edges += [(moved(u, copies), v - start + copies * size, e) for v in after for u, e in pred[v].items() if u >= start]
+    # the period's in-edges, numbered from 0, each marked whether it moves with the copy (read from after `before`)
+    inner = [(u - start, u > before, v - start, e) for v in period for u, e in pred[v].items() if u >= start]
+    for shift in range(size, (copies + 1) * size, size):
+        edges += [(u + shift if moves else u, v + shift, e) for u, moves, v, e in inner]
+    shift = copies * size
+    edges += [(u - start + (shift if u > before else 0), v - start + shift, e)
+              for v in after for u, e in pred[v].items() if u >= start]
     out.append([*(nodes[n] for n in range(start, second + 1)), *(nodes[n] for _ in range(copies) for n in period),
                 *(nodes[n] for n in after)], edges, copy=False)
     return out
