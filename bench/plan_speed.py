@@ -15,7 +15,11 @@ quick look, or `-- --all_recompute --zero 0,1,2,3` for a wider search).
 Slices of the wide case measure a change in a few minutes (CPU s per layout, --workers 1, plans.json equal
 before and after): `--cases llama405b --workers 1 -- --tp 8 --pp 2,4 --zero 3 --sp false` (27 FSDP layouts
 recomputing every layer) went from 11.1 to 3.0 when those stages kept five or six layers a run
-(layer_probe.kept_per_run) instead of being probed whole.
+(layer_probe.kept_per_run) instead of being probed whole. With one MeshFrame per layout (simulate/steps.mesh_frame),
+periods found once per layout and _repeat shifting a period's edges, `-- --tp 8 --pp 4,8,16 --virtual_stages 1,2
+--zero 1 --sp true` (35 layouts) went from 49.7 to 44.8 CPU s and `-- --tp 8 --pp 4,8,16 --virtual_stages 1 --zero 2
+--sp true` (26) from 31.4 to 28.2 (means of two alternated runs; slices of whole probes gained 3-4%): tracing
+(training._run_stage) is 60-75% of a slice's CPU seconds, costing durations (fill_durations) 7-10%.
 """
 import argparse
 import json

@@ -12,6 +12,7 @@ first and the last stage before the optimizer. A step is copied from the probed 
 
 Cost: (steps per stage) x stages tasks; a stage's DP, CP and TP ranks share its program.
 """
+import functools
 from dataclasses import dataclass
 
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
@@ -81,9 +82,16 @@ def step_cost(graph, start: int, end: int, frame, sync_tp_backward: bool = False
                     cross_name, members, model, hardware, dense, streams)
 
 
+@functools.lru_cache(maxsize=2)
+def mesh_frame(mesh) -> MeshFrame:
+    """One MeshFrame for every step of a layout's stages (its per-group caches are the mesh's alone: made per
+    stage, the gradient norm's group of every rank, 16,384 of them, was labelled and moved again each time)."""
+    return MeshFrame(mesh)
+
+
 def probe_costs(probe, blocks: dict, mesh, sync_tp_backward: bool = False) -> dict:
     """{block key: StepCost} of every step of a probe (trace/training.py's probe_stage)."""
-    frame = MeshFrame(mesh)
+    frame = mesh_frame(mesh)
     return {key: step_cost(probe, start, end, frame, sync_tp_backward) for key, (start, end) in blocks.items()}
 
 
@@ -93,7 +101,7 @@ def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
     optimizer step from its own probe."""
     if not isinstance(probe, StageProbe) or not probe.runs:
         return probe_costs(*probe, mesh, sync_tp_backward)
-    frame = MeshFrame(mesh)
+    frame = mesh_frame(mesh)
     costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
     for key, step in expanded_steps(probe, grad_group(probe[0], mesh)):
         costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)

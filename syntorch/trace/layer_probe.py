@@ -23,6 +23,7 @@ multi-tensor kernels launch per chunk of tensors). tests/trace/test_layer_probe.
 against probing every layer.
 """
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from syntorch.config import ModelConfig
@@ -51,12 +52,13 @@ class StageProbe(tuple):
     nodes are); when layers were left out, `runs` says which: (chunk, kept layers, copies) for each run of
     alike layers the probe kept some of (kept_per_run), `copies` being how many more the stage has;
     `optimizer` is the whole stage's end of backward and optimizer step probed on their own ((graph, blocks),
-    probe_optimizer's) and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept)."""
+    probe_optimizer's) and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept);
+    `periods` ({step key: _periods of each of its chunk's runs}, set by with_end) spares expanded_step the scan."""
 
     def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None,
                 finish: int | None = None):
         probe = super().__new__(cls, (graph, blocks))
-        probe.runs, probe.optimizer, probe.finish = runs or [], optimizer, finish
+        probe.runs, probe.optimizer, probe.finish, probe.periods = runs or [], optimizer, finish, {}
         return probe
 
     @property
@@ -131,7 +133,8 @@ def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe
     launch (in number, shape, type and order): with overlap, each chunk's last backward launches its own
     (an interleaved stage's other chunks before the one the end follows), else the end launches them all."""
     probe = StageProbe(*kept, runs, optimizer, kept.finish)
-    if not _expandable(probe):
+    probe.periods = _expandable(probe)
+    if probe.periods is None:
         return None
     if kept.finish is None:
         return probe
@@ -139,33 +142,34 @@ def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe
     group, last = grad_group(graph, mesh), max(key[1] for key in blocks if key[0] == "B")
     launched = [bucket for key, (start, end) in blocks.items() if key[:2] == ("B", last) and start <= kept.finish
                 for bucket in _launched(graph, start, min(end, kept.finish), [r for r in runs if r[0] == key[2]],
-                                        group)]
+                                        probe.periods[key], group)]
     whole = optimizer[0]
     return probe if launched == [_kind(whole.node_attrs[n]) for n in _flats(whole, optimizer[1])] else None
 
 
-def _expandable(probe: StageProbe) -> bool:
-    """Whether each step of `probe` holds its runs' periods where expanded_step will look for them (up to the
-    probe's end of backward in the step it starts in). kept_probe checked the steps where it traced them; a
-    probe moved to another layout and cut at its end of backward (ProbeCache) may not hold them: an FSDP stage
-    of Llama-3.1 405B (TP8 PP4 CP2, no SP) did not."""
+def _expandable(probe: StageProbe) -> dict | None:
+    """{step key: _periods of each of its chunk's runs} when each step of `probe` holds them where
+    expanded_step will look for them (up to the probe's end of backward in the step it starts in), else None.
+    kept_probe checked the steps where it traced them; a probe moved to another layout and cut at its end of
+    backward (ProbeCache) may not hold them: an FSDP stage of Llama-3.1 405B (TP8 PP4 CP2, no SP) did not."""
     graph, blocks = probe
+    periods = {}
     for key, (start, end) in blocks.items():
         if key[0] == "optimizer":
             continue
         if probe.finish is not None and start <= probe.finish < end:
             end = probe.finish
-        if not all(_periods(graph, start, end, run) for run in probe.runs if run[0] == key[2]):
-            return False
-    return True
+        periods[key] = [_periods(graph, start, end, run) for run in probe.runs if run[0] == key[2]]
+        if not all(periods[key]):
+            return None
+    return periods
 
 
-def _launched(graph: TraceGraph, start: int, end: int, runs: list, group: list[int]) -> list[tuple]:
+def _launched(graph: TraceGraph, start: int, end: int, runs: list, periods: list, group: list[int]) -> list[tuple]:
     """What each bucket collective (over `group`) of nodes [start, end) writes, in order, as expand_step
-    repeats their runs' periods."""
+    repeats their runs' periods (`periods`: _periods of each run there)."""
     repeats = {}
-    for run in runs:
-        _, first, second = _periods(graph, start, end, run)
+    for run, (_, first, second) in zip(runs, periods):
         repeats[second] = first, run[2]
     out = []
     for n in range(start, end):
@@ -205,16 +209,16 @@ def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microba
     return StageProbe(*probe_stage(config, plan, stage, dtype, rank, microbatches=microbatches))
 
 
-def expand_step(graph: TraceGraph, start: int, end: int, runs: list) -> TraceGraph:
+def expand_step(graph: TraceGraph, start: int, end: int, runs: list, first: tuple | None = None) -> TraceGraph:
     """Nodes [start, end) of `graph` (one step; what they read from outside it left out) with each run's
-    third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk). The step
-    shares the probe's node and edge dicts (a copy per node would cost as much as simulating it): it is
-    read, never written."""
+    third period repeated `copies` times after it (runs: StageProbe.runs of the step's chunk; `first`: the
+    first run's _periods there, when known). The step shares the probe's node and edge dicts (a copy per
+    node would cost as much as simulating it): it is read, never written."""
     if not runs:
         return _step_only(graph, start, end)
     for run in runs:  # each a copy of nodes [start, end) (the first of the graph's, the others of the last copy)
-        graph = _repeat(graph, start, end, *_periods(graph, start, end, run), run[2])
-        start, end = 0, len(graph)
+        graph = _repeat(graph, start, end, *(first or _periods(graph, start, end, run)), run[2])
+        start, end, first = 0, len(graph), None
     return graph
 
 
@@ -231,9 +235,10 @@ def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> Trace
     starts, the whole stage's instead (`_with_end`). `grad_group`: the ranks gradients are averaged over."""
     graph, (start, end) = probe[0], probe[1][key]
     runs = [run for run in probe.runs if run[0] == key[2]]
+    first = (probe.periods.get(key) or [None])[0]
     if probe.finish is None or not start <= probe.finish < end:
-        return expand_step(graph, start, end, runs)
-    return _with_end(expand_step(graph, start, probe.finish, runs), *probe.optimizer, grad_group)
+        return expand_step(graph, start, end, runs, first)
+    return _with_end(expand_step(graph, start, probe.finish, runs, first), *probe.optimizer, grad_group)
 
 
 def _with_end(step: TraceGraph, whole: TraceGraph, blocks: dict, grad_group: list[int]) -> TraceGraph:
@@ -267,12 +272,12 @@ def _periods(graph: TraceGraph, start: int, end: int, run: tuple) -> tuple[int, 
     in the order the step meets them: each period runs from after the one before to its layer's last op or
     collective and that one's outputs. None when the second and third do not run the same ops, or the
     step lacks them."""
-    last = {}
+    last, nodes = {}, graph.node_attrs
     for n in range(start, end):
-        d = graph.node_attrs[n]
-        match = LAYER_PATH.match(d.get("module") or "") if d["kind"] != "tensor" else None
-        if match and int(match.group(1)) in run[1]:
-            last[int(match.group(1))] = n
+        d = nodes[n]
+        layer = _layer_of(d.get("module") or "") if d["kind"] != "tensor" else None
+        if layer in run[1]:
+            last[layer] = n
     if len(last) < len(run[1]):
         return None
     before, first, second, *_ = sorted(_outputs_end(graph, n, end) for n in last.values())
@@ -280,6 +285,13 @@ def _periods(graph: TraceGraph, start: int, end: int, run: tuple) -> tuple[int, 
             [_role(graph.node_attrs[n]) for n in range(first + 1, second + 1)]:
         return None
     return before, first, second
+
+
+@functools.cache
+def _layer_of(module: str) -> int | None:
+    """The layer a module path is in (None: none); a probe's few thousand paths are matched once."""
+    match = LAYER_PATH.match(module)
+    return int(match.group(1)) if match else None
 
 
 def _outputs_end(graph: TraceGraph, op: int, end: int) -> int:
@@ -308,15 +320,15 @@ def _repeat(graph: TraceGraph, start: int, end: int, before: int, first: int, se
     size = second - first
     out = TraceGraph(**graph.graph)
     nodes, pred = graph.node_attrs, graph.preds
-
-    def moved(u: int, by: int) -> int:  # u as read `by` periods later
-        return u - start + (by * size if u > before else 0)
-
     period, after = range(first + 1, second + 1), range(second + 1, end)
     edges = [(u - start, v - start, e) for v in range(start, second + 1) for u, e in pred[v].items() if u >= start]
-    for copy in range(1, copies + 1):
-        edges += [(moved(u, copy), v - start + copy * size, e) for v in period for u, e in pred[v].items() if u >= start]
-    edges += [(moved(u, copies), v - start + copies * size, e) for v in after for u, e in pred[v].items() if u >= start]
+    # the period's in-edges, numbered from 0, each marked whether it moves with the copy (read from after `before`)
+    inner = [(u - start, u > before, v - start, e) for v in period for u, e in pred[v].items() if u >= start]
+    for shift in range(size, (copies + 1) * size, size):
+        edges += [(u + shift if moves else u, v + shift, e) for u, moves, v, e in inner]
+    shift = copies * size
+    edges += [(u - start + (shift if u > before else 0), v - start + shift, e)
+              for v in after for u, e in pred[v].items() if u >= start]
     out.append([*(nodes[n] for n in range(start, second + 1)), *(nodes[n] for _ in range(copies) for n in period),
                 *(nodes[n] for n in after)], edges, copy=False)
     return out
