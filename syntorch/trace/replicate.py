@@ -81,11 +81,12 @@ class _Copies:
 
     def __init__(self, source: TraceGraph):
         self.source = source
-        self.nodes: list[dict] = []  # node i's attributes
+        self.attrs, self.preds = source.node_attrs, source.preds  # networkx's dicts: its views are slower
+        self.nodes: list[dict] = []  # node i's attributes, new dicts the graph takes as they are
         self.edges: list[tuple[int, int, dict]] = []
 
     def add(self, old: int, find, rename=None) -> int:
-        attrs = dict(self.source.nodes[old])
+        attrs = dict(self.attrs[old])
         new = len(self.nodes)
         if rename:
             key = "name" if attrs["kind"] == "tensor" else "module"
@@ -93,12 +94,12 @@ class _Copies:
         if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
             attrs["name"] = f"t{new}"
         self.nodes.append(attrs)
-        self.edges.extend((find(u), new, edge) for u, edge in self.source.preds[old].items())
+        self.edges.extend((find(u), new, dict(edge)) for u, edge in self.preds[old].items())
         return new
 
     def graph(self) -> TraceGraph:
         out = TraceGraph(**self.source.graph)
-        out.append(self.nodes, self.edges)
+        out.append(self.nodes, self.edges, copy=False)
         _renumber_collectives(out)
         return out
 
