@@ -54,9 +54,11 @@ def serialize(specs: list[NodeSpec]) -> bytes:
 def write_json_form(path: Path, header: et.GlobalMetadata, specs: list[NodeSpec]) -> None:
     # chakra_jsonizer prints MessageToJson of each message back to back, which is not one JSON
     # document; we write the same objects as one: {"global_metadata": ..., "nodes": [...]}.
+    # one encoder, not one per node (json.dumps makes one per call); dicts of strings and lists hold no cycles
+    encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
     with open(path, "w") as f:
         f.write('{"global_metadata": ' + json.dumps(MessageToDict(header)) + ',\n"nodes": [\n')
-        f.write(",\n".join(json.dumps(to_json(spec), separators=(",", ":")) for spec in specs))
+        f.write(",\n".join([encode(to_json(spec)) for spec in specs]))
         f.write("\n]}\n")
 
 

@@ -21,7 +21,7 @@ def export(graph: TraceGraph, path, level: str | None = None) -> None:
     ~5x slower), but without one string of the whole file (tens of MB, a page fault every 4 KB of it)."""
     from syntorch.trace.levels import level_view
     graph = level_view(graph, level) if level else graph
-    encode = json.JSONEncoder(separators=(",", ":")).encode
+    encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # attributes hold no cycles
     nodes = ({**d, "id": n} for n, d in graph.node_attrs.items())
     edges = ({**d, "source": u, "target": v} for u, targets in graph.succs.items() for v, d in targets.items())
     with atomic_output_file(path) as tmp, open(tmp, "w") as f:

@@ -12,6 +12,7 @@ from syntorch.simulate.prediction import TIMELINE, predict_inference
 from syntorch.trace.comm_view import check_noise_level
 from syntorch.trace.cost import check_attention, check_profile, fill_rank_durations
 from syntorch.trace.generation import StageTraces
+from syntorch.trace.graph import no_gc
 
 
 @dataclass
@@ -41,7 +42,11 @@ class RunOutputs:
 def write_run_outputs(traces, out_dir, outputs: RunOutputs) -> dict:
     """Writes the outputs of `traces` (rank -> TraceGraph; ranks may share one graph) into `out_dir`.
     Returns what run.json records about them."""
-    out_dir = Path(out_dir)
+    with no_gc():  # costs, programs, views and nodes are 10^5 young dicts: the collector would rescan them
+        return _write_run_outputs(traces, Path(out_dir), outputs)
+
+
+def _write_run_outputs(traces, out_dir: Path, outputs: RunOutputs) -> dict:
     graph = traces[0]
     record = {"nodes": len(graph), "flops": graph.total_flops(), "ranks": len(traces)}
     if outputs.hw_config is not None:

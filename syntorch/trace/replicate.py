@@ -59,6 +59,9 @@ def _replicate(graph: TraceGraph, calls: list[LayerCall], layer_names: list[str]
 
 
 def _copy_call(out: "_Copies", call, layer_names, outside, owner, copies) -> list[dict[int, int]]:
+    olds = range(call.start, call.end)
+    # each node's attribute that holds the layer's name, and what follows the name: found once, not per layer
+    sites = [_site(out.attrs[old], call.path) for old in olds]
     maps = []
     for k, name in enumerate(layer_names):
         here = {call.input: maps[-1][call.output]} if k else {}
@@ -70,8 +73,8 @@ def _copy_call(out: "_Copies", call, layer_names, outside, owner, copies) -> lis
                 return copies[owner[u]][k][u]
             return outside[u]
 
-        for old in range(call.start, call.end):
-            here[old] = out.add(old, find, rename=(call.path, name))
+        for old, site in zip(olds, sites):
+            here[old] = out.add(old, find, site and (site[0], name + site[1]))
         maps.append(here)
     return maps
 
@@ -81,32 +84,37 @@ class _Copies:
 
     def __init__(self, source: TraceGraph):
         self.source = source
-        self.nodes: list[dict] = []  # node i's attributes
+        self.attrs, self.preds = source.node_attrs, source.preds  # networkx's dicts: its views are slower
+        self.nodes: list[dict] = []  # node i's attributes, new dicts the graph takes as they are
         self.edges: list[tuple[int, int, dict]] = []
 
-    def add(self, old: int, find, rename=None) -> int:
-        attrs = dict(self.source.nodes[old])
+    def add(self, old: int, find, renamed=None) -> int:
+        """A copy of node `old`; `renamed`: (attribute, new value)."""
+        attrs = dict(self.attrs[old])
         new = len(self.nodes)
-        if rename:
-            key = "name" if attrs["kind"] == "tensor" else "module"
-            attrs[key] = _renamed(attrs[key], *rename)
+        if renamed:
+            attrs[renamed[0]] = renamed[1]
         if attrs["name"] == f"t{old}":  # an unnamed tensor is named by its id
             attrs["name"] = f"t{new}"
         self.nodes.append(attrs)
-        self.edges.extend((find(u), new, edge) for u, edge in self.source.preds[old].items())
+        self.edges.extend((find(u), new, dict(edge)) for u, edge in self.preds[old].items())
         return new
 
     def graph(self) -> TraceGraph:
         out = TraceGraph(**self.source.graph)
-        out.append(self.nodes, self.edges)
+        out.append(self.nodes, self.edges, copy=False)
         _renumber_collectives(out)
         return out
 
 
-def _renamed(path: str, old: str, new: str) -> str:
-    if path == old or path.startswith(old + "."):
-        return new + path[len(old):]
-    return path
+def _site(attrs: dict, layer: str) -> tuple[str, str] | None:
+    """(the attribute naming the node in `layer`, what follows the layer's name in it), or None: a tensor's
+    name, an op's or a collective's module."""
+    key = "name" if attrs["kind"] == "tensor" else "module"
+    path = attrs[key]
+    if path == layer or path.startswith(layer + "."):
+        return key, path[len(layer):]
+    return None
 
 
 def _renumber_collectives(graph: TraceGraph):
