@@ -14,6 +14,7 @@ import functools
 import gc
 import inspect
 import sys
+import weakref
 from types import FunctionType
 
 import torch
@@ -61,8 +62,9 @@ def plain_step(optimizer: torch.optim.Optimizer):
     compiles (a symbolic trace): the same ops."""
     step = inspect.unwrap(type(optimizer).step)
     name = f"Optimizer.step#{type(optimizer).__name__}.step"
+    owner = weakref.ref(optimizer)  # set as optimizer.step: held strongly, the pair is a cycle
 
     def plain(closure=None):
         with torch.autograd.profiler.record_function(name), torch.no_grad():
-            return step(optimizer, closure)
+            return step(owner(), closure)
     return plain

@@ -19,7 +19,6 @@ one probe serves every --compare_hw machine; only fill_durations and the simulat
 tests/plan/test_shared_probes.py checks that predictions from shared probes are those of fresh ones.
 """
 import dataclasses
-import gc
 from collections import OrderedDict
 
 import torch
@@ -161,7 +160,4 @@ def evaluate_group(config: ModelConfig, dtype: str, profile: str, attention: str
             out.append((index, None, str(e)))
             continue
         out.append((index, {k: summary[k] for k in SUMMARY if k in summary}, None))
-    # the tracer hands what it made to the oldest generation unscanned (graph.no_gc), so a probe's cyclic garbage
-    # (~100 MB a 405B task) waits for a full pass; a worker, `--workers 1` or a Ray task runs hundreds of tasks
-    gc.collect()
     return out

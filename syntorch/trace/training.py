@@ -123,6 +123,8 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
+            if finish is not None:  # the marker holds grad_sync and the tracer: left in place, a cycle
+                del run.grad_sync.finish
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
 
