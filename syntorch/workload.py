@@ -120,11 +120,7 @@ class StageGraphs(Sequence):
         schedule_stage's, for a graph that is read and dropped."""
         traced, (graph, blocks) = self.source[s], self.probes[self.source[s], kind]
         if traced != s:
-            first = [self.plan.stage(self.config, k).layers[0] for k in (s, traced)]
-            graph = shift_stage(graph, self.plan.mesh, s, first[0] - first[1])
-            # a moved group may span nodes where the source's did not; ops cost what they cost there
-            for n, d in graph.collectives() if self.hw else ():
-                d["duration_us"] = kernel_us(kernel_of(graph, n, {}), self.hw, *self.software)
+            graph = self._recosted(shift_stage(graph, self.plan.mesh, s, self._layer_offset(s, traced)))
         return schedule_stage(graph, blocks, self.plan, keep=traced == s, share=share)
 
     def kind_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict]:
@@ -142,11 +138,18 @@ class StageGraphs(Sequence):
     def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:
         """A view of a shifted copy of a stage moved to stage s (training.shift_view), its collectives costed
         again where they are now (as kind_graph costs them), and its figures with the moved collectives' time."""
-        first = [self.plan.stage(self.config, k).layers[0] for k in (s, view.graph["stage"])]
-        view = shift_view(view, self.plan.mesh, s, first[0] - first[1])
-        for n, d in view.collectives() if self.hw else ():
-            d["duration_us"] = kernel_us(kernel_of(view, n, {}), self.hw, *self.software)
+        view = self._recosted(shift_view(view, self.plan.mesh, s, self._layer_offset(s, view.graph["stage"])))
         return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in view.collectives())}
+
+    def _layer_offset(self, s: int, traced: int) -> int:
+        return self.plan.stage(self.config, s).layers[0] - self.plan.stage(self.config, traced).layers[0]
+
+    def _recosted(self, graph: TraceGraph) -> TraceGraph:
+        """`graph` with its collectives costed where they are now: a moved group may span nodes where the
+        source's did not."""
+        for n, d in graph.collectives() if self.hw else ():
+            d["duration_us"] = kernel_us(kernel_of(graph, n, {}), self.hw, *self.software)
+        return graph
 
 
 def write_workload(workload: Workload, out_dir, level: str = "module", force: bool = False,
