@@ -3,8 +3,10 @@ PP2 training at module and op level, with and without durations, and with 8 laye
 SP, and under DDP with small buckets and full recomputation; DP2 x TP2 x PP4 interleaved under the fused
 profile; TP2 x PP2 and TP2 inference with Chakra) written by this checkout and by `--base` (a git revision of
 this repository, or a folder), then compared file by file, byte for byte. Speed work must leave them equal.
+`--scale` adds bench/train_trace_scale.py's 256x8 case (GPT-3 175B DP4 x TP8 x PP8, 8 micro-batches: 256
+rank files) at module and op level (~4 runs of 10 s).
 
-    python bench/same_output.py [--base HEAD~1]
+    python bench/same_output.py [--base HEAD~1] [--scale]
 
 Not compared byte for byte: syntorch_ranks.json's file fingerprints (they hold modification times), compared
 without them.
@@ -39,16 +41,22 @@ CASES = {  # name -> (layers, arguments)
     "infer": (4, [*INFER, "--pp", "2", "--batch_size", "2", "--hw_config", "h100-sxm"]),
     "infer_tp": (4, [*INFER, "--trace_level", "op"]),
 }
+SCALE = ["trace", "--model", "gpt3-175b", "--mode", "train", "--dp=4", "--tp=8", "--pp=8", "--sp", "--microbatches=8",
+         "--micro_batch_size=1", "--seq=2048", "--zero=1", "--hw_config=h100-sxm", "--no_progress"]
+SCALE_CASES = {f"256x8_{level}": (None, [*SCALE, f"--trace_level={level}"]) for level in ("module", "op")}
 SYNTORCH = "import sys; from syntorch.cli import run_main; sys.argv[0] = 'syntorch'; run_main()"
 
 
-def write_cases(checkout: Path, out: Path) -> None:
+def write_cases(checkout: Path, out: Path, cases: dict) -> None:
+    """`cases`: name -> (layers of the tiny shape, or None for the named model as it is; arguments)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    for name, (layers, args) in CASES.items():
+    for name, (layers, args) in cases.items():
         shape = out / f"{name}.json"
-        shape.write_text(json.dumps({**SHAPE, "n_layer": layers}))
-        subprocess.run([sys.executable, "-P", "-c", SYNTORCH, *args, "--model_config", str(shape), "--out",
-                        str(out / name)], env=env, check=True, stdout=subprocess.DEVNULL)
+        if layers:
+            shape.write_text(json.dumps({**SHAPE, "n_layer": layers}))
+        subprocess.run([sys.executable, "-P", "-c", SYNTORCH, *args,
+                        *(["--model_config", str(shape)] if layers else []), "--out", str(out / name)],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
 
 
 def checkout_of(base: str, tmp: Path) -> Path:
@@ -80,15 +88,17 @@ def differences(a: Path, b: Path) -> list[str]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="a git revision of this repository or a checkout folder")
+    parser.add_argument("--scale", action="store_true", help="also the 256-rank 175B case at module and op level")
     args = parser.parse_args()
+    cases = {**CASES, **(SCALE_CASES if args.scale else {})}
     with tempfile.TemporaryDirectory(prefix="same_output.") as tmp:
         tmp = Path(tmp)
         for side in ("base", "ours", "src"):
             (tmp / side).mkdir()
-        write_cases(checkout_of(args.base, tmp / "src"), tmp / "base")
-        write_cases(HERE, tmp / "ours")
+        write_cases(checkout_of(args.base, tmp / "src"), tmp / "base", cases)
+        write_cases(HERE, tmp / "ours", cases)
         found = differences(tmp / "ours", tmp / "base")
-    print("\n".join(found) if found else f"the same files as {args.base}, byte for byte ({len(CASES)} runs)")
+    print("\n".join(found) if found else f"the same files as {args.base}, byte for byte ({len(cases)} runs)")
     return 1 if found else 0
 
 

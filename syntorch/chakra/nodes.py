@@ -130,8 +130,13 @@ def chakra_nodes(graph: nx.DiGraph, groups: Mapping[tuple, int], p2p_all_to_all:
     (sorted ranks) to its comm-group id (chakra/groups.py). `p2p_all_to_all`: write each all-to-all that
     knows its bytes per peer as sends and recvs (_p2p_parts; a skewed MoE load's, whose members move unequal
     bytes)."""
-    order = graph if _in_traced_order(graph) else list(nx.topological_sort(graph))
-    return _chakra_nodes(graph, order, groups, p2p_all_to_all)
+    try:  # in node order, the tracer's, when every producer comes before its readers (not checked first:
+        # the check alone was a pass over every node's inputs; a producer not yet seen fails the lookup)
+        return _chakra_nodes(graph, graph, groups, p2p_all_to_all)
+    except KeyError:
+        if _in_traced_order(graph):  # a lookup that failed for another reason
+            raise
+    return _chakra_nodes(graph, list(nx.topological_sort(graph)), groups, p2p_all_to_all)
 
 
 def _in_traced_order(graph: nx.DiGraph) -> bool:

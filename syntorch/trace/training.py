@@ -215,7 +215,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
                    copy=not share)
         latest.update(step.written)
     _renumber_orders(out)
-    return _finish(out, plan, order, [placed[step] for step in order])
+    roots = [[placed[step] + off for off in steps[source(*step)].roots] for step in order]
+    return _finish(out, plan, order, [placed[step] for step in order], roots)
 
 
 def stage_steps(plan: plans.TrainPlan, stage: int) -> list[tuple[str, int, int]]:
@@ -246,6 +247,8 @@ class _Step:
                 self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
             self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
         self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
+        # a copy's inputs from outside it are made before it, as the probed step's are: the same roots
+        self.roots = [n - a for n in _roots(probe, a, b)]
 
     def copy(self, base: int, tag_shift: int, image, out: TraceGraph, latest: dict) -> list[dict]:
         """The nodes' attributes for a copy at `base`, `tag_shift` tag pairs later (micro-batches times chunks):
@@ -301,11 +304,11 @@ def _renumber_orders(graph: TraceGraph) -> None:
         counts[key] = nodes[n]["order"] + 1
 
 
-def _finish(graph: TraceGraph, plan, order, starts) -> TraceGraph:
+def _finish(graph: TraceGraph, plan, order, starts, roots=None) -> TraceGraph:
     graph.graph.update(schedule=plan.schedule, microbatches=plan.microbatches,
                        pipeline_schedule=[f"{kind}{m}" + (f".{c}" if plan.virtual_stages > 1 else "")
                                           for kind, m, c in order if kind != "optimizer"])
-    add_schedule_deps(graph, starts)
+    add_schedule_deps(graph, starts, roots)
     return graph
 
 
@@ -387,21 +390,27 @@ def _stage_move(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
     return moved, {**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])}
 
 
-def add_schedule_deps(graph: TraceGraph, starts: list[int]) -> None:
+def add_schedule_deps(graph: TraceGraph, starts: list[int], roots: list | None = None) -> None:
     """Step k (nodes from starts[k] to starts[k+1]) runs after step k-1: its first nodes (those with no
-    producer inside the step) read a 0-byte tensor written by step k-1's last node."""
-    bounds = [*starts, len(graph)]
-    nodes, pred = graph.node_attrs, graph.preds
+    producer inside the step: _roots) read a 0-byte tensor written by step k-1's last node. `roots`: each
+    step's first nodes, when known (a copied step's are those of the step it copies, moved)."""
+    bounds, nodes = [*starts, len(graph)], graph.node_attrs
     for k in range(1, len(starts)):
         start, end = bounds[k], bounds[k + 1]
         last = next((n for n in range(start - 1, bounds[k - 1] - 1, -1) if nodes[n]["kind"] != "tensor"), None)
-        roots = [n for n in range(start, end) if nodes[n]["kind"] != "tensor" and _made_before(pred, n, start)]
-        if last is None or not roots:
+        firsts = roots[k] if roots else _roots(graph, start, end)
+        if last is None or not firsts:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
         graph.add_edge(last, token, arg=len(graph.succ[last]))
-        for n in roots:
+        for n in firsts:
             graph.add_edge(token, n, arg=len(graph.pred[n]))
+
+
+def _roots(graph: TraceGraph, start: int, end: int) -> list[int]:
+    """The ops and collectives from `start` to `end` whose inputs were all made before `start`."""
+    nodes, pred = graph.node_attrs, graph.preds
+    return [n for n in range(start, end) if nodes[n]["kind"] != "tensor" and _made_before(pred, n, start)]
 
 
 def _made_before(pred: dict, n: int, start: int) -> bool:
