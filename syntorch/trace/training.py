@@ -371,6 +371,8 @@ def _stage_move(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
         return groups[key]
 
     def rename(name: str) -> str:
+        if not name.startswith("layers."):  # LAYER_PATH's start: most tensors' names (t<node>) are kept
+            return name
         if name not in renamed:
             renamed[name] = LAYER_PATH.sub(lambda m: layer_path(int(m.group(1)) + layer_offset), name)
         return renamed[name]
