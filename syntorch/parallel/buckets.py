@@ -86,7 +86,7 @@ class GradSync:
     reduce_fp32: bool = False
     # a bucket launched in backward is launched inside `mark()`: a probe records where its nodes are, which
     # a middle backward (no sync) lacks (trace/training.py's _mark_syncs)
-    mark: object = field(default=nullcontext, repr=False)
+    mark: object = field(default=nullcontext, repr=False, compare=False)
 
     def __post_init__(self):
         self.divisor = self.divisor or self.dp

@@ -8,7 +8,9 @@ stream was busy and how much communication it exposed. The step-level programs t
 each stage's schedule (pipeline.schedule: (step, micro-batch, chunk)), with the activations and their
 gradients sent between (virtual) stages, and, for a head tied to the embedding, the all-reduce between the
 first and the last stage before the optimizer. A step is copied from the probed step that plays its part
-(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward).
+(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward;
+a probe of two micro-batches has no middle one: it is the last one without its gradient sync,
+layer_probe.middle_steps).
 
 Cost: (steps per stage) x stages tasks; a stage's DP, CP and TP ranks share its program.
 """

@@ -21,6 +21,10 @@ layers when every layer holds a parameter at least a bucket large, as every laye
 FSDP ends unit by unit, inside the periods. The optimizer step does not grow layer by layer either (its
 multi-tensor kernels launch per chunk of tensors). tests/trace/test_layer_probe.py checks the prediction
 against probing every layer.
+
+Cost probes run two micro-batches (training.COST_MICROBATCHES): the first backward creates the gradients, the
+last adds to them and synchronises them. A middle backward (accumulation, no sync) is the last one without
+the nodes of its gradient sync, which the probe records (`middle_steps`), expanded like any other step.
 """
 import dataclasses
 import functools
