@@ -39,6 +39,7 @@ from syntorch.trace.training import layer_kind, probe_optimizer, probe_stage
 
 MIDDLE = "middle"  # the micro-batch in the key of a middle backward derived from the last (middle_steps)
 
+
 @dataclass(frozen=True)
 class KeptLayers(TrainPlan):
     """The plan, but stage `kept[0]` holds only the chunks `kept[1]` (each a tuple of layer indices)."""
