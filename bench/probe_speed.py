@@ -34,6 +34,7 @@ import torch
 from syntorch.config import get_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.layer_probe import whole_probe
+from syntorch.trace.training import COST_MICROBATCHES
 
 model, options, stage, repeats, profile = json.loads(sys.argv[1])
 config, plan = get_config(model), TrainPlan(**options)
@@ -48,7 +49,7 @@ for i in range(repeats):
     if i == 1:
         collecting.clear()
     begin = time.process_time()
-    nodes = len(whole_probe(config, plan, stage, torch.bfloat16, 3)[0])
+    nodes = len(whole_probe(config, plan, stage, torch.bfloat16, COST_MICROBATCHES)[0])
     seconds.append(time.process_time() - begin)
 if profiler:
     profiler.disable()

@@ -33,6 +33,7 @@ Megatron's embedding group) and, under sequence parallel, the LayerNorms and bia
 its part of the sequence (over the TP group), as Megatron's finalize_model_grads does.
 """
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,9 @@ class GradSync:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     reduce_fp32: bool = False
+    # a bucket launched in backward is launched inside `mark()`: a probe records where its nodes are, which
+    # a middle backward (no sync) lacks (trace/training.py's _mark_syncs)
+    mark: object = field(default=nullcontext, repr=False, compare=False)
 
     def __post_init__(self):
         self.divisor = self.divisor or self.dp
@@ -128,7 +132,8 @@ class GradSync:
         bucket = self._bucket_of[id(p)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and self.zero != 1 and self.overlap_grad_reduce:
-            self._launch(bucket)
+            with self.mark():
+                self._launch(bucket)
 
     def _launch(self, bucket: Bucket, after: torch.Tensor | None = None) -> None:
         grads = [p.grad for p in bucket.params]
@@ -232,6 +237,15 @@ class GradSyncs:
     def active(self, value: bool) -> None:
         for sync in self.syncs:
             sync.active = value
+
+    @property
+    def mark(self):
+        return self.syncs[0].mark
+
+    @mark.setter
+    def mark(self, value) -> None:
+        for sync in self.syncs:
+            sync.mark = value
 
     @property
     def all_buckets(self) -> list[Bucket]:

@@ -106,12 +106,15 @@ class ProbeCache:
     def _moved(kept: StageProbe, mesh, to_mesh, stage: int, software: tuple) -> StageProbe:
         """A kept-layer probe traced on `mesh` as `stage` of `to_mesh` runs it (retarget.py), up to where the
         whole stage's end of backward (or, under FSDP, the optimizer step) takes over."""
-        graph = kept[0]
+        graph, middles = kept[0], kept.middles
         if (mesh, graph.graph["stage"]) != (to_mesh, stage):
             end = kept[1][("optimizer", None, None)][0] if kept.finish is None else kept.finish
             graph = retarget(graph, mesh, to_mesh, stage, end)
-            recost_collectives(graph, *software)
-        return StageProbe(graph, kept[1], finish=kept.finish)
+            middles = {c: middle and (retarget(middle[0], mesh, to_mesh, stage), middle[1])
+                       for c, middle in middles.items()}
+            for moved in [graph, *(middle[0] for middle in middles.values() if middle)]:
+                recost_collectives(moved, *software)
+        return StageProbe(graph, kept[1], finish=kept.finish, middles=middles)
 
     def _get(self, cache: "_Recent", key: tuple, software: tuple, make):
         """The value of `key` in `cache` (made by `make()` if missing), its graphs' durations for `software`."""

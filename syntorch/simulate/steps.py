@@ -8,7 +8,9 @@ stream was busy and how much communication it exposed. The step-level programs t
 each stage's schedule (pipeline.schedule: (step, micro-batch, chunk)), with the activations and their
 gradients sent between (virtual) stages, and, for a head tied to the embedding, the all-reduce between the
 first and the last stage before the optimizer. A step is copied from the probed step that plays its part
-(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward).
+(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward;
+a probe of two micro-batches has no middle one: it is the last one without its gradient sync,
+layer_probe.middle_steps).
 
 Cost: (steps per stage) x stages tasks; a stage's DP, CP and TP ranks share its program.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
-from syntorch.trace.layer_probe import StageProbe, expanded_steps, grad_group
+from syntorch.trace.layer_probe import MIDDLE, StageProbe, expanded_steps, grad_group, middle_step
 from syntorch.trace.training import _template as probed_microbatch
 
 
@@ -98,23 +100,32 @@ def probe_costs(probe, blocks: dict, mesh, sync_tp_backward: bool = False) -> di
 def stage_costs(probe, mesh, sync_tp_backward: bool = False) -> dict:
     """probe_costs of a stage's probe (trace/layer_probe.py's StageProbe, or probe_stage's (graph, blocks)):
     when the probe left layers out, each step as the whole stage runs it (layer_probe.expanded_steps) and the
-    optimizer step from its own probe."""
-    if not isinstance(probe, StageProbe) or not probe.runs:
-        return probe_costs(*probe, mesh, sync_tp_backward)
+    optimizer step from its own probe; and the middle backwards a probe of two micro-batches derives
+    (StageProbe.middles, keyed ("B", MIDDLE, chunk))."""
     frame = mesh_frame(mesh)
-    costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
-    for key, step in expanded_steps(probe, grad_group(probe[0], mesh)):
-        costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
+    if not isinstance(probe, StageProbe) or not probe.runs:
+        costs = probe_costs(*probe, mesh, sync_tp_backward)
+    else:
+        costs = probe_costs(*probe.optimizer, mesh, sync_tp_backward)
+        for key, step in expanded_steps(probe, grad_group(probe[0], mesh)):
+            costs[key] = step_cost(step, 0, len(step), frame, sync_tp_backward)
+    for chunk, middle in getattr(probe, "middles", {}).items():  # None: the last backward's nodes as they are
+        costs["B", MIDDLE, chunk] = costs["B", 1, chunk] if middle is None else \
+            step_cost(*middle_step(probe, chunk), frame, sync_tp_backward)
     return costs
 
 
 def step_costs(costs: dict, schedule: list[tuple], microbatches: int) -> list[StepCost]:
     """The cost of each scheduled step: that of the probed step it is a copy of (probe keys (kind, m) or,
-    interleaved, (kind, m, chunk))."""
-    probed = 1 + max(key[1] for key in costs if key[0] != "optimizer")
+    interleaved, (kind, m, chunk)); a middle backward, when two micro-batches were probed, the one derived
+    from the last (stage_costs)."""
+    probed = 1 + max(key[1] for key in costs if key[0] == "F")
     out = []
     for kind, m, chunk in schedule:
-        m = probed_microbatch(kind, m, microbatches, probed)
+        if kind == "B" and probed == 2 and 0 < m < microbatches - 1:
+            m = MIDDLE
+        else:
+            m = probed_microbatch(kind, m, microbatches, probed)
         out.append(costs[(kind, m, chunk)] if (kind, m, chunk) in costs else costs[(kind, m)])
     return out
 

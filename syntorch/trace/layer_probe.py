@@ -21,6 +21,10 @@ layers when every layer holds a parameter at least a bucket large, as every laye
 FSDP ends unit by unit, inside the periods. The optimizer step does not grow layer by layer either (its
 multi-tensor kernels launch per chunk of tensors). tests/trace/test_layer_probe.py checks the prediction
 against probing every layer.
+
+Cost probes run two micro-batches (training.COST_MICROBATCHES): the first backward creates the gradients, the
+last adds to them and synchronises them. A middle backward (accumulation, no sync) is the last one without
+the nodes of its gradient sync, which the probe records (`middle_steps`), expanded like any other step.
 """
 import dataclasses
 import functools
@@ -32,6 +36,8 @@ from syntorch.parallel import pipeline as pp_
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import TraceGraph
 from syntorch.trace.training import layer_kind, probe_optimizer, probe_stage
+
+MIDDLE = "middle"  # the micro-batch in the key of a middle backward derived from the last (middle_steps)
 
 
 @dataclass(frozen=True)
@@ -53,18 +59,53 @@ class StageProbe(tuple):
     alike layers the probe kept some of (kept_per_run), `copies` being how many more the stage has;
     `optimizer` is the whole stage's end of backward and optimizer step probed on their own ((graph, blocks),
     probe_optimizer's) and `finish` the node where the probe's own end of backward starts (None: FSDP's, kept);
-    `periods` ({step key: _periods of each of its chunk's runs}, set by with_end) spares expanded_step the scan."""
+    `middles` the middle backwards a probe of two micro-batches lacks (middle_steps); `periods` ({step key:
+    _periods of each of its chunk's runs}, set by with_end) spares expanded_step the scan."""
 
     def __new__(cls, graph, blocks: dict, runs: list | None = None, optimizer: tuple | None = None,
-                finish: int | None = None):
+                finish: int | None = None, middles: dict | None = None):
         probe = super().__new__(cls, (graph, blocks))
         probe.runs, probe.optimizer, probe.finish, probe.periods = runs or [], optimizer, finish, {}
+        probe.middles = middles or {}
         return probe
 
     @property
     def graphs(self) -> list:
         """Every graph whose nodes need durations for a prediction."""
-        return [self[0], *([self.optimizer[0]] if self.optimizer else [])]
+        return [self[0], *(middle[0] for middle in self.middles.values() if middle),
+                *([self.optimizer[0]] if self.optimizer else [])]
+
+
+def middle_steps(graph: TraceGraph, blocks: dict, syncs: list) -> dict:
+    """The middle backwards (accumulation after accumulation) a probe of two micro-batches lacks, one per
+    chunk: {chunk: (graph, {("B", MIDDLE, chunk): (first node, end)})}, the chunk's last backward without what
+    only the last runs (`syncs`, probe_stage's: bucket launches, the end of backward), node for node the
+    middle a probe of three traces (tests/plan/test_two_probes.py); None where the last runs nothing more.
+    Its own graph, its nodes their own dicts: under the fused profile an op's kernel depends on what ran
+    before it (trace/kernels.py), so durations are filled on it apart."""
+    if 1 + max(key[1] for key in blocks if key[0] == "F") != 2:
+        return {}
+    gone = {n for start, end in syncs for n in range(start, end)}
+    middles = {}
+    for (kind, m, chunk), (start, end) in blocks.items():
+        if kind == "B" and m == 1:
+            nodes = [n for n in range(start, end) if n not in gone]
+            middles[chunk] = _own_step(graph, nodes, ("B", MIDDLE, chunk)) if len(nodes) < end - start else None
+    return middles
+
+
+def _own_step(graph: TraceGraph, nodes: list[int], key: tuple) -> tuple[TraceGraph, dict]:
+    """`nodes` (a step's) in a graph of their own after the tensors they read from outside (durations need
+    their shapes), as a probe of that one step `key`."""
+    inside = set(nodes)
+    outside = sorted({u for v in nodes for u in graph.preds[v] if u not in inside
+                      and graph.node_attrs[u]["kind"] == "tensor"})
+    order = [*outside, *nodes]
+    index = {n: i for i, n in enumerate(order)}
+    out = TraceGraph(**graph.graph)
+    out.append([dict(graph.node_attrs[n]) for n in order],
+               ((index[u], index[v], e) for v in order for u, e in graph.preds[v].items() if u in index), copy=False)
+    return out, {key: (len(outside), len(order))}
 
 
 def runs(config: ModelConfig, layers, load=None) -> list[list[int]]:
@@ -118,13 +159,17 @@ def kept_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbat
     """The probe of the layers `cut` (reduced's) keeps, without the whole stage's end; None when a run's
     second and third periods differ."""
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
-    finish = []
+    syncs = []
     graph, blocks = probe_stage(config, KeptLayers(**fields, kept=(stage, cut[0])), stage, dtype, rank,
-                                microbatches=microbatches, finish=finish)
-    steps = [(key, start, end) for key, (start, end) in blocks.items() if key[0] != "optimizer"]
-    if not all(_periods(graph, start, end, run) for key, start, end in steps for run in cut[1] if run[0] == key[2]):
+                                microbatches=microbatches, syncs=syncs)
+    middles = middle_steps(graph, blocks, syncs)
+    steps = [(graph, key, *span) for key, span in blocks.items() if key[0] != "optimizer"] + \
+        [(middle, key, *span) for middle, middle_blocks in filter(None, middles.values())
+         for key, span in middle_blocks.items()]
+    if not all(_periods(g, start, end, run) for g, key, start, end in steps for run in cut[1] if run[0] == key[2]):
         return None
-    return StageProbe(graph, blocks, cut[1], None, finish[0] if finish and plan.zero != 3 else None)
+    # the end of backward is the last span of syncs (train_step's gradient sync `finish`)
+    return StageProbe(graph, blocks, cut[1], None, syncs[-1][0] if syncs and plan.zero != 3 else None, middles)
 
 
 def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe | None:
@@ -132,7 +177,7 @@ def with_end(kept: StageProbe, runs: list, optimizer: tuple, mesh) -> StageProbe
     (probe_optimizer's); None when the buckets that end reads are not those its expanded last backwards
     launch (in number, shape, type and order): with overlap, each chunk's last backward launches its own
     (an interleaved stage's other chunks before the one the end follows), else the end launches them all."""
-    probe = StageProbe(*kept, runs, optimizer, kept.finish)
+    probe = StageProbe(*kept, runs, optimizer, kept.finish, kept.middles)
     probe.periods = _expandable(probe)
     if probe.periods is None:
         return None
@@ -152,16 +197,16 @@ def _expandable(probe: StageProbe) -> dict | None:
     expanded_step will look for them (up to the probe's end of backward in the step it starts in), else None.
     kept_probe checked the steps where it traced them; a probe moved to another layout and cut at its end of
     backward (ProbeCache) may not hold them: an FSDP stage of Llama-3.1 405B (TP8 PP4 CP2, no SP) did not."""
-    graph, blocks = probe
     periods = {}
-    for key, (start, end) in blocks.items():
-        if key[0] == "optimizer":
-            continue
-        if probe.finish is not None and start <= probe.finish < end:
-            end = probe.finish
-        periods[key] = [_periods(graph, start, end, run) for run in probe.runs if run[0] == key[2]]
-        if not all(periods[key]):
-            return None
+    for graph, blocks in [probe, *filter(None, probe.middles.values())]:
+        for key, (start, end) in blocks.items():
+            if key[0] == "optimizer":
+                continue
+            if graph is probe[0] and probe.finish is not None and start <= probe.finish < end:
+                end = probe.finish
+            periods[key] = [_periods(graph, start, end, run) for run in probe.runs if run[0] == key[2]]
+            if not all(periods[key]):
+                return None
     return periods
 
 
@@ -206,7 +251,9 @@ def grad_group(graph: TraceGraph, mesh) -> list[int]:
 
 def whole_probe(config: ModelConfig, plan: TrainPlan, stage: int, dtype, microbatches: int,
                 rank: int | None = None) -> StageProbe:
-    return StageProbe(*probe_stage(config, plan, stage, dtype, rank, microbatches=microbatches))
+    syncs = []
+    graph, blocks = probe_stage(config, plan, stage, dtype, rank, microbatches=microbatches, syncs=syncs)
+    return StageProbe(graph, blocks, middles=middle_steps(graph, blocks, syncs))
 
 
 def expand_step(graph: TraceGraph, start: int, end: int, runs: list, first: tuple | None = None) -> TraceGraph:
@@ -228,6 +275,19 @@ def expanded_steps(probe: StageProbe, grad_group: list[int]):
     for key in probe[1]:
         if key[0] != "optimizer":
             yield key, expanded_step(probe, key, grad_group)
+
+
+def middle_step(probe: StageProbe, chunk: int) -> tuple[TraceGraph, int, int]:
+    """(graph, first node, end) of the chunk's middle backward (StageProbe.middles, not None) as the whole
+    stage runs it (expand_step)."""
+    graph, blocks = probe.middles[chunk]
+    key = ("B", MIDDLE, chunk)
+    start, end = blocks[key]
+    runs = [run for run in probe.runs if run[0] == chunk]
+    if not runs:
+        return graph, start, end
+    step = expand_step(graph, start, end, runs, (probe.periods.get(key) or [None])[0])
+    return step, 0, len(step)
 
 
 def expanded_step(probe: StageProbe, key: tuple, grad_group: list[int]) -> TraceGraph:

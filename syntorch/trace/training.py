@@ -21,6 +21,7 @@ another, so the ops of a step that depend on nothing inside it get a dependency 
 step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
 """
 import bisect
+import contextlib
 import dataclasses
 
 import torch
@@ -38,9 +39,11 @@ from syntorch.trace.tracer import Tracer
 
 
 PROBE_MICROBATCHES = 4  # enough to see every kind of step: first, middle (after a middle), and last backward
-# what costing steps needs (syntorch/simulate): a middle backward after the first costs what one after a
-# middle does (the same ops; only their tensors' versions differ, which copies must get right)
-COST_MICROBATCHES = 3
+# what costing steps needs (syntorch/simulate): the first and the last backward; a middle one is the last
+# without what only the last runs (probe_stage's `syncs`; layer_probe.middle_steps), and a middle backward
+# after the first costs what one after a middle does (the same ops; only their tensors' versions differ,
+# which copies must get right)
+COST_MICROBATCHES = 2
 
 
 def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
@@ -56,13 +59,15 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
 
 
 def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
-                microbatches: int = PROBE_MICROBATCHES, finish: list | None = None) -> tuple[TraceGraph, dict]:
+                microbatches: int = PROBE_MICROBATCHES, syncs: list | None = None) -> tuple[TraceGraph, dict]:
     """A short run of the stage -- at most `microbatches` of the plan's micro-batches, all forwards then all
     backwards (chunk by chunk under interleaving) -- and where each step's nodes are:
-    {(kind, microbatch, chunk): (first node, end)}. `finish` (a list): gets the node where the end of the
-    last backward (the gradient synchronisation's `finish`) starts."""
+    {(kind, microbatch, chunk): (first node, end)}. `syncs` (a list): gets the spans [first node, end) of
+    what only a chunk's last backward runs, in order: the gradient sync's bucket launches and, last, the end
+    of backward (its `finish`). Without them a last backward is a middle one (accumulation after
+    accumulation), node for node (tests/plan/test_two_probes.py): so COST_MICROBATCHES is two."""
     probe = dataclasses.replace(plan, microbatches=min(plan.microbatches, microbatches), schedule="gpipe")
-    return _run_stage(config, probe, stage, dtype, rank, finish=finish)
+    return _run_stage(config, probe, stage, dtype, rank, syncs=syncs)
 
 
 def probe_optimizer(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=torch.float32,
@@ -87,9 +92,9 @@ def _accumulate_gradients(run: plans.StageRun, zero: int) -> None:
 
 
 def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None,
-               finish: list | None = None) -> tuple[TraceGraph, dict]:
+               syncs: list | None = None) -> tuple[TraceGraph, dict]:
     """`microbatches=0`: no step but the end of backward and the optimizer's, on gradients set beforehand.
-    `finish`: probe_stage's."""
+    `syncs`: probe_stage's."""
     mesh = plan.mesh
     rank = mesh.representative(stage) if rank is None else rank
     meta = {"model": config.name, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep,
@@ -107,9 +112,8 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
         steps = []
         with Tracer(run.model, rank=rank, world_size=mesh.world_size, meta=meta, default_phase=None) as tracer:
             _name_optimizer_state(tracer, run)
-            if finish is not None:  # mark where the end of backward starts
-                end_of_backward = run.grad_sync.finish
-                run.grad_sync.finish = lambda: (finish.append(len(tracer.graph)), end_of_backward())
+            if syncs is not None:
+                _mark_syncs(run.grad_sync, tracer.graph, syncs)
             # what lives across the step first, so every step's nodes look alike wherever it runs
             # (FSDP's flat parameters are buffers, and under mixed precision its shards are not the optimizer's
             # parameters: either would be first seen inside the first forward, which then differs from the next)
@@ -123,10 +127,30 @@ def _run_stage(config, plan, stage, dtype, rank, microbatches: int | None = None
                 tracer.tensor_node(t)
             plans.train_step(run, batches, tracer.phase,
                              on_step=lambda kind, m, c: steps.append(((kind, m, c), len(tracer.graph))))
-            if finish is not None:  # the marker holds grad_sync and the tracer: left in place, a cycle
+            if syncs is not None:  # the markers hold grad_sync and the tracer: left in place, a cycle
                 del run.grad_sync.finish
+                if hasattr(run.grad_sync, "mark"):
+                    run.grad_sync.mark = contextlib.nullcontext
     ends = [start for _, start in steps[1:]] + [len(tracer.graph)]
     return tracer.graph, {key: (start, end) for (key, start), end in zip(steps, ends)}
+
+
+def _mark_syncs(grad_sync, graph: TraceGraph, syncs: list) -> None:
+    """The gradient sync's bucket launches (its `mark`: FSDP has none) and its end of backward append the
+    span of nodes they add to `syncs`."""
+    @contextlib.contextmanager
+    def mark():
+        start = len(graph)
+        yield
+        syncs.append((start, len(graph)))
+
+    def end_of_backward(finish=grad_sync.finish):
+        with mark():
+            finish()
+
+    grad_sync.finish = end_of_backward
+    if hasattr(grad_sync, "mark"):
+        grad_sync.mark = mark
 
 
 def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:

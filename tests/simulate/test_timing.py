@@ -18,7 +18,7 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.engine import simulate
 from syntorch.simulate.graphs import MeshFrame, kind_programs
 from syntorch.simulate.prediction import predict_training, run_summary
-from syntorch.simulate.steps import pipeline_programs, probe_costs, step_costs
+from syntorch.simulate.steps import pipeline_programs, stage_costs, step_costs
 from syntorch.workload import trace_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,8 +109,7 @@ def test_a_pipeline_of_equal_compute_only_stages_has_the_analytic_bubble(virtual
     config = tiny_config("gpt2", n_layer=p * virtual, d_model=128, vocab_size=64, n_positions=256)
     plan = TrainPlan(pp=p, microbatches=m, seq=256, virtual_stages=virtual)
     workload = trace_workload(config, plan, torch.bfloat16, NO_COMM, schedule=False)
-    graph, blocks = workload.probes[1]
-    costs = probe_costs(graph, blocks, plan.mesh)
+    costs = stage_costs(workload.probes[1], plan.mesh)  # with the middle backwards it derives
     orders = [schedule("1f1b", s, p, m, virtual) for s in range(p)]
     run = simulate(pipeline_programs(orders, [step_costs(costs, order, m) for order in orders], p, virtual))
     # within 1%: a micro-batch's first backward writes its gradients, later ones add to them (a little longer)
