@@ -9,6 +9,7 @@ Megatron helpers at the bottom are autograd-aware: their backward runs the conju
 traces show the backward all-reduces.
 """
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -105,11 +106,13 @@ def symbolic_world(rank: int, world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeError("symbolic_world: a process group is already initialized in this process")
+    hook = sys.excepthook  # init_process_group wraps it in one more "[rankN]: " prefix each time
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def own_chunk(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -118,9 +118,9 @@ class _Fp8Linears(TorchFunctionMode):
         return y if bias is None else y + bias
 
 
-def _forward(module, original, *args, **kwargs):
-    with _Fp8Linears(module.fp8_history):
-        return original(*args, **kwargs)
+def _forward(history: "AmaxHistory", original: weakref.WeakMethod, *args, **kwargs):
+    with _Fp8Linears(history):
+        return original()(*args, **kwargs)
 
 
 def _fp8_module(name: str, module: nn.Module) -> bool:
@@ -137,7 +137,9 @@ def apply_fp8(model: nn.Module, cast_weights: bool = False) -> list[str]:
     for name, module in model.named_modules():
         if _fp8_module(name, module):
             module.fp8_history = AmaxHistory(module.weight.device)
-            module.forward = functools.partial(_forward, module, module.forward)
+            # the module's forward held weakly: set on the module, a strong one is a cycle that keeps every
+            # Linear of a search task's probe until a full collection
+            module.forward = functools.partial(_forward, module.fp8_history, weakref.WeakMethod(module.forward))
             if cast_weights:
                 with torch.no_grad():
                     module.fp8_history.cast_weight(module.weight)

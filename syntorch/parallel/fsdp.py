@@ -154,10 +154,14 @@ class FullyShard:
         for i, (layer, units) in enumerate(zip(layers, self.layers)):
             self._hook(layer, units, self.layers[i + 1] if i + 1 < len(layers) else [],
                        self.layers[i - 1] if i else [])
-        ready = weakref.WeakMethod(self._grad_ready)  # held weakly: as buckets.GradSync's hooks
+        # the hooks hold neither this object nor a unit: a parameter's hooks live in torch's C++ grad accumulator,
+        # where the cyclic collector cannot see a cycle through unit.params (each FSDP task leaked its units,
+        # parameters and shards for good), as buckets.GradSync's
+        self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        ready = weakref.WeakMethod(self._grad_ready)
         for unit in self.units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda p, unit=unit: ready()(unit))
+                p.register_post_accumulate_grad_hook(lambda p: ready()(p))
 
     @staticmethod
     def _layer_units(layer: nn.Module, group, size: int, reduce_fp32: bool, experts) -> list[Unit]:
@@ -191,7 +195,8 @@ class FullyShard:
         module.register_forward_pre_hook(pre_forward)
         module.register_forward_hook(post_forward)
 
-    def _grad_ready(self, unit: Unit) -> None:
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        unit = self._unit_of[id(param)]
         unit.ready += 1
         if unit.ready == len(unit.params):
             unit.reduce(self.partial, self.reshard_after_forward or self.active)

@@ -54,6 +54,7 @@ worth (Narayanan et al. 2021's schedule, section 2.2.2; the factor as Korthikant
 4.2.3, give it); GPipe all m. Chunks of uneven size (layout.py) count their own layers at the peak.
 """
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,30 +82,72 @@ class StageParams:
     largest_unit: int
 
 
-# (the config's fields, the rank plan, the stage's shape) -> StageParams: a run asks every stage, and middle
-# stages of one shape hold as many parameters (a 405B plan's 14 of 16)
-_PARAMS: dict[tuple, StageParams] = {}
+# (the config's fields, the rank plan) -> its _Parts: a search asks thousands of stages of a few rank plans
+_PARTS: dict[tuple, "_Parts"] = {}
 
 
 def stage_params(config: ModelConfig, plan, stage: pp_.Stage) -> StageParams:
     """Counted on the model a rank of `stage` holds, as assemble_rank builds it on meta (every rank of a stage
-    holds as many: equal TP and ETP shards, 1/ep of the experts), tied weights once. Stages that hold
-    the embedding and the head alike and layers of the same MLPs in chunks of the same sizes (a layer's
-    parameters differ from another's only by its MLP: dense or experts, models/gpt.py's Block) share a count."""
+    holds as many: equal TP and ETP shards, 1/ep of the experts), tied weights once: part by part (_Parts),
+    what the stage holds outside its layers and each of its layers, counted once per rank plan."""
     assert stage == plan.stage(config, stage.index), f"{stage} is not one of the plan's stages"
     small = _rank_plan(plan)
-    shape = (stage.first, stage.last, tuple(map(len, stage.chunks)),
-             tuple(bool(config.n_experts) and i >= config.first_k_dense for i in stage.layers))
-    key = (repr(config), small, shape)
-    if key not in _PARAMS:
-        _PARAMS[key] = _count_params(_rank_model(config, small, stage.index), plan.ep)
-    return _PARAMS[key]
+    key = (repr(config), small)
+    if key not in _PARTS:
+        _PARTS[key] = _Parts(config, small)
+    ends = _PARTS[key].ends(stage.first, stage.last)
+    layers = [_PARTS[key].layer(_moe_layer(config, i)) for i in stage.layers]
+    return StageParams(ends.dense + sum(p.dense for p in layers), ends.experts + sum(p.experts for p in layers),
+                       max(p.largest_unit for p in [ends, *layers]))
 
 
-def _count_params(model: nn.Module, ep: int) -> StageParams:
+def _moe_layer(config: ModelConfig, layer: int) -> bool:
+    return bool(config.n_experts) and layer >= config.first_k_dense
+
+
+class _Parts:
+    """One rank plan's parameters by part of a stage: outside its layers (the embeddings on the first stage,
+    the final norm and head on the last: pipeline.split_stage), by whether the stage is first and last, and
+    one layer, by its kind (a layer's parameters differ from another's only by its MLP, dense or experts:
+    models/gpt.py's Block). Each counted on a stage model of one layer (pipeline.build_stage_model builds only
+    the layers asked), assembled as assemble_rank assembles every stage: ~10 ms, where a whole stage of a
+    405B model cost ~0.1 s and a search asked ~230 of them."""
+
+    # (first, last) -> the pipeline depth and stage that is so
+    STAGES = {(True, True): (1, 0), (True, False): (2, 0), (False, True): (2, 1), (False, False): (3, 1)}
+
+    def __init__(self, config: ModelConfig, small: RankPlan):
+        self.config, self.small = config, small
+        self._ends: dict[tuple, StageParams] = {}
+        self._layers: dict[bool, StageParams] = {}  # (largest_unit: the layer's own largest unit)
+
+    def ends(self, first: bool, last: bool) -> StageParams:
+        if (first, last) not in self._ends:
+            self._count(first, last)
+        return self._ends[first, last]
+
+    def layer(self, moe: bool) -> StageParams:
+        if moe not in self._layers:
+            self._count(True, True, next(i for i in range(self.config.n_layer) if _moe_layer(self.config, i) == moe))
+        return self._layers[moe]
+
+    def _count(self, first: bool, last: bool, layer: int | None = None) -> None:
+        """Counts the stage that is `first`/`last` with one of its layers (`layer`, else its first) built."""
+        pp, index = self.STAGES[first, last]
+        plan = dataclasses.replace(self.small, pp=pp)
+        stage = plan.stage(self.config, index)
+        layer = stage.layers[0] if layer is None else layer
+        model = _rank_model(self.config, plan, dataclasses.replace(stage, layers=(layer,), chunks=()))
+        named = list(model.named_parameters())
+        self._ends[first, last] = _count_params([(n, p) for n, p in named if not n.startswith("layers.")], plan.ep)
+        self._layers.setdefault(_moe_layer(self.config, layer),
+                                _count_params([(n, p) for n, p in named if n.startswith("layers.")], plan.ep))
+
+
+def _count_params(named: list[tuple[str, nn.Parameter]], ep: int) -> StageParams:
     dense = experts = 0
     units: dict[str, int] = {}
-    for name, p in model.named_parameters():
+    for name, p in named:
         expert = is_expert_param(name)
         if expert:
             experts += p.numel()
@@ -113,22 +156,26 @@ def _count_params(model: nn.Module, ep: int) -> StageParams:
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "rest"  # fsdp.py's units
         unit += ".experts" if expert and ep > 1 else ""
         units[unit] = units.get(unit, 0) + p.numel()
-    return StageParams(dense, experts, max(units.values()))
+    return StageParams(dense, experts, max(units.values(), default=0))
 
 
 def _rank_plan(plan) -> RankPlan:
-    """The smallest plan whose ranks hold as much as `plan`'s: parameters do not depend on DP or CP, so
-    neither is kept but for the DP replicas EP is carved out of (mesh.py)."""
+    """The smallest plan whose ranks' layers and ends (_Parts) hold as much as `plan`'s: parameters do not
+    depend on DP or CP, so neither is kept but for the DP replicas EP is carved out of (mesh.py), nor on the
+    pipeline's depth or split, which _Parts sets, nor on recomputation (it wraps forwards only)."""
     dp = plan.ep // math.gcd(plan.ep, plan.tp // plan.etp)
-    return RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)} | dict(dp=dp, cp=1))
+    return RankPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RankPlan)}
+                    | dict(dp=dp, cp=1, pp=1, virtual_stages=1, first_stage_layers=None, last_stage_layers=None,
+                           account_for_embedding=False, account_for_loss=False, recompute="none"))
 
 
-def _rank_model(config: ModelConfig, small: RankPlan, stage: int) -> nn.Module:
-    """The model of stage `stage`'s representative rank of `small` (_rank_plan), assembled on meta against the
-    fake backend."""
-    rank = small.mesh.representative(stage)
+def _rank_model(config: ModelConfig, small: RankPlan, stage: pp_.Stage) -> nn.Module:
+    """The model of `stage`'s representative rank of `small` (_rank_plan), assembled on meta against the fake
+    backend, with the layers `stage` names (those of small's stage `stage.index`, or some of them)."""
+    rank = small.mesh.representative(stage.index)
     with symbolic_world(rank, small.mesh.world_size):
-        return assemble_rank(config, small, init_groups(small.mesh, only_mine=True), "meta").model
+        model = pp_.build_stage_model(config, stage, "meta")
+        return assemble_rank(config, small, init_groups(small.mesh, only_mine=True), "meta", model=model).model
 
 
 def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
@@ -140,8 +187,15 @@ def stage_parameters(config: ModelConfig, plan, stage: pp_.Stage) -> int:
 def peak_in_flight(plan, stage: int, chunk: int | None = None, weights: list[int] | None = None) -> int:
     """The most chunk-micro-batches whose activations a stage holds at once in its schedule (of one chunk
     when given); with `weights`, each chunk's counted by its weight (its layers: uneven chunks, layout.py)."""
+    return _peak_in_flight(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages, chunk,
+                           tuple(weights) if weights else None)
+
+
+@functools.cache  # a search asks it of thousands of layouts, most sharing their schedule with others
+def _peak_in_flight(schedule: str, stage: int, pp: int, microbatches: int, virtual: int, chunk: int | None,
+                    weights: tuple | None) -> int:
     alive = peak = 0
-    for kind, _, c in pp_.schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages):
+    for kind, _, c in pp_.schedule(schedule, stage, pp, microbatches, virtual):
         if chunk is None or c == chunk:
             alive += (weights[c] if weights else 1) * (1 if kind == "F" else -1)
             peak = max(peak, alive)

@@ -15,6 +15,7 @@ autograd function keeps its own tensors.
 """
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -41,11 +42,17 @@ def apply_recompute(model: nn.Module, recompute: str) -> None:
     check_recompute(recompute)
     if recompute == "full":
         for block in getattr(model, "layers", {}).values():
-            block.forward = functools.partial(_checkpointed, block.forward)
+            # the block's forward held weakly: set on the block, a strong one is a cycle that keeps every block
+            # of a search task's probe until a full collection
+            block.forward = functools.partial(_checkpointed_method, weakref.WeakMethod(block.forward))
     elif recompute == "selective":
         for module in model.modules():
             if isinstance(module, Attention):
                 _recompute_core(module)
+
+
+def _checkpointed_method(method: weakref.WeakMethod, *args):
+    return _checkpointed(method(), *args)
 
 
 def _checkpointed(function, *args):

@@ -19,7 +19,6 @@ one probe serves every --compare_hw machine; only fill_durations and the simulat
 tests/plan/test_shared_probes.py checks that predictions from shared probes are those of fresh ones.
 """
 import dataclasses
-import gc
 from collections import OrderedDict
 
 import torch
@@ -164,8 +163,8 @@ def evaluate_group(config: ModelConfig, dtype: str, profile: str, attention: str
             out.append((index, None, str(e)))
             continue
         out.append((index, {k: summary[k] for k in SUMMARY if k in summary}, None))
-    # the tracer hands what it made to the oldest generation unscanned (graph.no_gc), so a cycle that holds a
-    # probe waits for a rare full pass, and a worker, `--workers 1` or a Ray task runs hundreds of tasks; the two
-    # known cycles are broken (tests/plan/test_task_frees.py), this frees any other (~0.27 CPU s a 405B task)
-    gc.collect()
+    # no collection (a full one, ~0.27 CPU s a 405B task): the tracer hands what it made to the oldest generation
+    # unscanned (graph.no_gc), where a cycle holding a probe would wait for a rare full pass, but none does
+    # (tests/plan/test_task_frees.py); the cycles a task leaves are torch's pytree closures (~3,000 small objects
+    # a 405B task), for the next full pass
     return out

@@ -216,19 +216,21 @@ def make_plan(config: ModelConfig, work: Work, v: dict, fp8: bool = False) -> Tr
 
 
 class MemoryModel:
-    """memory.estimate's figures for many layouts: the stage parameter counts (a stage model built on meta)
-    cached by what they depend on, and only the stages that can be the peak evaluated: the first, the
-    second (the middle stages hold as many layers and parameters, and no more micro-batches in flight
-    than it) and the last."""
+    """memory.estimate's figures for many layouts: the stages and their parameter counts cached by what they
+    depend on, and only the stages that can be the peak evaluated: the first, the second (the middle stages
+    hold as many layers and parameters, and no more micro-batches in flight than it) and the last."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         self.config, self.dtype = config, dtype
         self.element = torch.empty((), dtype=dtype).element_size()
-        self._params = {}
+        self._params, self._stages = {}, {}
 
     def stage_bytes(self, plan: TrainPlan, index: int) -> int:
         """memory.estimate(config, plan, dtype, index)["total"]."""
-        stage = plan.stage(self.config, index)
+        where = (plan.pp, plan.virtual_stages, plan.layout, index)
+        if where not in self._stages:
+            self._stages[where] = plan.stage(self.config, index)
+        stage = self._stages[where]
         key = (plan.tp, plan.sp, plan.ep, plan.etp, tuple(stage.layers), stage.index == 0, stage.last)
         if key not in self._params:
             self._params[key] = memory.stage_params(self.config, plan, stage)

@@ -1,10 +1,17 @@
-"""A search task leaves nothing of its probes behind. The tracer hands what it made to the oldest generation
-unscanned (graph.no_gc), where a cycle would wait for a full pass that the CLI's thresholds make rare, and a
-worker, `--workers 1` or a Ray task runs hundreds of tasks (~100 MB each for Llama-3.1 405B). Two cycles held a
-whole probe (its model, tracer, graph and optimizer): the optimizer and the plain step set on it
-(nodynamo.plain_step), and the end-of-backward marker a kept-layer probe set on its gradient sync
-(training._run_stage); both are broken, and evaluate_group ends with a full collection for any other."""
+"""A search task leaves nothing of its probes behind, with no collection of its own. The tracer hands what it
+made to the oldest generation unscanned (graph.no_gc), where a cycle would wait for a full pass that the CLI's
+thresholds make rare, and a worker, `--workers 1` or a Ray task runs hundreds of tasks (~100 MB each for
+Llama-3.1 405B). Cycles that held a probe's modules, optimizer, tracer or graph, each broken at its root:
+- the optimizer and the plain step set on it (nodynamo.plain_step holds it weakly);
+- the end-of-backward marker a kept-layer probe set on its gradient sync (training._run_stage removes it);
+- a block's forward set on the block under full recomputation (recompute.py), a Linear's under FP8 (fp8.py):
+  the module's own forward is held weakly.
+One was no cycle the collector could free at all: FSDP's gradient hooks held their unit, and so its
+parameters (fsdp.py); torch keeps a parameter's hooks in C++, out of the collector's sight, so every FSDP task
+leaked its units, parameters and shards for good. And each process group set up (distributed.symbolic_world)
+wrapped sys.excepthook once more, a chain growing by a few closures every stage traced."""
 import gc
+import sys
 
 import pytest
 import torch
@@ -12,60 +19,88 @@ from conftest import tiny_config
 
 from syntorch.cli import COLLECTOR_THRESHOLDS
 from syntorch.hardware import load_hw_config
+from syntorch.parallel.fsdp import Unit
 from syntorch.parallel.plans import TrainPlan
 from syntorch.plan.evaluate import evaluate_group
 
-CONFIG = tiny_config("gpt2", n_layer=12, d_model=64, n_head=2, d_head=32, d_ff=256, vocab_size=128)
-PLANS = {  # six layers a stage: kept-layer probes (with the marker) but under FSDP with full recomputation
-    "ddp": TrainPlan(tp=2, sp=True, pp=2, dp=2, microbatches=4, seq=32),
-    "zero1": TrainPlan(tp=2, sp=True, pp=2, dp=2, zero=1, microbatches=4, seq=32),
-    "fsdp": TrainPlan(pp=2, dp=2, zero=3, microbatches=4, seq=32),
-    "interleaved": TrainPlan(pp=2, dp=2, zero=1, virtual_stages=2, microbatches=4, seq=32),
+GPT = tiny_config("gpt2", n_layer=12, d_model=64, n_head=2, d_head=32, d_ff=256, vocab_size=128)
+MOE = tiny_config("mixtral-8x22b", n_layer=4, n_kv_head=2, d_ff=64, n_experts=4, n_positions=64)
+B = dict(microbatches=4, seq=32)
+PLANS = {  # six layers a stage: kept-layer probes (with the marker), whole ones under FSDP with recomputation
+    "ddp": (GPT, TrainPlan(tp=2, sp=True, pp=2, dp=2, **B)),
+    "zero1": (GPT, TrainPlan(tp=2, sp=True, pp=2, dp=2, zero=1, **B)),
+    "zero2_fp32_reduce": (GPT, TrainPlan(pp=2, dp=2, zero=2, grad_reduce_dtype="fp32", **B)),
+    "fsdp": (GPT, TrainPlan(pp=2, dp=2, zero=3, **B)),
+    "fsdp_not_resharded": (GPT, TrainPlan(tp=2, sp=True, dp=2, zero=3, reshard_after_forward=False, **B)),
+    "interleaved": (GPT, TrainPlan(pp=2, dp=2, zero=1, virtual_stages=2, **B)),
+    "cp_selective": (GPT, TrainPlan(pp=2, dp=2, cp=2, zero=1, recompute="selective", **B)),
+    "full_recompute": (GPT, TrainPlan(tp=2, sp=True, pp=2, dp=2, recompute="full", **B)),
+    "fp8": (GPT, TrainPlan(tp=2, sp=True, pp=2, dp=2, zero=1, fp8=True, **B)),
+    "moe_ep_fsdp": (MOE, TrainPlan(dp=4, ep=2, zero=3, recompute="full", **B)),
 }
+PROBE_KINDS = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, Unit)
 
 
-def task(name: str) -> None:
-    (_, summary, refusal), = evaluate_group(CONFIG, "float32", "fused", "flash",
-                                             [(0, PLANS[name], load_hw_config("a100-80gb"))])
+def task(name: str, dtype: str = "float32") -> None:
+    config, plan = PLANS[name]
+    hw = load_hw_config("h100-sxm" if plan.fp8 else "a100-80gb")
+    (_, summary, refusal), = evaluate_group(config, "bfloat16" if plan.fp8 else dtype, "fused", "flash",
+                                             [(0, plan, hw)])
     assert refusal is None and summary["step_s"] > 0
 
 
-def probe_objects(objects, kinds=(torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) -> list[str]:
-    return sorted({type(o).__name__ for o in objects if isinstance(o, kinds)})
+def probe_objects(objects, kinds=PROBE_KINDS) -> list[str]:
+    return sorted({type(o).__name__ for o in objects if issubclass(type(o), kinds)})
+
+
+def alive(kinds=PROBE_KINDS) -> list:
+    return [o for o in gc.get_objects() if issubclass(type(o), kinds)]  # (type(): no deprecated __class__)
 
 
 @pytest.mark.parametrize("name", PLANS)
 def test_a_search_task_leaves_no_module_or_optimizer_alive(name):
+    """As a worker runs it (the CLI's thresholds), without a full collection after it."""
     thresholds = gc.get_threshold()
     gc.collect()
     kinds = (torch.nn.Module, torch.optim.Optimizer)  # (tensors: the meta cache keeps its results)
-    before = len([o for o in gc.get_objects() if isinstance(o, kinds)])
+    before = len(alive(kinds))
     try:
         gc.set_threshold(*COLLECTOR_THRESHOLDS)
         task(name)
-        after = [o for o in gc.get_objects() if isinstance(o, kinds)]
+        after = alive(kinds)
     finally:
         gc.set_threshold(*thresholds)
-    assert len(after) == before, probe_objects(after)
+    assert len(after) == before, probe_objects(after, kinds)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "interleaved"])
-def test_the_cycles_that_held_a_probe_are_broken(monkeypatch, name):
-    """No module, optimizer or tensor of the task in cyclic garbage, the final collection left out. (FSDP
-    is not here: once, after the rest of the suite, a cycle held an FSDP probe's modules; the final collection
-    frees it, and it is not found yet.)"""
-    monkeypatch.setattr(gc, "collect", lambda *args: 0)  # evaluate_group's own
-    gc.disable()
-    try:
-        task(name)
-    finally:
-        monkeypatch.undo()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+@pytest.mark.parametrize("name", PLANS)
+def test_no_cycle_holds_a_probe(name):
+    """No module, optimizer, tensor or FSDP unit of the task in cyclic garbage; then a second task of
+    another kind (order effects: what one leaves may hold the next)."""
+    for name_ in (name, "ddp" if name != "ddp" else "fsdp"):
         gc.collect()
-        left = probe_objects(gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
-    assert left == []
+        gc.disable()
+        try:
+            task(name_, "bfloat16")
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = probe_objects(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert left == [], name_
+
+
+@pytest.mark.parametrize("name", ["fsdp", "moe_ep_fsdp", "fp8"])
+def test_nothing_of_a_task_outlives_it(name):
+    """After a task (its kernels' meta results cached by the first), a full collection leaves no more
+    modules, tensors or units alive than before it, and sys.excepthook as it was."""
+    task(name)
+    gc.collect()
+    before, hook = len(alive()), sys.excepthook
+    task(name)
+    gc.collect()
+    after = alive()
+    assert len(after) == before, probe_objects(after)
+    assert sys.excepthook is hook
