@@ -96,7 +96,7 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     default async_op=False)."""
     attrs, pred = graph.node_attrs, graph.preds
     rank = graph.graph.get("rank", 0)
-    program, tasks_of, node_of, seen = Program(name, ranks), {}, [], {}
+    program, tasks_of, node_of, seen, groups = Program(name, ranks), {}, [], {}, {}
     last_compute = gate = None  # sync_tp_backward: the compute task before, the collective the next one waits for
     for n in (attrs if nodes is None else nodes):
         d = attrs[n]
@@ -113,7 +113,7 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
             else:
                 tasks_of[n] = tuple(deps)
             continue
-        stream, sync = _comm(d, rank, frame, seen)
+        stream, sync = _comm(d, rank, frame, seen, groups)
         if isolated and sync is not None:  # it meets another kind: the step-level program runs it
             duration, sync = 0.0, None
         blocking = sync_tp_backward and d["phase"] == "backward" and stream == "comm tp"
@@ -126,18 +126,23 @@ def graph_program(graph: TraceGraph, name: str, frame, ranks: int = 1, nodes=Non
     return program, node_of
 
 
-def _comm(d: dict, rank: int, frame, seen: dict) -> tuple[str, Sync | None]:
+def _comm(d: dict, rank: int, frame, seen: dict, groups: dict) -> tuple[str, Sync | None]:
+    """The collective's stream and, when it meets other kinds, its Sync (`seen`: p2p occurrences so far;
+    `groups`: each group's stream, kinds and canonical form, worked out once per program: a DP group holds
+    hundreds of ranks, and a step meets it once per bucket)."""
     kind = d["collective"]
     if kind in ("send", "recv"):
         src, dst = (rank, d["dst"]) if kind == "send" else (d["src"], rank)
         pair = frame.canonical((src, dst))
         occurrence = seen[(pair, d["tag"])] = seen.get((pair, d["tag"]), -1) + 1
         return P2P, Sync(kind, ("p2p", pair, d["tag"], occurrence))
-    group = sorted(d["group"])
-    members = frame.kinds_in(group)
-    if members == 1:
-        return "comm " + frame.label(group), None
-    return "comm " + frame.label(group), Sync("coll", ("coll", frame.canonical(group), d["order"]), members)
+    key = tuple(d["group"])
+    if key not in groups:
+        group = sorted(key)
+        members = frame.kinds_in(group)
+        groups[key] = "comm " + frame.label(group), members, members > 1 and frame.canonical(group)
+    stream, members, canonical = groups[key]
+    return stream, None if members == 1 else Sync("coll", ("coll", canonical, d["order"]), members)
 
 
 def kind_programs(graphs: dict, frame) -> list[Program]:

@@ -116,9 +116,13 @@ def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager"
     includes the time its kernel waited for the host to issue it (add_host_waits)."""
     plan = kernel_plan(graph, check_profile(profile))
     check_attention(attention)
+    us = {}  # per distinct kernel: every layer's ops launch the same ones
     for node, data in graph.node_attrs.items():
         if data["kind"] != "tensor":
-            data["duration_us"] = kernel_us(kernel_of(graph, node, plan), hw, profile, attention)
+            kernel = kernel_of(graph, node, plan)
+            if kernel not in us:
+                us[kernel] = kernel_us(kernel, hw, profile, attention)
+            data["duration_us"] = us[kernel]
     if profile == "eager" and hw.host_overhead_us:
         add_host_waits(graph, hw.host_overhead_us)
 
