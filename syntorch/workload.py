@@ -39,8 +39,9 @@ from syntorch.trace.cost import fill_durations, kernel_of, kernel_us
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
-from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, schedule_stage, shift_stage,
-                                     shift_view, stage_steps, traced_stage_for)
+from syntorch.trace.step_schedule import schedule_stage, stage_steps
+from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, shift_stage, shift_view,
+                                     traced_stage_for)
 
 
 @dataclass

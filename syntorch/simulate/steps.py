@@ -8,8 +8,8 @@ stream was busy and how much communication it exposed. The step-level programs t
 each stage's schedule (pipeline.schedule: (step, micro-batch, chunk)), with the activations and their
 gradients sent between (virtual) stages, and, for a head tied to the embedding, the all-reduce between the
 first and the last stage before the optimizer. A step is copied from the probed step that plays its part
-(trace/training.py's rule: the same micro-batch when probed, else the first, a middle or the last backward;
-a probe of two micro-batches has no middle one: it is the last one without its gradient sync,
+(trace/step_schedule.py's probed_microbatch: the same micro-batch when probed, else the first, a middle or the
+last backward; a probe of two micro-batches has no middle one: it is the last one without its gradient sync,
 layer_probe.middle_steps).
 
 Cost: (steps per stage) x stages tasks; a stage's DP, CP and TP ranks share its program.
@@ -21,7 +21,7 @@ from syntorch.simulate.engine import COMPUTE, P2P, Program, Sync, simulate
 from syntorch.simulate.graphs import MeshFrame, graph_program
 from syntorch.simulate.stats import kind_stats
 from syntorch.trace.layer_probe import MIDDLE, StageProbe, expanded_steps, grad_group, middle_step
-from syntorch.trace.training import _template as probed_microbatch
+from syntorch.trace.step_schedule import probed_microbatch
 
 
 @dataclass(frozen=True)

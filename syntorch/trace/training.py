@@ -13,14 +13,8 @@ one is the other's with layer indices shifted and global ranks moved along pp (`
 
 Micro-batches repeat: a probe runs at most PROBE_MICROBATCHES of them (every kind of step: the first
 backward creates the gradients, middle ones accumulate, the last one synchronises them) and the stage's
-step is assembled from copies of the probed steps in the stage's own schedule (`schedule_stage`; tested
-equal to running every micro-batch).
-
-The schedule is part of the trace: a stage runs its steps (forward or backward of a micro-batch) one after
-another, so the ops of a step that depend on nothing inside it get a dependency on the last node of the
-step before, through a 0-byte `schedule` tensor (kept by every level and exporter, a data dep in Chakra).
+step is assembled from copies of the probed steps in the stage's own schedule (step_schedule.py).
 """
-import bisect
 import contextlib
 import dataclasses
 
@@ -32,9 +26,9 @@ from syntorch.nodynamo import plain_step
 from syntorch.parallel import plans
 from syntorch.parallel.distributed import symbolic_world
 from syntorch.parallel.mesh import Mesh, init_groups
-from syntorch.parallel.pipeline import schedule
 from syntorch.trace.graph import TraceGraph, with_node_attrs
 from syntorch.trace.meta_cache import MetaCache
+from syntorch.trace.step_schedule import schedule_stage, set_schedule
 from syntorch.trace.tracer import Tracer
 
 
@@ -55,7 +49,7 @@ def trace_stage(config: ModelConfig, plan: plans.TrainPlan, stage: int, dtype=to
     if replicate:
         return schedule_stage(*probe_stage(config, plan, stage, dtype, rank), plan)
     graph, blocks = _run_stage(config, plan, stage, dtype, rank)
-    return _finish(graph, plan, list(blocks), [start for start, _ in blocks.values()])
+    return set_schedule(graph, plan, list(blocks), [start for start, _ in blocks.values()])
 
 
 def probe_stage(config, plan, stage, dtype=torch.float32, rank=None,
@@ -169,173 +163,6 @@ def _name_optimizer_state(tracer: Tracer, run: plans.StageRun) -> None:
             tracer.names[id(bucket.flat)] = (f"grad_sync.flat.{k}", False)
 
 
-def _template(kind: str, m: int, microbatches: int, probed: int) -> int:
-    """The probed step a step is copied from: the same micro-batch when probed; else the first backward
-    (fresh gradients), the last one (gradient sync), or a middle one (accumulation after accumulation)."""
-    if m < probed - 1 or microbatches == probed:
-        return m
-    return probed - 1 if kind == "F" or m == microbatches - 1 else probed - 2
-
-
-def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep: bool = False,
-                   stage: int | None = None, steps: dict | None = None, share: bool = False) -> TraceGraph:
-    """The stage's step in its own schedule with `plan.microbatches` micro-batches, from a probe's steps:
-    each step is a copy of a probed step whose inputs from other steps are re-pointed at the steps that
-    play the same part (the same micro-batch's forward, the previous backward). `stage`: another stage's
-    schedule, for a shifted copy of the probe's stage; then each node's inputs are in the order a copy
-    shift_stage made has them, by their producers' ids (StageGraphs.kind_view). `steps`: the probe's steps
-    as prepared for copying, kept across calls on one probe and stage (a dict, filled here); `share`: nodes
-    and edges that are the probe's as they are keep its attribute dicts, not copies (for a graph that is read
-    and dropped: no second copy of them alive).
-
-    When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
-    the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
-    by_source = stage is not None and stage != probe.graph["stage"]
-    stage, M = probe.graph["stage"] if stage is None else stage, plan.microbatches
-
-    def source(kind, m, c):
-        """The probed step a step is copied from (the optimizer's one step for itself)."""
-        return ("optimizer", None, None) if kind == "optimizer" else (kind, _template(kind, m, M, probed), c)
-
-    probed = 1 + max(m for kind, m, _ in blocks if kind != "optimizer")
-    order = [*stage_steps(plan, stage), *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
-    found = sorted((start, end, key) for key, (start, end) in blocks.items())
-    if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
-        finished = copy_graph(probe, by_source) if keep or by_source else probe
-        _renumber_orders(finished)
-        return _finish(finished, plan, order, [start for start, _, _ in found])
-    prefix = found[0][0]
-    out = TraceGraph(**probe.graph)
-    out.append((probe.node_attrs[n] for n in range(prefix)),
-               ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix), copy=not share)
-    placed = {}  # (kind, microbatch) -> first node in `out`
-    steps = {} if steps is None else steps  # probed step -> _Step
-    # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
-    # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
-    latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
-
-
-    def image(u, shift):
-        """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
-        the same node of the step in `out` that plays u's step's part."""
-        if u < prefix:
-            return u
-        if _state(u, probe.node_attrs[u]):
-            return latest[probe.node_attrs[u]["name"]][0]
-        start, end, (kind, k, c) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
-        a, b = blocks[source(kind, k + shift, c)]
-        assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
-        return placed[(kind, k + shift, c)] + u - start
-
-    for kind, m, c in order:
-        key = source(kind, m, c)
-        if key not in steps:  # each probed step prepared once, however many copies it makes
-            steps[key] = _Step(probe, *blocks[key], by_source)
-        step = steps[key]
-        base = placed[(kind, m, c)] = len(out)
-        shift = m - (probed if kind == "optimizer" else key[1])
-        out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out, latest),
-                   ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges),
-                   copy=not share)
-        latest.update(step.written)
-    _renumber_orders(out)
-    roots = [[placed[step] + off for off in steps[source(*step)].roots] for step in order]
-    return _finish(out, plan, order, [placed[step] for step in order], roots)
-
-
-def stage_steps(plan: plans.TrainPlan, stage: int) -> list[tuple[str, int, int]]:
-    """The steps a stage runs, in its schedule's order (pipeline.schedule; forwards only in inference)."""
-    if plan.mode != "train":
-        return [("F", m, 0) for m in range(plan.microbatches)]
-    return schedule(plan.schedule, stage, plan.pp, plan.microbatches, plan.virtual_stages)
-
-
-class _Step:
-    """A probed step prepared for copying: its nodes' attributes, which of them move with the micro-batch,
-    and its in-edges in their order (from inside the step as offsets, else as probe nodes); `by_source`: each
-    node's inputs by their producers' ids (schedule_stage's)."""
-
-    def __init__(self, probe: TraceGraph, a: int, b: int, by_source: bool = False):
-        self.a, self.nodes, self.moving, self.edges = a, [], {}, []
-        nodes = probe.node_attrs
-        pred = {n: dict(sorted(probe.preds[n].items())) for n in range(a, b)} if by_source else probe.preds
-        for n in range(a, b):
-            data = nodes[n]
-            self.nodes.append(data)
-            if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
-                self.moving[n - a] = ("tag", None)
-            elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w in pred[n] for t in (sorted(probe.preds[w]) if by_source else probe.preds[w])
-                           if nodes[t]["version"] == data["version"] - 1
-                           and nodes[t]["shape"] == data["shape"]] if data["version"] else []
-                self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
-            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
-        self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
-        # a copy's inputs from outside it are made before it, as the probed step's are: the same roots
-        self.roots = [n - a for n in _roots(probe, a, b)]
-
-    def copy(self, base: int, tag_shift: int, image, out: TraceGraph, latest: dict) -> list[dict]:
-        """The nodes' attributes for a copy at `base`, `tag_shift` tag pairs later (micro-batches times chunks):
-        a send's or recv's tag (the micro-batch's), default tensor names, and the version of a tensor written in
-        place (one past its earlier version there, e.g. a gradient accumulated over one more micro-batch; for a
-        parameter or buffer, one past its `latest`; what the copy writes is left in `written`)."""
-        nodes = list(self.nodes)
-        for off, (what, earlier) in self.moving.items():
-            data = nodes[off]
-            if what == "tag":
-                nodes[off] = {**data, "tag": data["tag"] + 2 * tag_shift}  # pipeline.tag: 2(mV + c) (+1 for gradients)
-                continue
-            data = {**data, "name": f"t{base + off}"} if data["name"] == f"t{self.a + off}" else dict(data)
-            if earlier is not None:
-                inside = earlier - self.a
-                before = nodes[inside] if 0 <= inside < len(nodes) else out.nodes[image(earlier)]
-                data["version"] = before["version"] + 1
-            nodes[off] = data
-        written = {}  # what this copy writes, into `latest` once its in-edges are placed (they read the earlier)
-        for off in self.state:
-            data = nodes[off]
-            before = written.get(data["name"], latest.get(data["name"]))
-            if data["version"] and before is not None:
-                nodes[off] = data = {**data, "version": before[1] + 1}
-            written[data["name"]] = (base + off, data["version"])
-        self.written = written
-        return nodes
-
-
-def copy_graph(graph: TraceGraph, by_source: bool = False) -> TraceGraph:
-    """A copy whose node, edge and graph attributes can change without changing `graph`'s. Edges go in by
-    target, each one's inputs in their order, as the tracer added them (which level views keep); `by_source`:
-    by source, as shift_stage copies them."""
-    out = TraceGraph(**graph.graph)
-    edges = ((u, v, e) for u, targets in graph.succs.items() for v, e in targets.items()) if by_source else \
-        ((u, v, e) for v, sources in graph.preds.items() for u, e in sources.items())
-    out.append((dict(d) for d in graph.node_attrs.values()), ((u, v, dict(e)) for u, v, e in edges))
-    return out
-
-
-def _state(n: int, d: dict) -> bool:
-    """A parameter or buffer: a tensor the tracer named (others keep their default name t<node>)."""
-    return d["kind"] == "tensor" and d["name"] != f"t{n}"
-
-
-def _renumber_orders(graph: TraceGraph) -> None:
-    """Each collective's `order` among its group's in the graph, in a new attribute dict (a shared one is the
-    probe's: schedule_stage's `share`)."""
-    counts, nodes = {}, graph.node_attrs
-    for n, d in list(graph.collectives()):
-        key = tuple(d["group"])
-        nodes[n] = {**d, "order": counts.get(key, 0)}
-        counts[key] = nodes[n]["order"] + 1
-
-
-def _finish(graph: TraceGraph, plan, order, starts, roots=None) -> TraceGraph:
-    graph.graph.update(schedule=plan.schedule, microbatches=plan.microbatches,
-                       pipeline_schedule=[f"{kind}{m}" + (f".{c}" if plan.virtual_stages > 1 else "")
-                                          for kind, m, c in order if kind != "optimizer"])
-    add_schedule_deps(graph, starts, roots)
-    return graph
-
-
 def traced_stage_for(config: ModelConfig, plan: plans.TrainPlan) -> list[int]:
     """For each stage, the stage whose probe it is derived from (itself when it must be traced): middle
     stages whose chunks hold layers of the same kinds, as far apart (probes run GPipe's order, the same on
@@ -414,36 +241,3 @@ def _stage_move(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
                 "dst": None if d["dst"] is None else move(d["dst"])}
 
     return moved, {**graph.graph, "stage": to_stage, "rank": move(graph.graph["rank"])}
-
-
-def add_schedule_deps(graph: TraceGraph, starts: list[int], roots: list | None = None) -> None:
-    """Step k (nodes from starts[k] to starts[k+1]) runs after step k-1: its first nodes (those with no
-    producer inside the step: _roots) read a 0-byte tensor written by step k-1's last node. `roots`: each
-    step's first nodes, when known (a copied step's are those of the step it copies, moved)."""
-    bounds, nodes = [*starts, len(graph)], graph.node_attrs
-    for k in range(1, len(starts)):
-        start, end = bounds[k], bounds[k + 1]
-        last = next((n for n in range(start - 1, bounds[k - 1] - 1, -1) if nodes[n]["kind"] != "tensor"), None)
-        firsts = roots[k] if roots else _roots(graph, start, end)
-        if last is None or not firsts:
-            continue
-        token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
-        graph.add_edge(last, token, arg=len(graph.succ[last]))
-        for n in firsts:
-            graph.add_edge(token, n, arg=len(graph.pred[n]))
-
-
-def _roots(graph: TraceGraph, start: int, end: int) -> list[int]:
-    """The ops and collectives from `start` to `end` whose inputs were all made before `start`."""
-    nodes, pred = graph.node_attrs, graph.preds
-    return [n for n in range(start, end) if nodes[n]["kind"] != "tensor" and _made_before(pred, n, start)]
-
-
-def _made_before(pred: dict, n: int, start: int) -> bool:
-    """Were all of node n's inputs made before node `start`? (Loops, not any() over a generator: asked of
-    every node of a stage's step.)"""
-    for t in pred[n]:
-        for p in pred[t]:
-            if p >= start:
-                return False
-    return True

@@ -135,7 +135,8 @@ def test_cp_ranks_derived_by_symmetry_equal_tracing_each_rank(tmp_path):
 
 
 def test_middle_stages_under_cp_and_fsdp_derived_by_shifting_equal_tracing_them():
-    from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, traced_stage_for
+    from syntorch.trace.step_schedule import schedule_stage
+    from syntorch.trace.training import probe_stage, shift_stage, traced_stage_for
 
     config = tiny_config("gpt2", n_layer=7, vocab_size=200)  # stages of 2, 2, 2, 1 layers
     plan = TrainPlan(dp=2, cp=2, pp=4, zero=3, microbatches=3, seq=16)

@@ -11,7 +11,8 @@ from plan_steps import microbatches
 from syntorch.errors import UserError
 from syntorch.parallel.pipeline import schedule, stage_chunks
 from syntorch.parallel.plans import TrainPlan
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
+from syntorch.trace.step_schedule import schedule_stage
+from syntorch.trace.training import probe_stage, shift_stage, trace_stage, traced_stage_for
 
 
 def depends_on(step, stage, pp, virtual):

@@ -13,7 +13,8 @@ from syntorch.errors import UserError
 from syntorch.parallel.layout import Layout
 from syntorch.parallel.pipeline import stage_chunks
 from syntorch.parallel.plans import TrainPlan
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
+from syntorch.trace.step_schedule import schedule_stage
+from syntorch.trace.training import probe_stage, shift_stage, trace_stage, traced_stage_for
 
 
 def megatron_offset(n_layer, pp, vp, stage, chunk, layout):

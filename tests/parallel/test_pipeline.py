@@ -13,7 +13,8 @@ from syntorch.parallel.pipeline import schedule, stage_layers
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.graph import RankTraces
 from syntorch.trace.levels import layer_of
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
+from syntorch.trace.step_schedule import schedule_stage
+from syntorch.trace.training import probe_stage, shift_stage, trace_stage, traced_stage_for
 from syntorch.chakra.reader import find_traces, read_bytes, read_trace, split_messages
 from syntorch.chakra.validator import check_traces
 from syntorch.workload import trace_workload, write_workload

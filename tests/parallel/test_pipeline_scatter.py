@@ -10,7 +10,8 @@ from conftest import tiny_config
 from plan_steps import global_batch, reference_step
 
 from syntorch.parallel.plans import TrainPlan
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage
+from syntorch.trace.step_schedule import schedule_stage
+from syntorch.trace.training import probe_stage, shift_stage, trace_stage
 
 CONFIG = tiny_config("gpt2", n_layer=4, vocab_size=200)
 PLAN = TrainPlan(tp=2, pp=2, microbatches=2, micro_batch_size=2, seq=16, lr=1e-2)

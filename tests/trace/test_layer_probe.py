@@ -12,7 +12,8 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.prediction import predict_training
 from syntorch.trace.cost import fill_durations
 from syntorch.trace.layer_probe import KeptLayers, expand_step, reduced
-from syntorch.trace.training import probe_stage, schedule_stage, shift_stage, trace_stage, traced_stage_for
+from syntorch.trace.step_schedule import schedule_stage
+from syntorch.trace.training import probe_stage, shift_stage, trace_stage, traced_stage_for
 from syntorch.workload import trace_workload
 
 HW = load_hw_config("a100-80gb")

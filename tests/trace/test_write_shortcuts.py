@@ -1,5 +1,5 @@
 """The write path's shortcuts leave every written file as it was: a copied step's schedule roots taken from
-its probed step (training._Step.roots) instead of found again in each copy, and Chakra nodes made in node
+its probed step (step_schedule._Step.roots) instead of found again in each copy, and Chakra nodes made in node
 order without a first pass that checks it (chakra_nodes). Files of `syntorch trace`'s write (every rank's,
 the summary) with the shortcut and with roots found in every copy, byte for byte, at module and op level,
 1F1B and interleaved, with 1, 2 and 8 micro-batches; and a graph out of traced order gets the nodes of its
@@ -16,7 +16,7 @@ from syntorch.chakra.nodes import chakra_nodes
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS
-from syntorch.trace import training
+from syntorch.trace import step_schedule
 from syntorch.trace.graph import TraceGraph
 from syntorch.workload import trace_workload, write_workload
 
@@ -38,8 +38,8 @@ def test_copied_roots_write_the_files_found_roots_write(plan, tmp_path, monkeypa
     for level in ("module", "op"):
         fast = _written(workload, tmp_path / f"fast_{level}", level)
         with monkeypatch.context() as patch:  # every step's roots found in the scheduled graph
-            finish = training._finish
-            patch.setattr(training, "_finish", lambda graph, plan, order, starts, roots=None:
+            finish = step_schedule.set_schedule
+            patch.setattr(step_schedule, "set_schedule", lambda graph, plan, order, starts, roots=None:
                           finish(graph, plan, order, starts))
             slow = _written(workload, tmp_path / f"slow_{level}", level)
         assert fast.keys() == slow.keys() and len(fast) > plan.mesh.world_size
