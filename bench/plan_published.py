@@ -3,7 +3,10 @@
 1. Narayanan et al. 2021, Table 1 (bench/validate_published.py's rows: GPT 1.7B-1T on 32-3,072 A100s, seq 2048,
    TP/PP/DP, micro-batch and virtual stages of the paper's run script). The search is over the options
    Megatron-LM had in 2021: full recomputation, no SP, no distributed optimizer (--recompute full --sp false
-   --zero 0), fp16, unfused attention (as validate_published.py predicts them). The published layout is the
+   --zero 0), fp16, unfused attention (as validate_published.py predicts them), and no interleaving on a
+   pipeline of two stages (Megatron-LM's README then: "The interleaved schedule is not supported for pipelines
+   with 2 stages"; its parallel_state refuses it, "pipeline-model-parallel size should be greater than 2 with
+   interleaved schedule"). The published layout is the
    row with its TP, PP, DP, micro-batch size and virtual stages.
 2. Llama 3 405B (Dubey et al. 2024, Table 4): 8,192 H100s as TP8 CP1 PP16 DP64 and 16,384 as TP8 CP1 PP16 DP128,
    seq 8,192, 16M tokens per step, bf16, on h100-sxm, the default search space. The table gives the degrees
@@ -27,7 +30,7 @@ from syntorch.config import get_config  # noqa: E402
 from syntorch.errors import UserError  # noqa: E402
 from syntorch.hardware import load_hw_config  # noqa: E402
 from syntorch.plan.report import write_png  # noqa: E402
-from syntorch.plan.search import search  # noqa: E402
+from syntorch.plan.search import rank, search  # noqa: E402
 from syntorch.plan.space import Choices, Work  # noqa: E402
 
 LLAMA = {"8k": (8192, 64), "16k": (16384, 128)}  # GPUs, DP of TP8 CP1 PP16
@@ -81,6 +84,8 @@ def narayanan(rows: list[int], hw, workers: int, fix: list[str], png: Path | Non
         except UserError as e:
             print(f"{row.label:30s} refused: {e}")
             continue
+        result.rows = [r for r in result.rows if r["pp"] > 2 or r["vp"] == 1]  # 2021: no interleaving at PP 2
+        rank(result)
         report(row.label, result, dict(tp=row.tp, pp=row.pp, dp=dp, mbs=row.micro_batch, vp=row.virtual),
                time.perf_counter() - begin, png)
 
