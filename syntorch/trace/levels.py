@@ -44,11 +44,17 @@ def _runs(graph: TraceGraph, key) -> list[list[int]]:
     an uncut run would hold back an all-reduce its first op feeds (Megatron's input gradient, overlapping
     the weight gradient) and simulate a different step than the ops do. An op that launches nothing and
     feeds a collective is a run of its own (a view: what reads it waits for what it read)."""
-    runs, last, feeds = [], None, {}
-    for node, d in graph.work():
+    attrs, succ = graph.node_attrs, graph.succs
+    collectives = [n for n, d in attrs.items() if d["kind"] == "collective"]
+    reads = {r for c in collectives for t in succ[c] for r in succ[t]}  # what reads a collective's output
+    feeds = _feeding(graph, collectives)
+    runs, last = [], None
+    for node, d in attrs.items():
+        if d["kind"] == "tensor":
+            continue
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
-        feeding = here is not None and _feeds_collective(graph, node, feeds)
-        if here is None or here != last or _reads_collective(graph, node) or (feeding and _launches_nothing(d)):
+        feeding = here is not None and node in feeds
+        if here is None or here != last or node in reads or (feeding and _launches_nothing(d)):
             runs.append([])
         runs[-1].append(node)
         last = None if feeding else here
@@ -59,30 +65,18 @@ def _launches_nothing(d: dict) -> bool:
     return d["kind"] == "op" and (d.get("is_view") or d.get("duration_us") == 0)
 
 
-def _reads_collective(graph: TraceGraph, node: int) -> bool:
+def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
+    """The nodes a collective reads the output of, directly or through ops that launch nothing: walked back
+    from the collectives (a few per layer), not asked of every op."""
     attrs, pred = graph.node_attrs, graph.preds
-    for t in pred[node]:
-        for p in pred[t]:
-            if attrs[p]["kind"] == "collective":
-                return True
-    return False
-
-
-def _feeds_collective(graph: TraceGraph, node: int, memo: dict) -> bool:
-    """Does a collective read `node`'s output, directly or through ops that launch nothing? (`memo`: answers
-    so far: the readers come later in traced order, so each is asked about once.)"""
-    found = memo.get(node)
-    if found is None:
-        attrs, succ, found = graph.node_attrs, graph.succs, False
-        for t in succ[node]:  # (loops, not any() over a generator: asked of every op of a stage)
-            for r in succ[t]:
-                d = attrs[r]
-                if d["kind"] == "collective" or (_launches_nothing(d) and _feeds_collective(graph, r, memo)):
-                    found = True
-                    break
-            if found:
-                break
-        memo[node] = found
+    found, todo = set(), list(collectives)
+    while todo:
+        for t in pred[todo.pop()]:
+            for p in pred[t]:
+                if p not in found:
+                    found.add(p)
+                    if _launches_nothing(attrs[p]):
+                        todo.append(p)
     return found
 
 
@@ -90,24 +84,25 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
     """The view's nodes and edges are made as plain dicts, numbered as they come, and added at once."""
     out = TraceGraph(**{**graph.graph, "level": level})
     nodes, edges, orders = [], [], {}
-    run_of = {node: i for i, members in enumerate(runs) for node in members}
     new_tensor: dict[int, int] = {}
-    for i, members in enumerate(runs):
-        inputs = _boundary_inputs(graph, members, run_of, i)
+    for members in runs:
+        # a run is every op and collective from its first to its last node: in the run iff in that range
+        first, last = members[0], members[-1]
+        inputs = _boundary_inputs(graph, members, first, last)
         for t in inputs:
             if t not in new_tensor:
                 new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
         node = len(nodes)
         nodes.append(_group(graph, members, level, orders))
         edges += [(new_tensor[t], node, {"arg": arg}) for arg, t in enumerate(inputs)]
-        for arg, t in enumerate(_boundary_outputs(graph, members, run_of, i)):
+        for arg, t in enumerate(_boundary_outputs(graph, members, first, last)):
             new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
             edges.append((node, new_tensor[t], {"arg": arg}))
     out.append(nodes, edges, copy=False)
     return out
 
 
-def _boundary_inputs(graph, members, run_of, i) -> list[int]:
+def _boundary_inputs(graph, members, first, last) -> list[int]:
     pred, nodes = graph.preds, graph.node_attrs
     seen = {}  # ordered set
     for node in members:
@@ -115,16 +110,16 @@ def _boundary_inputs(graph, members, run_of, i) -> list[int]:
             if t in seen or nodes[t]["is_param"]:
                 continue
             for p in pred[t]:  # (loops, not any(): a level view asks this of 10^5 tensors)
-                if run_of.get(p) == i:
+                if first <= p <= last:
                     break  # made inside the run
             else:
                 seen[t] = None
     return list(seen)
 
 
-def _boundary_outputs(graph, members, run_of, i) -> list[int]:
+def _boundary_outputs(graph, members, first, last) -> list[int]:
     """Outputs read outside the run, and the run's final result if nobody reads it (e.g. logits)."""
-    succ, last = graph.succs, members[-1]
+    succ = graph.succs
     found = []
     for node in members:
         for t, edge in succ[node].items():
@@ -134,7 +129,7 @@ def _boundary_outputs(graph, members, run_of, i) -> list[int]:
                     found.append(t)
                 continue
             for r in readers:
-                if run_of[r] != i:
+                if not first <= r <= last:
                     found.append(t)
                     break
     return found
