@@ -45,13 +45,12 @@ def _runs(graph: TraceGraph, key) -> list[list[int]]:
     the weight gradient) and simulate a different step than the ops do. An op that launches nothing and
     feeds a collective is a run of its own (a view: what reads it waits for what it read)."""
     attrs, succ = graph.node_attrs, graph.succs
-    collectives = [n for n, d in attrs.items() if d["kind"] == "collective"]
+    work = [(n, d) for n, d in attrs.items() if d["kind"] != "tensor"]
+    collectives = [n for n, d in work if d["kind"] == "collective"]
     reads = {r for c in collectives for t in succ[c] for r in succ[t]}  # what reads a collective's output
     feeds = _feeding(graph, collectives)
     runs, last = [], None
-    for node, d in attrs.items():
-        if d["kind"] == "tensor":
-            continue
+    for node, d in work:
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
         feeding = here is not None and node in feeds
         if here is None or here != last or node in reads or (feeding and _launches_nothing(d)):
@@ -161,10 +160,12 @@ def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> d
         is_view = is_view and d["is_view"]
         timed = timed and d.get("duration_us") is not None
         duration = duration + d["duration_us"] if timed else duration
-    extra = {"duration_us": duration} if timed else {}
     key = layer_of(first["module"]) if level == "layer" else first["module"]
-    return dict(kind="op", name=key or "model", module=key, phase=first["phase"], flops=flops, bytes_read=bytes_read,
-                bytes_written=bytes_written, is_view=is_view, num_ops=len(members), **extra)
+    node = {"kind": "op", "name": key or "model", "module": key, "phase": first["phase"], "flops": flops,
+            "bytes_read": bytes_read, "bytes_written": bytes_written, "is_view": is_view, "num_ops": len(members)}
+    if timed:
+        node["duration_us"] = duration
+    return node
 
 
 # --- repeated layers, folded for drawing --------------------------------------------------------------
