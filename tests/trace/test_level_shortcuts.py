@@ -1,4 +1,4 @@
-"""level_view's shortcuts against the plain definitions they replace, on a small scheduled step with
+"""The stage views' shortcuts against the plain definitions they replace, on small scheduled steps with
 tensor-parallel collectives (sequence parallel: views and free ops between the ops and their collectives)."""
 import pytest
 import torch
@@ -6,15 +6,22 @@ import torch
 from conftest import tiny_config
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
+from syntorch.trace.cost import kernel_of, kernel_us
 from syntorch.trace.levels import _launches_nothing, _runs, layer_of
 from syntorch.workload import trace_workload
 
+HW = load_hw_config("a100-80gb")
+
 
 @pytest.fixture(scope="module")
-def graphs():
-    plan = TrainPlan(tp=2, pp=3, dp=2, zero=1, microbatches=4, seq=16, sp=True)
-    workload = trace_workload(tiny_config("gpt2", n_layer=3), plan, torch.float32, load_hw_config("a100-80gb"))
-    return [workload.stages.kind_graph(s, 0) for s in range(plan.pp)]
+def workload():
+    plan = TrainPlan(tp=2, pp=4, dp=2, zero=1, microbatches=4, seq=16, sp=True)  # stage 2: a copy of stage 1
+    return trace_workload(tiny_config("gpt2", n_layer=4), plan, torch.float32, HW)
+
+
+@pytest.fixture(scope="module")
+def graphs(workload):
+    return [workload.stages.kind_graph(s, 0) for s in range(workload.plan.pp)]
 
 
 def _feeds(graph, node) -> bool:
@@ -51,3 +58,11 @@ def test_runs_walked_back_from_collectives_are_the_runs_asked_per_op(graphs, key
         assert runs == _plain_runs(graph, key)
         # _collapse tells a run's members by their range: a run is every op and collective in its range
         assert all(members == [n for n in work if members[0] <= n <= members[-1]] for members in runs)
+
+
+def test_moved_view_costs_each_collective_as_alone(workload):
+    assert workload.source[2] == 1
+    view, _ = workload.stages.kind_view(2, 0, "module")  # moved from stage 1's, its collectives costed again
+    costed = [(d["duration_us"], kernel_us(kernel_of(view, n, {}), HW, *workload.stages.software))
+              for n, d in view.collectives()]
+    assert len(costed) > 10 and all(a == b for a, b in costed)
