@@ -148,8 +148,12 @@ class StageGraphs(Sequence):
     def _recosted(self, graph: TraceGraph) -> TraceGraph:
         """`graph` with its collectives costed where they are now: a moved group may span nodes where the
         source's did not."""
+        us = {}  # per distinct kernel (fill_durations'): a layer's collectives are every layer's
         for n, d in graph.collectives() if self.hw else ():
-            d["duration_us"] = kernel_us(kernel_of(graph, n, {}), self.hw, *self.software)
+            kernel = kernel_of(graph, n, {})
+            if kernel not in us:
+                us[kernel] = kernel_us(kernel, self.hw, *self.software)
+            d["duration_us"] = us[kernel]
         return graph
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from syntorch.trace.comm_view import (GLOBAL, RUNNING, SECTIONS, CommReport, ModuleInfo, OpRecord,
                                         check_noise_level, fold_steps)
-from syntorch.trace.levels import step_span
+from syntorch.trace.folds import step_span
 from syntorch.outdir import atomic_output_file
 
 SECTION_TITLES = {"forward": "FORWARD PASS", "backward": "BACKWARD PASS", "optimizer": "OPTIMIZER STEP"}

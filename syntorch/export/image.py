@@ -1,10 +1,10 @@
 """PNG/SVG drawings of a TraceGraph: tensors green, ops blue, collectives red (seed 000).
 
 Identical consecutive layers are drawn once, in a grey box labelled with the layers it stands for and
-"× N": levels.fold_repeated_layers decides from the graph itself (ops, shapes, FLOPs, collectives), so a
+"× N": folds.fold_repeated_layers decides from the graph itself (ops, shapes, FLOPs, collectives), so a
 layer that differs is drawn on its own; a pipeline stage's micro-batches each get their own box. Identical
 consecutive decode steps are drawn as one column, `decode[0–18] × 19, KV length 11–29`
-(levels.fold_repeated_steps: the same graph but for shapes that grow by one a step), growing tensors
+(folds.fold_repeated_steps: the same graph but for shapes that grow by one a step), growing tensors
 labelled `1x12x11–29x64`; prefill stays its own column. The title gives the collectives and FLOPs of the
 whole trace, every layer and step. Folding is for drawing only; the traced graph and its JSON keep every
 layer and step. The folded graph is drawn at the finest level with at most READABLE_NODES nodes (the title
@@ -28,8 +28,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from syntorch.outdir import atomic_output_file
+from syntorch.trace.folds import fold_repeated_layers, fold_repeated_steps, layer_blocks
 from syntorch.trace.graph import LEVELS, TraceGraph, no_gc
-from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, layer_blocks, level_view
+from syntorch.trace.levels import level_view
 
 COLORS = {"tensor": "#4caf50", "op": "#1e88e5", "collective": "#e53935"}
 READABLE_NODES = 400  # above this an op-level drawing is a grey smear: go a level coarser

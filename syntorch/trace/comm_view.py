@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from syntorch.errors import UserError
 from syntorch.trace.graph import COLLECTIVES
-from syntorch.trace.levels import grown_entries, step_index
+from syntorch.trace.folds import grown_entries, step_index
 
 NOISE_LEVELS = (0, 1, 2, 3)
 SECTIONS = ("forward", "backward", "optimizer")

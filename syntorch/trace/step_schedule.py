@@ -105,18 +105,19 @@ class _Step:
     def __init__(self, probe: TraceGraph, a: int, b: int, by_source: bool = False):
         self.a, self.nodes, self.moving, self.edges = a, [], {}, []
         nodes = probe.node_attrs
-        pred = {n: dict(sorted(probe.preds[n].items())) for n in range(a, b)} if by_source else probe.preds
         for n in range(a, b):
             data = nodes[n]
             self.nodes.append(data)
+            inputs = sorted(probe.preds[n].items()) if by_source else probe.preds[n].items()
             if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
                 self.moving[n - a] = ("tag", None)
             elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w in pred[n] for t in (sorted(probe.preds[w]) if by_source else probe.preds[w])
+                earlier = [t for w, _ in inputs for t in (sorted(probe.preds[w]) if by_source else probe.preds[w])
                            if nodes[t]["version"] == data["version"] - 1
                            and nodes[t]["shape"] == data["shape"]] if data["version"] else []
-                self.moving[n - a] = ("tensor", earlier[0] if earlier else None)
-            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in pred[n].items()]
+                named = data["name"] != f"t{n}"  # state written in place keeps its name; the others are renamed
+                self.moving[n - a] = ("named" if named else "tensor", earlier[0] if earlier else None)
+            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in inputs]
         self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
         # a copy's inputs from outside it are made before it, as the probed step's are: the same roots
         self.roots = [n - a for n in _roots(probe, a, b)]
@@ -132,7 +133,7 @@ class _Step:
             if what == "tag":
                 nodes[off] = {**data, "tag": data["tag"] + 2 * tag_shift}  # pipeline.tag: 2(mV + c) (+1 for gradients)
                 continue
-            data = {**data, "name": f"t{base + off}"} if data["name"] == f"t{self.a + off}" else dict(data)
+            data = {**data, "name": f"t{base + off}"} if what == "tensor" else dict(data)
             if earlier is not None:
                 inside = earlier - self.a
                 before = nodes[inside] if 0 <= inside < len(nodes) else out.nodes[image(earlier)]

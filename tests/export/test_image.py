@@ -15,8 +15,9 @@ from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.generation import trace_tp_rank
 from syntorch.trace.training import trace_stage
 from syntorch.trace import Tracer
+from syntorch.trace.folds import fold_repeated_layers
 from syntorch.trace.graph import LEVELS
-from syntorch.trace.levels import fold_repeated_layers, layer_of
+from syntorch.trace.levels import layer_of
 
 
 def traced(n_layer: int, device: str = "cpu", change=None):

@@ -1,4 +1,4 @@
-"""Identical decode steps drawn once (levels.fold_repeated_steps, the images): which steps fold, their
+"""Identical decode steps drawn once (folds.fold_repeated_steps, the images): which steps fold, their
 titles, and that the totals still count every step."""
 import re
 import xml.etree.ElementTree as ET
@@ -14,7 +14,7 @@ from syntorch.generate import Sampling, generate
 from syntorch.parallel.mesh import Mesh
 from syntorch.trace.comm_view import CommReport
 from syntorch.trace.generation import trace_pp_stage, trace_tp_rank
-from syntorch.trace.levels import fold_repeated_layers, fold_repeated_steps, grown_entries
+from syntorch.trace.folds import fold_repeated_layers, fold_repeated_steps, grown_entries
 
 PROMPT, NEW_TOKENS, LAYERS = 4, 20, 2  # prefill, then decode[0] .. decode[18]
 
