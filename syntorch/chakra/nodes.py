@@ -78,12 +78,13 @@ class NodeSpec(NamedTuple):
     attrs: list[tuple[str, str, object]]  # (name, AttributeProto value field, value)
 
 
-def to_proto(spec: NodeSpec) -> et.Node:
+def to_proto(spec: NodeSpec, attrs: bool = True) -> et.Node:
+    """`attrs`: False leaves them out (attr is a Node's last field: writer.StageTemplate appends them)."""
     return et.Node(id=spec.id, name=spec.name, type=spec.type, data_deps=spec.data_deps, ctrl_deps=spec.ctrl_deps,
                    duration_micros=spec.duration_micros,
                    inputs=et.IOInfo(values=spec.inputs[0], shapes=spec.inputs[1], types=spec.inputs[2]),
                    outputs=et.IOInfo(values=spec.outputs[0], shapes=spec.outputs[1], types=spec.outputs[2]),
-                   attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
+                   attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs] if attrs else ())
 
 
 _JSON_FIELD = {"int32_val": "int32Val", "int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
@@ -150,6 +151,9 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
     return True
 
 
+NO_TENSORS = ("[]", "[]", "[]")
+
+
 def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.node_attrs, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
@@ -159,14 +163,16 @@ def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     def ordered(adj):
         return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else list(adj)
 
+    def text(t):
+        d = nodes[t]
+        tensor_text[t] = found = (str(t), "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"')
+        return found
+
     def io_text(tensors):
-        for t in tensors:
-            if t not in tensor_text:
-                d = nodes[t]
-                tensor_text[t] = (str(t), "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"')
-        parts = [tensor_text[t] for t in tensors]
-        return ("[" + ",".join([p[0] for p in parts]) + "]", "[" + ",".join([p[1] for p in parts]) + "]",
-                "[" + ",".join([p[2] for p in parts]) + "]")
+        if not tensors:
+            return NO_TENSORS
+        ids, shapes, types = zip(*[tensor_text.get(t) or text(t) for t in tensors])
+        return "[" + ",".join(ids) + "]", "[" + ",".join(shapes) + "]", "[" + ",".join(types) + "]"
 
     phase = None  # written where it changes (the host's syncs the cost model needs: trace/cost.add_host_waits)
     for n in order:
