@@ -80,11 +80,16 @@ class NodeSpec(NamedTuple):
 
 def to_proto(spec: NodeSpec, attrs: bool = True) -> et.Node:
     """`attrs`: False leaves them out (attr is a Node's last field: writer.StageTemplate appends them)."""
-    return et.Node(id=spec.id, name=spec.name, type=spec.type, data_deps=spec.data_deps, ctrl_deps=spec.ctrl_deps,
-                   duration_micros=spec.duration_micros,
-                   inputs=et.IOInfo(values=spec.inputs[0], shapes=spec.inputs[1], types=spec.inputs[2]),
-                   outputs=et.IOInfo(values=spec.outputs[0], shapes=spec.outputs[1], types=spec.outputs[2]),
-                   attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs] if attrs else ())
+    # fields set one by one: upb's constructor takes ~1 µs more for each repeated or message field it is given
+    # (an empty list too) than an extend or an assignment does, ~40% of a template's serialization
+    node = et.Node(id=spec.id, name=spec.name, type=spec.type, duration_micros=spec.duration_micros)
+    node.data_deps.extend(spec.data_deps)
+    node.ctrl_deps.extend(spec.ctrl_deps)
+    node.inputs.values, node.inputs.shapes, node.inputs.types = spec.inputs
+    node.outputs.values, node.outputs.shapes, node.outputs.types = spec.outputs
+    if attrs:
+        node.attr.extend([et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
+    return node
 
 
 _JSON_FIELD = {"int32_val": "int32Val", "int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
