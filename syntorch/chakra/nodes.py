@@ -174,10 +174,13 @@ def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
         return found
 
     def io_text(tensors):
+        if len(tensors) == 1:  # most nodes' inputs and outputs: no lists to join
+            i, s, d = tensor_text.get(tensors[0]) or text(tensors[0])
+            return f"[{i}]", f"[{s}]", f"[{d}]"
         if not tensors:
             return NO_TENSORS
         ids, shapes, types = zip(*[tensor_text.get(t) or text(t) for t in tensors])
-        return "[" + ",".join(ids) + "]", "[" + ",".join(shapes) + "]", "[" + ",".join(types) + "]"
+        return f"[{','.join(ids)}]", f"[{','.join(shapes)}]", f"[{','.join(types)}]"
 
     phase = None  # written where it changes (the host's syncs the cost model needs: trace/cost.add_host_waits)
     for n in order:
@@ -185,7 +188,10 @@ def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
         if data["kind"] == "tensor":
             continue
         inputs = ordered(pred[n])
-        deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
+        if len(inputs) == 1 and len(pred[inputs[0]]) == 1:  # one producer (most nodes): its ids, sorted and distinct
+            deps = list(deps_of[next(iter(pred[inputs[0]]))])
+        else:
+            deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
         if _folded(data):
             deps_of[n] = deps
             continue
