@@ -84,9 +84,11 @@ def to_proto(spec: NodeSpec, attrs: bool = True) -> et.Node:
     # (an empty list too) than an extend or an assignment does, ~40% of a template's serialization
     node = et.Node(id=spec.id, name=spec.name, type=spec.type, duration_micros=spec.duration_micros)
     node.data_deps.extend(spec.data_deps)
-    node.ctrl_deps.extend(spec.ctrl_deps)
-    node.inputs.values, node.inputs.shapes, node.inputs.types = spec.inputs
-    node.outputs.values, node.outputs.shapes, node.outputs.types = spec.outputs
+    if spec.ctrl_deps:
+        node.ctrl_deps.extend(spec.ctrl_deps)
+    inputs, outputs = node.inputs, node.outputs
+    inputs.values, inputs.shapes, inputs.types = spec.inputs
+    outputs.values, outputs.shapes, outputs.types = spec.outputs
     if attrs:
         node.attr.extend([et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
     return node

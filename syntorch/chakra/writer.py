@@ -9,6 +9,7 @@ Two paths, one encoding:
   in place, the bytes of every rank computed at once (the cluster-scale workload writes thousands of ranks
   this way).
 """
+import functools
 import io
 import json
 import os
@@ -34,6 +35,7 @@ JSON_FORM = "tensor_trace_chakra.json"
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
 
+@functools.cache  # a template asks for the length of each of its nodes: a few hundred distinct ones
 def varint(n: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative integer (the length prefix of each message)."""
     out = bytearray()
