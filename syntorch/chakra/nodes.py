@@ -166,13 +166,17 @@ def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
+    layout_text = {}  # (shape, dtype) -> their JSON text: a stage's 10^4 tensors have a few dozen
 
     def ordered(adj):
         return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else list(adj)
 
     def text(t):
         d = nodes[t]
-        tensor_text[t] = found = (str(t), "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"')
+        key = tuple(d["shape"]), d["dtype"]
+        if key not in layout_text:
+            layout_text[key] = "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"'
+        tensor_text[t] = found = (str(t), *layout_text[key])
         return found
 
     def io_text(tensors):
