@@ -1,10 +1,10 @@
 """The Chakra write's shortcuts leave its nodes and bytes as the plain forms make them (issue 24, "Must show" 2),
 on a tiny DP2 x TP2 x PP2 run's stage views (sends, recvs, TP and DP collectives) at module and op level:
-chakra_nodes' data_deps (one producer's ids taken as they are, a folded view's two among them) against the nearest unfolded producers found in
-the graph, its IOInfo text (one tensor's without joins, shape and dtype text looked up by layout) against
-json.dumps of the graph's tensors; to_proto's Node (fields set one by one) against the one its constructor
-makes; StageTemplate's body (each distinct attribute list serialized once) against every node serialized
-whole."""
+chakra_nodes' data_deps (one producer's ids taken as they are, a folded view's two among them) against the
+nearest unfolded producers found in the graph, its IOInfo text (one tensor's without joins, shape and dtype
+text looked up by layout) against json.dumps of the graph's tensors; to_proto's Node (fields set one by one)
+against the one its constructor makes; StageTemplate's body (each distinct attribute list serialized once)
+against every node serialized whole."""
 import json
 
 import pytest
