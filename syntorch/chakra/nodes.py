@@ -78,12 +78,20 @@ class NodeSpec(NamedTuple):
     attrs: list[tuple[str, str, object]]  # (name, AttributeProto value field, value)
 
 
-def to_proto(spec: NodeSpec) -> et.Node:
-    return et.Node(id=spec.id, name=spec.name, type=spec.type, data_deps=spec.data_deps, ctrl_deps=spec.ctrl_deps,
-                   duration_micros=spec.duration_micros,
-                   inputs=et.IOInfo(values=spec.inputs[0], shapes=spec.inputs[1], types=spec.inputs[2]),
-                   outputs=et.IOInfo(values=spec.outputs[0], shapes=spec.outputs[1], types=spec.outputs[2]),
-                   attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
+def to_proto(spec: NodeSpec, attrs: bool = True) -> et.Node:
+    """`attrs`: False leaves them out (attr is a Node's last field: writer.StageTemplate appends them)."""
+    # fields set one by one: upb's constructor takes ~1 µs more for each repeated or message field it is given
+    # (an empty list too) than an extend or an assignment does, ~40% of a template's serialization
+    node = et.Node(id=spec.id, name=spec.name, type=spec.type, duration_micros=spec.duration_micros)
+    node.data_deps.extend(spec.data_deps)
+    if spec.ctrl_deps:
+        node.ctrl_deps.extend(spec.ctrl_deps)
+    inputs, outputs = node.inputs, node.outputs
+    inputs.values, inputs.shapes, inputs.types = spec.inputs
+    outputs.values, outputs.shapes, outputs.types = spec.outputs
+    if attrs:
+        node.attr.extend([et.AttributeProto(name=name, **{field: value}) for name, field, value in spec.attrs])
+    return node
 
 
 _JSON_FIELD = {"int32_val": "int32Val", "int64_val": "int64Val", "uint64_val": "uint64Val", "bool_val": "boolVal", "string_val": "stringVal"}
@@ -150,23 +158,35 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
     return True
 
 
+NO_TENSORS = ("[]", "[]", "[]")
+
+
 def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.node_attrs, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
     tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
+    layout_text = {}  # (shape, dtype) -> their JSON text: a stage's 10^4 tensors have a few dozen
 
     def ordered(adj):
         return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else list(adj)
 
+    def text(t):
+        d = nodes[t]
+        key = tuple(d["shape"]), d["dtype"]
+        if key not in layout_text:
+            layout_text[key] = "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"'
+        tensor_text[t] = found = (str(t), *layout_text[key])
+        return found
+
     def io_text(tensors):
-        for t in tensors:
-            if t not in tensor_text:
-                d = nodes[t]
-                tensor_text[t] = (str(t), "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"')
-        parts = [tensor_text[t] for t in tensors]
-        return ("[" + ",".join([p[0] for p in parts]) + "]", "[" + ",".join([p[1] for p in parts]) + "]",
-                "[" + ",".join([p[2] for p in parts]) + "]")
+        if len(tensors) == 1:  # most nodes' inputs and outputs: no lists to join
+            i, s, d = tensor_text.get(tensors[0]) or text(tensors[0])
+            return f"[{i}]", f"[{s}]", f"[{d}]"
+        if not tensors:
+            return NO_TENSORS
+        ids, shapes, types = zip(*[tensor_text.get(t) or text(t) for t in tensors])
+        return f"[{','.join(ids)}]", f"[{','.join(shapes)}]", f"[{','.join(types)}]"
 
     phase = None  # written where it changes (the host's syncs the cost model needs: trace/cost.add_host_waits)
     for n in order:
@@ -174,7 +194,10 @@ def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
         if data["kind"] == "tensor":
             continue
         inputs = ordered(pred[n])
-        deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
+        if len(inputs) == 1 and len(pred[inputs[0]]) == 1:  # one producer (most nodes): its ids, sorted and distinct
+            deps = list(deps_of[next(iter(pred[inputs[0]]))])
+        else:
+            deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
         if _folded(data):
             deps_of[n] = deps
             continue

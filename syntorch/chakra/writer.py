@@ -9,6 +9,7 @@ Two paths, one encoding:
   in place, the bytes of every rank computed at once (the cluster-scale workload writes thousands of ranks
   this way).
 """
+import functools
 import io
 import json
 import os
@@ -34,6 +35,7 @@ JSON_FORM = "tensor_trace_chakra.json"
 PER_RANK = ("pg_name", "comm_src", "comm_dst")  # the attributes that differ between ranks of a stage
 
 
+@functools.cache  # a template asks for the length of each of its nodes: a few hundred distinct ones
 def varint(n: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative integer (the length prefix of each message)."""
     out = bytearray()
@@ -143,6 +145,20 @@ def _attr_piece(name: str, value) -> bytes:
     return varint(_ATTR_FIELD << 3 | 2) + varint(len(attr)) + attr
 
 
+def _attr_bytes(attrs: list) -> tuple[bytes, list[tuple[int, str, object]]]:
+    """A node's `attr` entries serialized as the template has them: those every rank shares, then the
+    per-rank ones (_attr_piece); and where each per-rank value starts in those bytes, with its name and value."""
+    shared = et.Node(attr=[et.AttributeProto(name=name, **{field: value}) for name, field, value in attrs
+                           if name not in PER_RANK]).SerializeToString()
+    out, per_rank = [shared], []
+    for name, _, value in attrs:
+        if name in PER_RANK:
+            out.append(_attr_piece(name, value))
+            end = sum(map(len, out))
+            per_rank.append((end - (len(value) if name == "pg_name" else PEER_BYTES), name, value))
+    return b"".join(out), per_rank
+
+
 class GroupIds:
     """The comm-group ids of a mesh's groups (chakra/groups.py) as the stage templates of a run look them up:
     by their text in a node, and by the group a representative's group moves to for another rank (cached
@@ -191,22 +207,23 @@ class StageTemplate:
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         peer_at, self.peers = [], []  # offsets of the padded peers, and the representative's peers
-        chunks, size = [], 0
+        chunks, size, attrs_of = [], 0, {}
         for spec in specs:
-            fixed = [a for a in spec.attrs if a[0] not in PER_RANK]
-            per_rank = [(name, value) for name, _, value in spec.attrs if name in PER_RANK]
-            node = to_proto(spec._replace(attrs=fixed)).SerializeToString()
-            tail = [_attr_piece(name, value) for name, value in per_rank]
-            data = b"".join([node, *tail])
-            size += len(varint(len(data))) + len(node)
-            for (name, value), piece in zip(per_rank, tail):
-                size += len(piece)
+            head = to_proto(spec, attrs=False).SerializeToString()
+            key = tuple(spec.attrs)  # a stage's nodes have ~100 distinct lists of attributes
+            if key not in attrs_of:
+                attrs_of[key] = _attr_bytes(spec.attrs)
+            tail, per_rank = attrs_of[key]
+            prefix = varint(len(head) + len(tail))
+            at = size + len(prefix) + len(head)
+            for offset, name, value in per_rank:
                 if name == "pg_name":
-                    group_at.setdefault(groups.by_text[value], []).append(size - len(value))
+                    group_at.setdefault(groups.by_text[value], []).append(at + offset)
                 else:
-                    peer_at.append(size - PEER_BYTES)
+                    peer_at.append(at + offset)
                     self.peers.append(value)
-            chunks += (varint(len(data)), data)
+            chunks += (prefix, head, tail)
+            size = at + len(tail)
         self.body = np.frombuffer(bytearray(b"".join(chunks)), dtype=np.uint8)  # writable: patched per rank
         self.group_list, self.counts = list(group_at), [len(at) for at in group_at.values()]
         self.lines = [groups.line_of(g) for g in group_at]  # in group_list's order
