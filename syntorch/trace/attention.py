@@ -83,7 +83,8 @@ class _FusedAttention(torch.autograd.Function):
 
 
 def _math_forward(ctx) -> tuple:
-    """sdpa's own forward of ctx.inputs, unrecorded, its autograd graph kept for backward (ctx.out); and its wall time."""
+    """sdpa's own forward of ctx.inputs, unrecorded, its autograd graph kept for backward (ctx.out); and its
+    wall time."""
     attn_mask, kwargs = ctx.call
     with ctx.tracer.paused_recording(), torch.enable_grad():
         ctx.out, duration_us = ctx.tracer.timed(F.scaled_dot_product_attention, *ctx.inputs, attn_mask=attn_mask,
