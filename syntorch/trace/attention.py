@@ -9,13 +9,19 @@ says how many pairs it keeps in `attended_pairs` (causal_pairs; the models' caus
 cache, context parallelism's): on meta its values are unknown. Any other mask (padding) is counted whole, as
 kernels given a dense mask compute it.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils import flop_counter
 
 from syntorch.models.causal import causal_pairs
+from syntorch.trace import meta_cache
 
 SDPA = "aten.scaled_dot_product_attention"
+# flop_counter's counts, of shapes only (every layer and micro-batch asks again)
+sdpa_flop_count = functools.cache(flop_counter.sdpa_flop_count)
+sdpa_backward_flop_count = functools.cache(flop_counter.sdpa_backward_flop_count)
 
 
 def fused_attention(tracer, q, k, v, attn_mask=None, **kwargs):
@@ -33,16 +39,22 @@ def fused_attention(tracer, q, k, v, attn_mask=None, **kwargs):
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Runs sdpa's own forward and backward unrecorded; records each as a single op."""
+    """Runs sdpa's own forward and backward unrecorded; records each as a single op. On meta their results'
+    layouts are remembered (meta_cache.remember) and rebuilt for the same inputs' layouts: sdpa's math path
+    is ~60 dispatched ops a layer."""
 
     @staticmethod
     def forward(ctx, tracer, kwargs, kept, q, k, v, attn_mask):
-        ctx.tracer, ctx.kept = tracer, kept
-        with tracer.paused_recording(), torch.enable_grad():
+        ctx.tracer, ctx.kept, ctx.call = tracer, kept, (attn_mask, kwargs)
+        with tracer.paused_recording():
             ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            ctx.out, duration_us = tracer.timed(F.scaled_dot_product_attention, *ctx.inputs, attn_mask=attn_mask,
-                                                **kwargs)
-            out = _fused_layout(ctx.out.detach())
+            ctx.key = None if tracer.time_ops else meta_cache.memo_key(
+                "sdpa", ctx.inputs, [t.requires_grad for t in ctx.inputs], attn_mask, sorted(kwargs.items()))
+            found, ctx.out = meta_cache.rebuilt(ctx.key), None
+        math, duration_us = (found[0], None) if found else _math_forward(ctx)
+        meta_cache.remember(ctx.key, [math], (ctx.inputs, attn_mask))
+        with tracer.paused_recording():
+            out = _fused_layout(math.detach())
         dense = sdpa_flop_count(q.shape, k.shape, v.shape)
         tracer.record_op(SDPA, [q, k, v, attn_mask], [out], executed(dense, kept, q, k), duration_us=duration_us,
                          dense_flops=dense)
@@ -53,14 +65,31 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad):
         tracer, (q, k, v) = ctx.tracer, ctx.saved
         wanted = [t for t in ctx.inputs if t.requires_grad]
+        key = (ctx.key, meta_cache.memo_key(grad)) if ctx.key is not None and grad.is_meta else None
         with tracer.paused_recording():
-            found, duration_us = tracer.timed(torch.autograd.grad, ctx.out, wanted, grad)
+            found, duration_us = meta_cache.rebuilt(key), None
+        if not found:
+            if ctx.out is None:  # its forward was rebuilt: run it now for its autograd graph
+                _math_forward(ctx)
+            with tracer.paused_recording():
+                found, duration_us = tracer.timed(torch.autograd.grad, ctx.out, wanted, grad)
+            meta_cache.remember(key, found, (ctx.inputs, grad))
         found = iter(found)
         grads = [next(found) if t.requires_grad else None for t in ctx.inputs]
         dense = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
         tracer.record_op(SDPA + "_backward", [grad, q, k, v], grads, executed(dense, ctx.kept, q, k),
                          duration_us=duration_us, dense_flops=dense)
         return None, None, None, *grads, None
+
+
+def _math_forward(ctx) -> tuple:
+    """sdpa's own forward of ctx.inputs, unrecorded, its autograd graph kept for backward (ctx.out); and its
+    wall time."""
+    attn_mask, kwargs = ctx.call
+    with ctx.tracer.paused_recording(), torch.enable_grad():
+        ctx.out, duration_us = ctx.tracer.timed(F.scaled_dot_product_attention, *ctx.inputs, attn_mask=attn_mask,
+                                                **kwargs)
+    return ctx.out, duration_us
 
 
 def attended_pairs(queries: int, keys: int, is_causal: bool, mask) -> int:

@@ -39,6 +39,13 @@ def collective_attrs(collective: str, *, group, nbytes: int, order: int, reduce_
                 tag=int(tag), order=order, **attrs)
 
 
+def op_attrs(name: str, module: str, phase: str, flops: int, bytes_read: int, bytes_written: int,
+             is_view: bool) -> dict:
+    """An op node's attributes, in the schema's order (TraceGraph.add_op, the tracer: positional, its hot path)."""
+    return {"kind": "op", "name": name, "module": module, "phase": phase, "flops": int(flops),
+            "bytes_read": int(bytes_read), "bytes_written": int(bytes_written), "is_view": is_view}
+
+
 @contextlib.contextmanager
 def no_gc():
     """Build graphs with the cyclic collector off: they are many small young dicts that it would rescan
@@ -86,11 +93,17 @@ class TraceGraph(nx.DiGraph):
     # Nodes and edges go straight into networkx's dicts: every node is new, so add_node's checks would find
     # nothing, and the tracer adds a node per tensor and op (10^5 a stage); networkx's cache is cleared as
     # its own methods would (nx._clear_cache, inline: it runs for every node).
-    def _new_node(self, data: dict) -> int:
+    def add_node_data(self, data: dict, inputs=()) -> int:
+        """A node with the attribute dict `data` (taken as it is), and an edge from each node of `inputs` (in
+        argument order; None skips a position, and a node repeated keeps its first: x * x, one edge)."""
         if cache := getattr(self, "__networkx_cache__", None):
             cache.clear()
         node = len(self._node)  # ids are dense and in traced order; nodes are never removed
         self._node[node], self._succ[node], self._pred[node] = data, {}, {}
+        pred, succ = self._pred[node], self._succ
+        for arg, u in enumerate(inputs):
+            if u is not None and u not in pred:
+                succ[u][node] = pred[u] = {"arg": arg}
         return node
 
     def add_data_edge(self, u: int, v: int, arg: int) -> None:
@@ -117,18 +130,29 @@ class TraceGraph(nx.DiGraph):
 
     def add_tensor(self, shape, dtype: str, nbytes: int, *, name: str = "", is_param: bool = False,
                    device: str = "cpu", version: int = 0, **attrs) -> int:
+        node = self.add_traced_tensor(name, list(shape), dtype, int(nbytes), is_param, device, version)
+        self._node[node].update(attrs)
+        return node
+
+    def add_traced_tensor(self, name: str, shape: list, dtype: str, nbytes: int, is_param: bool, device: str,
+                          version: int, writer: int | None = None, arg: int = 0) -> int:
+        """add_tensor's node (`shape`: a list it takes as it is), and an edge from the op `writer` that made it, at
+        its output `arg` (None: none); positional, for the tracer's hot path."""
         node = len(self._node)
-        return self._new_node(dict(kind="tensor", name=name or f"t{node}", shape=list(shape), dtype=dtype,
-                                   bytes=int(nbytes), is_param=is_param, device=device, version=version, **attrs))
+        self.add_node_data({"kind": "tensor", "name": name or f"t{node}", "shape": shape, "dtype": dtype,
+                            "bytes": nbytes, "is_param": is_param, "device": device, "version": version})
+        if writer is not None:
+            self._succ[writer][node] = self._pred[node][writer] = {"arg": arg}
+        return node
 
     def add_op(self, name: str, inputs=(), outputs=(), *, module: str = "", phase: str = "forward",
                flops: int = 0, bytes_read: int = 0, bytes_written: int = 0, is_view: bool = False,
                **attrs) -> int:
         """inputs/outputs: tensor node ids in argument order (None skips a position)."""
-        node = self._new_node(dict(kind="op", name=name, module=module, phase=phase, flops=int(flops),
-                                   bytes_read=int(bytes_read), bytes_written=int(bytes_written), is_view=is_view,
-                                   **attrs))
-        self._connect(node, inputs, outputs)
+        data = op_attrs(name, module, phase, flops, bytes_read, bytes_written, is_view)
+        data.update(attrs)
+        node = self.add_node_data(data, inputs)
+        self._connect_outputs(node, outputs)
         return node
 
     def add_collective(self, collective: str, inputs=(), outputs=(), *, group, **fields) -> int:
@@ -136,15 +160,12 @@ class TraceGraph(nx.DiGraph):
         of collective_attrs."""
         assert collective in COLLECTIVES, f"unknown collective {collective!r}"
         group = [int(r) for r in group]
-        node = self._new_node(collective_attrs(collective, group=group, order=self._next_order(group), **fields))
-        self._connect(node, inputs, outputs)
+        node = self.add_node_data(collective_attrs(collective, group=group, order=self._next_order(group), **fields),
+                                  inputs)
+        self._connect_outputs(node, outputs)
         return node
 
-    def _connect(self, node: int, inputs, outputs):
-        pred = self._pred[node]
-        for arg, t in enumerate(inputs):
-            if t is not None and t not in pred:  # x * x: one edge, the first position
-                self.add_data_edge(t, node, arg)
+    def _connect_outputs(self, node: int, outputs):
         for arg, t in enumerate(outputs):
             if t is not None:
                 self.add_data_edge(node, t, arg)

@@ -126,7 +126,7 @@ class MetaCache(TorchDispatchMode):
         if kind == "in_place":  # checked the same arguments before: the argument it returns, if any
             return None if not found else args[found[0]] if isinstance(found[0], int) else kwargs[found[0]]
         container, metas = found
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
+        outs = _rebuild(metas)
         return outs[0] if container is torch.Tensor else container(outs)
 
     def _first(self, kind: str, key: tuple, func, args, kwargs: dict):
@@ -143,6 +143,33 @@ class MetaCache(TorchDispatchMode):
         self.results[key] = (container, [(t.shape, t.stride(), t.dtype) for t in outs]
                              ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
         return out
+
+
+def memo_key(*values) -> tuple | None:
+    """A key for `remember` and `rebuilt` of what a composite call's results depend on (tensors, lists and plain
+    values), or None if they are not all on meta or are not plain values (then it is run as it is)."""
+    try:
+        key = _key(values)
+    except TypeError:
+        return None
+    return key if all(t.device.type == "meta" for t in flat_tensors(values)) else None
+
+
+def remember(key: tuple | None, outs: list, inputs) -> None:
+    """Keep the layouts of a composite call's results under `key` (memo_key), as MetaCache keeps an op's: for a
+    call whose parts would each be dispatched and memoized on their own (attention.py's sdpa, ~60 ops)."""
+    if key is not None and key not in MetaCache.results:
+        MetaCache.results[key] = [(t.shape, t.stride(), t.dtype) for t in outs] if _fresh_meta(outs, inputs) else False
+
+
+def rebuilt(key: tuple | None) -> list | None:
+    """Fresh meta tensors laid out as the results `remember` kept under `key`, or None."""
+    found = MetaCache.results.get(key) if key is not None else None
+    return _rebuild(found) if found else None
+
+
+def _rebuild(metas: list) -> list:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
 
 
 def only_mode() -> MetaCache | None:

@@ -19,29 +19,23 @@ import contextlib
 import functools
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from syntorch.quant import FLOP_FORMULAS
 from syntorch.trace import meta_cache
+from syntorch.trace.aten_ops import AtenOp, aten_op, op_flops, schema_inputs
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
 from syntorch.trace.collectives import collective_call
-from syntorch.trace.graph import TraceGraph, no_gc
+from syntorch.trace.graph import TraceGraph, no_gc, op_attrs
 from syntorch.trace.replicate import LayerCall
 from syntorch.trace.values import flat_tensors
 
 
 _UNWRITTEN = (0, None)  # a storage's (writes, last writer) before any recorded write
 _UNNAMED = ("", False)  # (name, is_param) of a tensor that is no parameter or buffer
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @functools.cache
@@ -66,8 +60,8 @@ class Tracer:
         self.modules = [""]  # stack of module paths, innermost last
         self.phases = [default_phase]
         self.paused = 0  # > 0 while a fused op runs its parts
-        # id(tensor) -> (weak ref, node, storage key, storage writes when the node was made); a plain dict with
-        # weak refs is several times faster than torch's WeakIdKeyDictionary, and lookups are the hot path
+        # id(tensor) -> (weak ref, node, ...: see tensor_node); a plain dict with weak refs is several times
+        # faster than torch's WeakIdKeyDictionary, and lookups are the hot path
         self.tensors: dict[int, tuple] = {}
         self.writes: dict[int, tuple[int, int]] = {}  # storage key -> (number of writes, last writing op)
         self.names: dict[int, tuple[str, bool]] = {}  # id(parameter or buffer) -> (name, is_param); they outlive the trace
@@ -185,19 +179,19 @@ class Tracer:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     # --- tensors -------------------------------------------------------------------------------
+    # self.tensors: id(tensor) -> (weak ref, node, storage key, storage writes when the node was made, node's version)
     def tensor_node(self, t: torch.Tensor) -> int:
         """The node holding t's current value: new at first sight, a new version after an aliased write."""
         key = _storage_key(t)
         writes, writer = self.writes.get(key, _UNWRITTEN)
         entry = self._entry(t)
-        if entry is not None and entry[3] == writes:
+        if entry is None:
+            return self._add_tensor(t, key, writes, 0)
+        if entry[3] == writes:
             return entry[1]
-        # first sight, or a write through another alias (a view, a KV-cache slice) changed the storage since
-        version = self.graph.node_attrs[entry[1]]["version"] + 1 if entry else 0
-        node = self._add_tensor(t, key, writes, version)
-        if entry is not None and writer is not None:
-            self.graph.add_data_edge(writer, node, -1)  # -1: written through an alias, not a returned output
-        return node
+        # a write through another alias (a view, a KV-cache slice) changed the storage since: -1, written
+        # through an alias, not a returned output
+        return self._add_tensor(t, key, writes, entry[4] + 1, writer, -1)
 
     def output_node(self, t: torch.Tensor, op: int, arg: int, wrote: bool) -> int:
         """A new node for an op's output: a new version if the op wrote t in place (which every alias of
@@ -210,26 +204,26 @@ class Tracer:
         if wrote:
             writes += 1
             self.writes[key] = (writes, op)
-        version = self.graph.node_attrs[entry[1]]["version"] + 1 if entry else 0
-        node = self._add_tensor(t, key, writes, version)
-        self.graph.add_data_edge(op, node, arg)
-        return node
+        return self._add_tensor(t, key, writes, entry[4] + 1 if entry else 0, op, arg)
 
     def _alias(self, t: torch.Tensor, node: int) -> None:
         """Let t's current value be `node` (a value made while recording was paused)."""
         key = _storage_key(t)
-        self.tensors[id(t)] = (weakref.ref(t), node, key, self.writes.get(key, _UNWRITTEN)[0])
+        self.tensors[id(t)] = (weakref.ref(t), node, key, self.writes.get(key, _UNWRITTEN)[0],
+                               self.graph.node_attrs[node]["version"])
 
     def _entry(self, t: torch.Tensor) -> tuple | None:
-        """(weak ref, node, storage key, writes) of a tensor seen before (an id reused by a new tensor is not seen)."""
+        """t's entry in self.tensors if seen before (an id reused by a new tensor is not seen)."""
         entry = self.tensors.get(id(t))
         return entry if entry is not None and entry[0]() is t else None
 
-    def _add_tensor(self, t: torch.Tensor, key: int, writes: int, version: int) -> int:
+    def _add_tensor(self, t: torch.Tensor, key: int, writes: int, version: int, writer: int | None = None,
+                    arg: int = 0) -> int:
+        """A node for t's value, written by op `writer` as its output `arg` (None: by no recorded op)."""
         name, is_param = self.names.get(id(t), _UNNAMED)
-        node = self.graph.add_tensor(t.shape, dtype_name(t.dtype), nbytes(t), name=name, is_param=is_param,
-                                     device="meta" if t.is_meta else t.device.type, version=version)
-        self.tensors[id(t)] = (weakref.ref(t), node, key, writes)
+        node = self.graph.add_traced_tensor(name, list(t.shape), dtype_name(t.dtype), t.nbytes, is_param,
+                                            "meta" if t.is_meta else t.device.type, version, writer, arg)
+        self.tensors[id(t)] = (weakref.ref(t), node, key, writes, version)
         return node
 
     # --- ops -----------------------------------------------------------------------------------
@@ -249,11 +243,15 @@ class Tracer:
         if phase is None:
             return None
         in_nodes = [self.tensor_node(t) if t is not None else None for t in inputs]
+        if is_view:  # views move no data
+            data = op_attrs(name, module, phase, flops, 0, 0, True)
+        else:
+            data = op_attrs(name, module, phase, flops, _unique_bytes(inputs),
+                            _unique_bytes([*outputs, *written] if written else outputs), False)
         if duration_us is not None:
-            attrs = {"duration_us": duration_us, **attrs}
-        moved = (0, 0) if is_view else (_unique_bytes(inputs), _unique_bytes([*outputs, *(written or ())]))  # views move no data
-        op = self.graph.add_op(name, in_nodes, module=module, phase=phase, flops=flops, is_view=is_view,
-                               bytes_read=moved[0], bytes_written=moved[1], **attrs)
+            data["duration_us"] = duration_us
+        data.update(attrs)
+        op = self.graph.add_node_data(data, in_nodes)
         written_ids = {id(t) for t in written} if written else set()
         for arg, t in enumerate(outputs):
             if t is not None:
@@ -265,14 +263,14 @@ class Tracer:
                 self.output_node(t, op, -1, wrote=True)
         return op
 
-    def record_aten(self, func, op: "_AtenOp", args, kwargs, out, duration_us=None):
+    def record_aten(self, func, op: AtenOp, args, kwargs, out, duration_us=None):
         if op.collective:
             call = collective_call(func, args, kwargs, out)
             if call is not None:
                 return self.record_collective(call)
-        inputs, written = _schema_inputs(op.arguments, args, kwargs)
+        inputs, written = schema_inputs(op.arguments, args, kwargs)
         outputs = [out] if isinstance(out, torch.Tensor) else flat_tensors(out, keep_others=True)
-        flops = _flops(op.flops, args, kwargs, out) if op.flops else 0
+        flops = op_flops(op.flops, args, kwargs, out) if op.flops else 0
         self.record_op(op.name, inputs, outputs, flops, is_view=op.is_view, written=written, duration_us=duration_us)
 
     def record_collective(self, call):
@@ -304,7 +302,7 @@ class _DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.tracer.paused:
             return self.run(func, args, kwargs)
-        op = _aten_op(func)
+        op = aten_op(func)
         if op.decomposes and id(func) not in self.atomic:
             # as FlopCounterMode does: a composite op (aten.linear under inference_mode) is recorded as the
             # ops it decomposes into (t, addmm), which have FLOP formulas -- the same ops training runs
@@ -365,83 +363,5 @@ def _unique_bytes(tensors) -> int:
     for t in tensors:
         if t is not None and id(t) not in seen:
             seen.add(id(t))
-            total += nbytes(t)
+            total += t.nbytes
     return total
-
-
-class _AtenOp(NamedTuple):
-    """What recording an aten op needs of it, read once per op: an OpOverload's attributes and schema are
-    slow to read (and hashing one runs Python), and a training step records 10^4 ops."""
-    name: str  # e.g. aten.mm
-    is_view: bool
-    collective: bool  # a c10d op (collectives.py tells what it is)
-    arguments: tuple  # (position, name, written) of each argument that may hold tensors
-    flops: tuple | None  # its FLOP formula (flop_counter's, or quant's) and whether it takes shapes (_flop_formula)
-    decomposes: bool  # no formula of flop_counter's: recorded as the ops it decomposes into, if it does
-
-
-_ATEN_OPS: dict[int, tuple] = {}  # id(func) -> (func, _AtenOp); OpOverloads live as long as torch
-
-
-def _aten_op(func) -> _AtenOp:
-    found = _ATEN_OPS.get(id(func))
-    if found is None or found[0] is not func:
-        packet = func._overloadpacket
-        found = _ATEN_OPS[id(func)] = (func, _AtenOp(
-            f"{func.namespace}.{packet.__name__}", func.is_view, func.namespace in ("c10d", "_c10d_functional"),
-            _tensor_arguments(func), _flop_formula(packet), packet not in flop_registry))
-    return found[1]
-
-
-_SHAPE_WRAPPER = shape_wrapper(lambda: 0).__code__  # flop_counter's wrapper of formulas taking shapes
-
-
-def _flop_formula(packet):
-    """The FLOP formula of an op: (formula taking shapes, True) for flop_counter's shape-wrapped ones, whose
-    wrapper maps tensors to shapes with pytree (~30 us an op, _flops does it in a loop); else (formula, False)."""
-    formula = flop_registry.get(packet) or FLOP_FORMULAS.get(packet)
-    if formula is None:
-        return None
-    if getattr(formula, "__code__", None) is _SHAPE_WRAPPER:
-        return formula.__wrapped__, True
-    return formula, False
-
-
-def _flops(formula: tuple, args, kwargs, out) -> int:
-    """What flop_counter's formula counts for the op (shape_wrapper's call: each tensor replaced by its shape)."""
-    fn, takes_shapes = formula
-    if not takes_shapes:
-        return fn(*args, **kwargs, out_val=out)
-    return fn(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()})
-
-
-def _shapes(value):
-    """value with its tensors replaced by their shapes, in lists and tuples (the containers aten ops take and
-    return), as pytree's map does."""
-    if isinstance(value, torch.Tensor):
-        return value.shape
-    if type(value) in (list, tuple):
-        return type(value)(map(_shapes, value))
-    return value
-
-
-def _tensor_arguments(func) -> tuple:
-    """(position, name, written) of each argument of func that may hold tensors."""
-    found = []
-    for i, arg in enumerate(func._schema.arguments):
-        if "Tensor" in str(arg.type):
-            found.append((i, arg.name, arg.alias_info is not None and arg.alias_info.is_write))
-    return tuple(found)
-
-
-def _schema_inputs(arguments: tuple, args, kwargs):
-    """Tensor arguments in schema order (lists flattened), and those the op writes (`Tensor(a!)`)."""
-    inputs, written = [], []
-    for i, name, is_written in arguments:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        tensors = [value] if isinstance(value, torch.Tensor) else [
-            t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
-        inputs.extend(tensors)
-        if is_written:
-            written.extend(tensors)
-    return inputs, written
