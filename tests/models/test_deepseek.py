@@ -19,7 +19,7 @@ from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
 from syntorch.trace.training import trace_stage
-from tests.conftest import tiny_config
+from tests.conftest import in_turn, tiny_config
 from tests.parallel.test_expert_parallel import EP2, ep_rank
 # collected here with this module's `pair`: greedy and beam tokens equal transformers' (decode steps run MLA's
 # absorbed form over the cached latent, reordered between beams); saved folders load back into transformers
@@ -186,20 +186,19 @@ def tp_check(name, groups):
     close(f"{name} proj grad", attn.proj.weight.grad, full.layers["1"].attn.proj.weight.grad.chunk(n, 1)[r])
 
 
-def tp_and_ep_rank(out_dir: str) -> None:
-    """Both real checks on one launch of 2 ranks (starting ranks costs more than either check): TP first, on the
-    RNG state a fresh rank starts with, then the EP step, which seeds itself."""
+def tp_rank():
     rank, world = init_distributed("cpu")
     groups = init_groups(Mesh(tp=world))
     for name in TINY:
         tp_check(name, groups)
-    ep_rank(out_dir, TINY["v3"])
 
 
 @pytest.fixture(scope="module")
 def real_ranks(tmp_path_factory):
+    """Both real checks on one launch of 2 ranks: TP first, on the RNG state a fresh rank starts with, then the EP
+    step, which seeds itself. Raises if a rank's TP check fails."""
     out = tmp_path_factory.mktemp("deepseek_ranks")
-    spawn(tp_and_ep_rank, 2, (str(out),))  # raises if a rank's TP check fails
+    spawn(in_turn, 2, ((tp_rank, ()), (ep_rank, (str(out), TINY["v3"]))))
     return out
 
 
