@@ -26,3 +26,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def in_turn(*calls) -> None:
+    """A rank's entry making several checks in turn, each a (function, args): one launch of ranks serves them all
+    (starting the ranks costs more than a tiny model's check)."""
+    for function, args in calls:
+        function(*args)

@@ -19,7 +19,7 @@ from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.plans import TrainPlan
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads
 from syntorch.trace.training import trace_stage
-from tests.conftest import tiny_config
+from tests.conftest import in_turn, tiny_config
 from tests.parallel.test_expert_parallel import EP2, ep_rank
 # collected here with this module's `pair`: greedy and beam tokens equal transformers' (decode steps run MLA's
 # absorbed form over the cached latent, reordered between beams); saved folders load back into transformers
@@ -193,17 +193,26 @@ def tp_rank():
         tp_check(name, groups)
 
 
-def test_tp2_equals_one_process():
+@pytest.fixture(scope="module")
+def real_ranks(tmp_path_factory):
+    """Both real checks on one launch of 2 ranks: TP first, on the RNG state a fresh rank starts with, then the EP
+    step, which seeds itself. Raises if a rank's TP check fails."""
+    out = tmp_path_factory.mktemp("deepseek_ranks")
+    spawn(in_turn, 2, ((tp_rank, ()), (ep_rank, (str(out), TINY["v3"]))))
+    return out
+
+
+def test_tp2_equals_one_process(real_ranks):
     """MLA split by heads (q LoRA or not), dense first layer and MoE layers: logits, greedy and beam tokens,
-    and the gradients of replicated (summed over TP) and sharded weights equal one process."""
-    spawn(tp_rank, 2, ())
+    and the gradients of replicated (summed over TP) and sharded weights equal one process (checked in the
+    ranks, by tp_check)."""
+    assert all((real_ranks / f"rank{r}.json").is_file() for r in range(2))  # the ranks went on past their TP checks
 
 
-def test_ep2_step_equals_one_process(tmp_path):
+def test_ep2_step_equals_one_process(real_ranks):
     """DeepSeek-V3's routing (sigmoid, groups, correction bias) with the routed experts split over 2 EP ranks: the
     loss and every gradient equal one process's step over the same global batch."""
-    spawn(ep_rank, 2, (str(tmp_path), TINY["v3"]))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((real_ranks / f"rank{r}.json").read_text()) for r in range(2)]
     ref_loss, ref_grads, _ = reference_step(TINY["v3"], EP2)
     assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(ref_loss, abs=1e-5)
     for name, grad in ref_grads.items():

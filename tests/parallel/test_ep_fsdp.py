@@ -48,6 +48,13 @@ def global_name(model, name: str) -> str:
     return f"{head}.experts.{model.get_submodule(head).first_expert + int(local)}.{rest}"
 
 
+def rank_steps(out_dir: str, names: list[str]) -> None:
+    """Each plan's step in turn, on one launch of ranks for all plans of a world size (starting 4 ranks costs
+    more than a step): each builds its own groups and model from seed 0, as on ranks of its own."""
+    for name in names:
+        rank_step(f"{out_dir}/{name}", name)
+
+
 def rank_step(out_dir: str, name: str) -> None:
     from syntorch.parallel import distributed as comm, plans
     from syntorch.parallel.launch import init_distributed
@@ -90,13 +97,32 @@ def expected(ref: torch.Tensor, name: str, style: str | None, plan: TrainPlan, t
                       config.kv_heads)
 
 
-@pytest.mark.parametrize("name", PLANS)
-def test_real_step_equals_one_process(tmp_path, name):
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory):
+    """name -> the folder of its ranks' steps; the plans of a world size run on one launch, the first time a
+    test asks for one of them."""
     from syntorch.parallel.launch import spawn
 
+    folders = {}
+
+    def folder(name):
+        if name not in folders:
+            world = PLANS[name].mesh.world_size
+            names = [n for n in PLANS if PLANS[n].mesh.world_size == world]
+            root = tmp_path_factory.mktemp(f"world{world}")
+            for n in names:
+                (root / n).mkdir()
+            spawn(rank_steps, world, (str(root), names))
+            folders.update({n: root / n for n in names})
+        return folders[name]
+    return folder
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_real_step_equals_one_process(stepped, name):
     plan, config = PLANS[name], CONFIGS.get(name, MOE)
-    spawn(rank_step, plan.mesh.world_size, (str(tmp_path), name))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(plan.mesh.world_size)]
+    folder = stepped(name)
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(plan.mesh.world_size)]
     ref_loss, ref_grads, _ = reference_step(config, plan)
     assert sum(r["loss"] for r in ranks) / len(ranks) == pytest.approx(ref_loss, abs=1e-5)
     seen = set()

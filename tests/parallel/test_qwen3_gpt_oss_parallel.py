@@ -13,7 +13,7 @@ from syntorch.parallel.expert import apply_ep, is_expert_param
 from syntorch.parallel.launch import init_distributed, spawn
 from syntorch.parallel.mesh import Mesh, init_groups
 from syntorch.parallel.tensor import apply_tp, reduce_partial_grads, take_shard
-from tests.conftest import tiny_config
+from tests.conftest import in_turn, tiny_config
 
 SMALL = dict(n_head=8, n_kv_head=2, d_head=8, d_ff=64, rotary_dim=0, vocab_size=100)
 MOE = dict(n_experts=4, moe_top_k=2, d_ff_expert=32)
@@ -72,9 +72,6 @@ def tp_main():
         check_tp(name, groups, sequence_parallel=True)  # an MoE layer gathers the sequence, reduce-scatters after
 
 
-def test_tp2_matches_one_process():
-    spawn(tp_main, 2, ())
-
 
 def check_ep(name):
     """Each rank routes its own batch row; the experts' owners get both rows' gradients by the all-to-alls, the
@@ -110,8 +107,9 @@ def ep_main():
         check_ep(name)
 
 
-def test_ep2_matches_one_process():
-    spawn(ep_main, 2, ())
+def test_tp2_and_ep2_match_one_process():
+    """check_tp's and check_ep's checks on one launch of 2 ranks (each model built from seed 0 by `wide`)."""
+    spawn(in_turn, 2, ((tp_main, ()), (ep_main, ())))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import in_turn, tiny_config
 
 from syntorch.models import build_model
 from syntorch.parallel.launch import init_distributed, spawn
@@ -90,6 +90,6 @@ def _tp_stages_rank(base: str):
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("base", ["gptj-6b", "bert-base-uncased"])
-def test_tp_sp_stages_in_turn_equal_the_whole_model(base):
-    spawn(_tp_stages_rank, 2, (base,))
+def test_tp_sp_stages_in_turn_equal_the_whole_model():
+    """GPT-J and BERT on one launch of 2 ranks, each checked by _tp_stages_rank from seed 0."""
+    spawn(in_turn, 2, tuple((_tp_stages_rank, (base,)) for base in ("gptj-6b", "bert-base-uncased")))

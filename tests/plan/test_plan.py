@@ -128,10 +128,15 @@ def small_search(**kw):
     return search(TINY, SMALL_WORK, SMALL, [A100], **kw)
 
 
-def test_workers_give_the_rows_of_one_process():
-    one = small_search(workers=1)
-    assert len(one.rows) == 4 and one.probes == 2  # DP2 or PP2: two groups sharing probes
-    assert small_search(workers=2).rows == one.rows
+@pytest.fixture(scope="module")
+def one_process():
+    """The small search in this process, which both the workers' and Ray's rows are held against."""
+    return small_search(workers=1)
+
+
+def test_workers_give_the_rows_of_one_process(one_process):
+    assert len(one_process.rows) == 4 and one_process.probes == 2  # DP2 or PP2: two groups sharing probes
+    assert small_search(workers=2).rows == one_process.rows
 
 
 def start_local_ray(ray, attempts: int = 2) -> None:
@@ -148,14 +153,14 @@ def start_local_ray(ray, attempts: int = 2) -> None:
     pytest.skip("Ray's raylet did not start within its fixed 30 s (machine overloaded)")
 
 
-def test_ray_gives_the_rows_of_one_process():
+def test_ray_gives_the_rows_of_one_process(one_process):
     ray = pytest.importorskip("ray")
     start_local_ray(ray)
     try:
         on_ray = small_search(ray_address="auto")
     finally:
         ray.shutdown()
-    assert on_ray.rows == small_search(workers=1).rows
+    assert on_ray.rows == one_process.rows
 
 
 def test_hardware_file_may_change_one_figure_of_a_preset(tmp_path):
