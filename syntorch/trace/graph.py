@@ -138,11 +138,17 @@ class TraceGraph(nx.DiGraph):
                           version: int, writer: int | None = None, arg: int = 0) -> int:
         """add_tensor's node (`shape`: a list it takes as it is), and an edge from the op `writer` that made it, at
         its output `arg` (None: none); positional, for the tracer's hot path."""
+        if cache := getattr(self, "__networkx_cache__", None):
+            cache.clear()
         node = len(self._node)
-        self.add_node_data({"kind": "tensor", "name": name or f"t{node}", "shape": shape, "dtype": dtype,
-                            "bytes": nbytes, "is_param": is_param, "device": device, "version": version})
-        if writer is not None:
-            self._succ[writer][node] = self._pred[node][writer] = {"arg": arg}
+        self._node[node] = {"kind": "tensor", "name": name or f"t{node}", "shape": shape, "dtype": dtype,
+                            "bytes": nbytes, "is_param": is_param, "device": device, "version": version}
+        self._succ[node] = {}
+        if writer is None:
+            self._pred[node] = {}
+        else:
+            self._pred[node] = {writer: (edge := {"arg": arg})}
+            self._succ[writer][node] = edge
         return node
 
     def add_op(self, name: str, inputs=(), outputs=(), *, module: str = "", phase: str = "forward",

@@ -23,12 +23,16 @@ _META = torch.device("meta")  # (a device given as text is parsed at every call)
 _UNSHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
-_KINDS: dict[int, tuple] = {}  # id(func) -> (func, its kind): an OpOverload hashes in Python
+# id(func) -> (func, its kind, its results by arguments' key), shared by every MetaCache: a result depends on the
+# key alone, so runs in one process reuse each other's (by id: an OpOverload hashes in Python)
+_OPS: dict[int, tuple] = {}
+_COMPOSITES: dict[tuple, list | bool] = {}  # memo_key -> what `remember` kept
 
 
-def _kind(func) -> str | None:
-    """"functional", "in_place" (both memoized, see above) or None (run as it is)."""
-    found = _KINDS.get(id(func))
+def _op(func) -> tuple:
+    """(func, kind, results) of func: kind "functional", "in_place" (both memoized, see above) or None (run as it
+    is)."""
+    found = _OPS.get(id(func))
     if found is None or found[0] is not func:
         schema = func._schema
         kind = None
@@ -37,8 +41,8 @@ def _kind(func) -> str | None:
                 kind = "functional"
             elif _is_in_place(schema):
                 kind = "in_place"
-        found = _KINDS[id(func)] = (func, kind)
-    return found[1]
+        found = _OPS[id(func)] = (func, kind, {})
+    return found
 
 
 def _is_functional(schema) -> bool:
@@ -97,9 +101,6 @@ def _fresh_meta(out, args) -> bool:
 
 
 class MetaCache(TorchDispatchMode):
-    # shared by every instance: a result depends on the key alone, so runs in one process reuse each other's
-    results: dict = {}
-
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         """No torch._dynamo.disable wrapper around __torch_dispatch__ (two Python calls an op, with nodynamo's):
@@ -111,16 +112,17 @@ class MetaCache(TorchDispatchMode):
 
     def run(self, func, args, kwargs: dict):
         """func(*args, **kwargs), its results rebuilt from the cache when they can be."""
-        kind = _kind(func)
+        _, kind, results = _op(func)
         if kind is None:
             return func(*args, **kwargs)
         try:
-            key = (func, _key(args), _key(sorted(kwargs.items())) if kwargs else ())
+            key = (_key(args), _key(sorted(kwargs.items())) if kwargs else ())
         except TypeError:
             return func(*args, **kwargs)
-        found = self.results.get(key)
+        found = results.get(key)
         if found is None:
-            return self._first(kind, key, func, args, kwargs)
+            out, results[key] = self._first(kind, func, args, kwargs)
+            return out
         if found is False:  # results this cache cannot rebuild (not on meta, sharing storage, changed arguments)
             return func(*args, **kwargs)
         if kind == "in_place":  # checked the same arguments before: the argument it returns, if any
@@ -129,20 +131,18 @@ class MetaCache(TorchDispatchMode):
         outs = _rebuild(metas)
         return outs[0] if container is torch.Tensor else container(outs)
 
-    def _first(self, kind: str, key: tuple, func, args, kwargs: dict):
-        """func run, and what it returns remembered under `key`."""
+    def _first(self, kind: str, func, args, kwargs: dict) -> tuple:
+        """func run, and what to remember of its results."""
         if kind == "in_place":
             before = _layouts(args, kwargs)
             out = func(*args, **kwargs)
             on_meta = all(t.device.type == "meta" for t in flat_tensors((args, list(kwargs.values()))))
-            self.results[key] = _returned(out, args, kwargs) if on_meta and _layouts(args, kwargs) == before else False
-            return out
+            return out, _returned(out, args, kwargs) if on_meta and _layouts(args, kwargs) == before else False
         out = func(*args, **kwargs)
         container = torch.Tensor if isinstance(out, torch.Tensor) else type(out)  # or a tuple, or a list
         outs = (out,) if container is torch.Tensor else tuple(out)
-        self.results[key] = (container, [(t.shape, t.stride(), t.dtype) for t in outs]
-                             ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
-        return out
+        return out, (container, [(t.shape, t.stride(), t.dtype) for t in outs]
+                     ) if _fresh_meta(outs, (args, list(kwargs.values()))) else False
 
 
 def memo_key(*values) -> tuple | None:
@@ -158,13 +158,13 @@ def memo_key(*values) -> tuple | None:
 def remember(key: tuple | None, outs: list, inputs) -> None:
     """Keep the layouts of a composite call's results under `key` (memo_key), as MetaCache keeps an op's: for a
     call whose parts would each be dispatched and memoized on their own (attention.py's sdpa, ~60 ops)."""
-    if key is not None and key not in MetaCache.results:
-        MetaCache.results[key] = [(t.shape, t.stride(), t.dtype) for t in outs] if _fresh_meta(outs, inputs) else False
+    if key is not None and key not in _COMPOSITES:
+        _COMPOSITES[key] = [(t.shape, t.stride(), t.dtype) for t in outs] if _fresh_meta(outs, inputs) else False
 
 
 def rebuilt(key: tuple | None) -> list | None:
     """Fresh meta tensors laid out as the results `remember` kept under `key`, or None."""
-    found = MetaCache.results.get(key) if key is not None else None
+    found = _COMPOSITES.get(key) if key is not None else None
     return _rebuild(found) if found else None
 
 

@@ -184,8 +184,8 @@ class Tracer:
         """The node holding t's current value: new at first sight, a new version after an aliased write."""
         key = _storage_key(t)
         writes, writer = self.writes.get(key, _UNWRITTEN)
-        entry = self._entry(t)
-        if entry is None:
+        entry = self.tensors.get(id(t))  # (_entry, inline: the hot path)
+        if entry is None or entry[0]() is not t:
             return self._add_tensor(t, key, writes, 0)
         if entry[3] == writes:
             return entry[1]
@@ -256,7 +256,7 @@ class Tracer:
         for arg, t in enumerate(outputs):
             if t is not None:
                 entry = self._entry(t)
-                self._output(t, entry, op, arg, wrote=entry is not None or id(t) in written_ids)
+                self._output(t, entry, op, arg, entry is not None or id(t) in written_ids)
                 written_ids.discard(id(t))
         for t in written or ():
             if id(t) in written_ids:  # mutated but not returned, e.g. ops returning None
