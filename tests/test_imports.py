@@ -13,7 +13,7 @@ LAYERS = [
     ("base", ["syntorch.errors", "syntorch.version", "syntorch.userfiles", "syntorch.outdir", "syntorch.console",
               "syntorch.options", "syntorch.nodynamo"]),
     ("config", ["syntorch.config", "syntorch.hardware"]),
-    ("models", ["syntorch.models", "syntorch.decode_capture", "syntorch.generate", "syntorch.fill_mask", "syntorch.checkpoints", "syntorch.hf_format",
+    ("models", ["syntorch.models", "syntorch.decode_capture", "syntorch.generate", "syntorch.beam_search", "syntorch.fill_mask", "syntorch.checkpoints", "syntorch.hf_format",
                 "syntorch.hf_family", "syntorch.hf_deepseek", "syntorch.hf_recent", "syntorch.hf_stacked",
                 "syntorch.hf_values"]),
     ("parallel", ["syntorch.parallel", "syntorch.quant"]),
