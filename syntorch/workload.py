@@ -35,7 +35,7 @@ from syntorch.parallel.moe_load import RankKinds, rank_kinds
 from syntorch.parallel.plans import TrainPlan
 from syntorch.simulate.chakra_files import RANK_KINDS, rank_kinds_json
 from syntorch.simulate.prediction import TIMELINE, Prediction
-from syntorch.trace.cost import fill_durations, kernel_of, kernel_us
+from syntorch.trace.cost import fill_durations, set_durations
 from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
@@ -148,12 +148,8 @@ class StageGraphs(Sequence):
     def _recosted(self, graph: TraceGraph) -> TraceGraph:
         """`graph` with its collectives costed where they are now: a moved group may span nodes where the
         source's did not."""
-        us = {}  # per distinct kernel (fill_durations'): a layer's collectives are every layer's
-        for n, d in graph.collectives() if self.hw else ():
-            kernel = kernel_of(graph, n, {})
-            if kernel not in us:
-                us[kernel] = kernel_us(kernel, self.hw, *self.software)
-            d["duration_us"] = us[kernel]
+        if self.hw:
+            set_durations(graph, graph.collectives(), {}, self.hw, *self.software)
         return graph
 
 

@@ -12,7 +12,7 @@ from syntorch.quant import FLOP_FORMULAS
 class AtenOp(NamedTuple):
     name: str  # e.g. aten.mm
     is_view: bool
-    collective: bool  # a c10d op (collectives.py tells what it is)
+    collective: tuple | None  # a c10d op's (name, default) of each argument (collectives.py tells what it is)
     arguments: tuple  # (position, name, written) of each argument that may hold tensors
     flops: tuple | None  # its FLOP formula (flop_counter's, or quant's) and whether it takes shapes (_flop_formula)
     decomposes: bool  # no formula of flop_counter's: recorded as the ops it decomposes into, if it does
@@ -26,9 +26,15 @@ def aten_op(func) -> AtenOp:
     if found is None or found[0] is not func:
         packet = func._overloadpacket
         found = _ATEN_OPS[id(func)] = (func, AtenOp(
-            f"{func.namespace}.{packet.__name__}", func.is_view, func.namespace in ("c10d", "_c10d_functional"),
+            f"{func.namespace}.{packet.__name__}", func.is_view, _collective_arguments(func),
             _tensor_arguments(func), _flop_formula(packet), packet not in flop_registry))
     return found[1]
+
+
+def _collective_arguments(func) -> tuple | None:
+    if func.namespace not in ("c10d", "_c10d_functional"):
+        return None
+    return tuple((a.name, a.default_value) for a in func._schema.arguments)
 
 
 _SHAPE_WRAPPER = shape_wrapper(lambda: 0).__code__  # flop_counter's wrapper of formulas taking shapes

@@ -56,10 +56,11 @@ class CollectiveCall:
     peer_bytes: dict = field(default_factory=dict)  # all-to-all with splits: send_bytes/recv_bytes per member
 
 
-def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
-    """The collective `func` runs, or None for c10d ops that move no data (e.g. wait_tensor)."""
+def collective_call(func, arguments: tuple, args, kwargs, out) -> CollectiveCall | None:
+    """The collective `func` runs, or None for c10d ops that move no data (e.g. wait_tensor). `arguments`: the
+    (name, default) of each of its schema's arguments (aten_ops.AtenOp.collective: a schema is slow to read)."""
     values = {name: (args[i] if i < len(args) else kwargs.get(name, default))
-              for i, (name, default) in enumerate(_arguments(func))}
+              for i, (name, default) in enumerate(arguments)}
     op = func._overloadpacket.__name__
     if func.namespace == "c10d" and op in C10D_OPS:
         kind, in_arg, out_arg = C10D_OPS[op]
@@ -81,16 +82,6 @@ def collective_call(func, args, kwargs, out) -> CollectiveCall | None:
     if call.collective == "all_to_all" and values.get("input_split_sizes"):
         call.peer_bytes = _split_bytes(call, values["input_split_sizes"], values["output_split_sizes"])
     return call
-
-
-_ARGUMENTS: dict[int, tuple] = {}  # id(func) -> (func, its arguments' (name, default)): a schema is slow to read
-
-
-def _arguments(func) -> tuple:
-    found = _ARGUMENTS.get(id(func))
-    if found is None or found[0] is not func:
-        found = _ARGUMENTS[id(func)] = (func, tuple((a.name, a.default_value) for a in func._schema.arguments))
-    return found[1]
 
 
 def _split_bytes(call: CollectiveCall, in_splits, out_splits) -> dict:

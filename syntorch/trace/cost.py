@@ -116,15 +116,21 @@ def fill_durations(graph: nx.DiGraph, hw: HardwareConfig, profile: str = "eager"
     includes the time its kernel waited for the host to issue it (add_host_waits)."""
     plan = kernel_plan(graph, check_profile(profile))
     check_attention(attention)
-    us = {}  # per distinct kernel: every layer's ops launch the same ones
-    for node, data in graph.node_attrs.items():
-        if data["kind"] != "tensor":
-            kernel = kernel_of(graph, node, plan)
-            if kernel not in us:
-                us[kernel] = kernel_us(kernel, hw, profile, attention)
-            data["duration_us"] = us[kernel]
+    set_durations(graph, ((n, d) for n, d in graph.node_attrs.items() if d["kind"] != "tensor"), plan, hw, profile,
+                  attention)
     if profile == "eager" and hw.host_overhead_us:
         add_host_waits(graph, hw.host_overhead_us)
+
+
+def set_durations(graph: nx.DiGraph, nodes, plan: dict, hw: HardwareConfig, profile: str, attention: str) -> None:
+    """Sets `duration_us` on each of `nodes` ((node, attributes) pairs of `graph`), each distinct kernel costed
+    once: every layer's ops launch the same ones. `plan`: kernel_plan's (empty for collectives alone)."""
+    us = {}
+    for node, data in nodes:
+        kernel = kernel_of(graph, node, plan)
+        if kernel not in us:
+            us[kernel] = kernel_us(kernel, hw, profile, attention)
+        data["duration_us"] = us[kernel]
 
 
 def add_host_waits(graph: nx.DiGraph, host_us: float) -> None:

@@ -10,7 +10,7 @@ summed `flops`, `bytes_read`, `bytes_written`, `duration_us` (when every member 
 For drawing, folds.py keeps one copy of each run of identical layers and decode steps.
 """
 from syntorch.models import LAYER_PATH
-from syntorch.trace.graph import LEVELS, TraceGraph, collective_attrs
+from syntorch.trace.graph import LEVELS, TraceGraph, collective_attrs, op_attrs
 
 
 def layer_of(module: str) -> str:
@@ -153,8 +153,8 @@ def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> d
         timed = timed and d.get("duration_us") is not None
         duration = duration + d["duration_us"] if timed else duration
     key = layer_of(first["module"]) if level == "layer" else first["module"]
-    node = {"kind": "op", "name": key or "model", "module": key, "phase": first["phase"], "flops": flops,
-            "bytes_read": bytes_read, "bytes_written": bytes_written, "is_view": is_view, "num_ops": len(members)}
+    node = op_attrs(key or "model", key, first["phase"], flops, bytes_read, bytes_written, is_view)
+    node["num_ops"] = len(members)
     if timed:
         node["duration_us"] = duration
     return node

@@ -264,8 +264,8 @@ class Tracer:
         return op
 
     def record_aten(self, func, op: AtenOp, args, kwargs, out, duration_us=None):
-        if op.collective:
-            call = collective_call(func, args, kwargs, out)
+        if op.collective is not None:
+            call = collective_call(func, op.collective, args, kwargs, out)
             if call is not None:
                 return self.record_collective(call)
         inputs, written = schema_inputs(op.arguments, args, kwargs)
