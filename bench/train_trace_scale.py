@@ -58,6 +58,9 @@ CASES = {
     "256x8": Case("gpt3-175b", dp=4, tp=8, pp=8, seq=2048, microbatches=8),
     "8192x1": Case("gpt3-175b", dp=128, tp=8, pp=8, seq=2048),
     "llama405b": Case("llama-3.1-405b", dp=128, tp=8, pp=16, seq=8192, cp=1),
+    # issue 24's side-by-side rows with STG: 405B at 256 and 1,024 ranks
+    "405b_256": Case("llama-3.1-405b", dp=2, tp=8, pp=16, seq=8192),
+    "405b_1024": Case("llama-3.1-405b", dp=8, tp=8, pp=16, seq=8192),
     "llama405b_v": Case("llama-3.1-405b", dp=128, tp=8, pp=16, seq=8192, microbatches=16,
                         extra=("--virtual_stages=2", "--account_for_embedding", "--account_for_loss",
                                "--recompute=full")),
