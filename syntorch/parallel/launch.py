@@ -2,6 +2,9 @@
 
 Every rank sees RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so the same code runs under
 `torchrun --nproc_per_node=N` and under `--nproc N` / `--tp N` where syntorch spawns the processes itself.
+When syntorch spawns them, the launcher hosts the rendezvous store (a TCPStore on a port the OS assigns) for the
+whole run and the ranks join it as clients, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): a port
+picked free, released and bound again later by rank 0 could be taken by another process in between.
 
 How a spawned run stops. The launcher (spawn) watches every rank and ends the run, with every rank reaped,
 when one of these happens, raising RankFailed with one line that names the rank:
@@ -20,12 +23,12 @@ SIGINT (Ctrl-C reaches the whole process group; the launcher decides) and die wi
 (PR_SET_PDEATHSIG), so none outlives it even when it is SIGKILLed. Under torchrun, torchrun's agent watches
 the ranks; a stopped peer is then found only by the collective timeout (init_distributed, 300 s).
 """
+import contextlib
 import datetime
 import glob
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -49,12 +52,6 @@ POLL_S = 0.25  # how often the launcher looks at the heartbeats
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: str) -> str:
@@ -91,8 +88,8 @@ def spawn(fn, world_size: int, args: tuple = ()) -> None:
     """
     ctx = mp.get_context("spawn")
     beats = ctx.RawArray("d", world_size)  # per rank: time.monotonic() of its last heartbeat, 0 before the first
-    with tempfile.TemporaryDirectory(prefix="syntorch-ranks-") as run_dir:
-        rank_args = (world_size, free_port(), run_dir, beats, os.getpid(), fn, args)
+    with tempfile.TemporaryDirectory(prefix="syntorch-ranks-") as run_dir, _rendezvous_store() as port:
+        rank_args = (world_size, port, run_dir, beats, os.getpid(), fn, args)
         procs = [ctx.Process(target=_entry, args=(rank, *rank_args), name=f"rank {rank}") for rank in range(world_size)]
         try:
             _start(procs)
@@ -100,6 +97,17 @@ def spawn(fn, world_size: int, args: tuple = ()) -> None:
         finally:
             _stop(procs)
             _remove_temporaries(run_dir)
+
+
+@contextlib.contextmanager
+def _rendezvous_store():
+    """Host the ranks' rendezvous store here, bound to a port the OS assigns, and give that port. It closes when
+    the `with` ends, which in spawn is after every rank (its clients) is gone, however the run ended."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store  # closes the port now, not whenever a traceback holding this frame goes
 
 
 def _start(procs) -> None:
@@ -120,8 +128,10 @@ def _entry(rank, world_size, port, run_dir, beats, launcher, fn, args):
     if os.getppid() != launcher:  # ... also when it died before the line above
         os._exit(1)
     threading.Thread(target=_beat, args=(beats, rank), daemon=True).start()
+    # TORCHELASTIC_USE_AGENT_STORE: env:// then joins the launcher's store at MASTER_PORT instead of rank 0 hosting one
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True",
                       **{TEMP_LOG_ENV: os.path.join(run_dir, f"temp.{rank}")})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
