@@ -9,6 +9,7 @@ tied head it is) is drawn at 0.3, which makes logits peaked (std ~8), and the la
 Agreement is counted per position while both runs read the FP32 run's greedy tokens (teacher forcing), so
 one early flip does not count as every later position lost; the free-running share is checked too.
 """
+import copy
 import dataclasses
 
 import pytest
@@ -57,8 +58,11 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def fp32(prompt):
+    """The FP32 model, its greedy tokens, and a copy of it as gpt2_shaped() made it, for each test to copy
+    (building one again costs ~1 CPU s, a copy ~0.2)."""
     model = gpt2_shaped()
-    return model, greedy(model, prompt)
+    pristine = copy.deepcopy(model)
+    return model, greedy(model, prompt), pristine
 
 
 def test_quantized_weight_is_symmetric_per_output_channel():
@@ -72,8 +76,8 @@ def test_quantized_weight_is_symmetric_per_output_channel():
 
 
 def test_int8_weight_only_agrees_with_fp32_and_stores_a_quarter(fp32, prompt):
-    reference, tokens = fp32
-    model = gpt2_shaped()
+    reference, tokens, pristine = fp32
+    model = copy.deepcopy(pristine)
     done = quantize_int8_weight_only(model)
     assert len(done) == 4 * 4 and "lm_head" not in done  # qkv, proj, fc1, fc2 per layer; the head stays
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight is model.tok_emb.weight
@@ -94,8 +98,8 @@ def test_int8_weight_only_agrees_with_fp32_and_stores_a_quarter(fp32, prompt):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_runs_on_cpu_close_to_fp32(dtype, fp32, prompt):
-    reference, tokens = fp32
-    half = gpt2_shaped().to(dtype)
+    reference, tokens, pristine = fp32
+    half = copy.deepcopy(pristine).to(dtype)
     stream_friendly_weights(half)
     assert half.lm_head.weight.dtype == dtype and half.lm_head.weight.is_contiguous()  # layout kept for half
     agree, rel = forced_agreement(half, reference, prompt, tokens)
