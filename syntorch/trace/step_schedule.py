@@ -60,6 +60,7 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
     # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
     latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
+    collectives = [n for n, d in out.node_attrs.items() if d["kind"] == "collective"]  # and the steps', as placed
 
 
     def image(u, shift):
@@ -85,7 +86,8 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
                    [(base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges],
                    copy=not share)  # (a list, not a generator: ~30% faster for 10^4 edges a step)
         latest.update(step.written)
-    _renumber_orders(out)
+        collectives += [base + off for off in step.collectives]
+    _renumber_orders(out, collectives)
     roots = [[placed[step] + off for off in steps[source(*step)].roots] for step in order]
     return set_schedule(out, plan, order, [placed[step] for step in order], roots)
 
@@ -104,17 +106,19 @@ class _Step:
 
     def __init__(self, probe: TraceGraph, a: int, b: int, by_source: bool = False):
         nodes, preds = probe.node_attrs, probe.preds
-        self.a, self.nodes, self.moving, self.edges, self.state = a, [nodes[n] for n in range(a, b)], {}, [], []
+        self.a, self.nodes, self.moving, self.edges = a, [nodes[n] for n in range(a, b)], {}, []
+        self.state, self.collectives = [], []  # offsets of parameters and buffers, and of collectives
         edges = self.edges
         for n, data in enumerate(self.nodes, a):  # one pass: a stage's probed steps are 10^4 nodes
             inputs = sorted(preds[n].items()) if by_source else preds[n].items()
             if data["kind"] == "collective":
+                self.collectives.append(n - a)
                 if data["collective"] in ("send", "recv"):
                     self.moving[n - a] = ("tag", None)
             elif data["kind"] == "tensor":
                 named = data["name"] != f"t{n}"  # state written in place keeps its name; the others are renamed
                 if named:
-                    self.state.append(n - a)  # a parameter or buffer (_state)
+                    self.state.append(n - a)  # (_state)
                 if not named or data["version"]:
                     earlier = [t for w, _ in inputs for t in (sorted(preds[w]) if by_source else preds[w])
                                if nodes[t]["version"] == data["version"] - 1
@@ -169,11 +173,12 @@ def _state(n: int, d: dict) -> bool:
     return d["kind"] == "tensor" and d["name"] != f"t{n}"
 
 
-def _renumber_orders(graph: TraceGraph) -> None:
+def _renumber_orders(graph: TraceGraph, collectives: list[int] | None = None) -> None:
     """Each collective's `order` among its group's in the graph, in a new attribute dict (a shared one is the
-    probe's: schedule_stage's `share`)."""
+    probe's: schedule_stage's `share`); `collectives`: the graph's, in order, when known."""
     counts, nodes = {}, graph.node_attrs
-    for n, d in list(graph.collectives()):
+    for n in [n for n, _ in graph.collectives()] if collectives is None else collectives:
+        d = nodes[n]
         key = tuple(d["group"])
         nodes[n] = {**d, "order": counts.get(key, 0)}
         counts[key] = nodes[n]["order"] + 1
