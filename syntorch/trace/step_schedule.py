@@ -61,16 +61,19 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
     latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
     collectives = [n for n, d in out.node_attrs.items() if d["kind"] == "collective"]  # and the steps', as placed
-
+    where = {}  # probe node -> (its name if state, else None; its step's (start, end, key)), found once a node
 
     def image(u, shift):
         """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
         the same node of the step in `out` that plays u's step's part."""
         if u < prefix:
             return u
-        if _state(u, probe.node_attrs[u]):
-            return latest[probe.node_attrs[u]["name"]][0]
-        start, end, (kind, k, c) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        if u not in where:
+            d = probe.node_attrs[u]
+            where[u] = (d["name"] if _state(u, d) else None), found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        state, (start, end, (kind, k, c)) = where[u]
+        if state:
+            return latest[state][0]
         a, b = blocks[source(kind, k + shift, c)]
         assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
         return placed[(kind, k + shift, c)] + u - start
