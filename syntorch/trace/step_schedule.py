@@ -209,9 +209,9 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int], roots: list | None =
         if last is None or not firsts:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
-        graph.add_edge(last, token, arg=len(graph.succ[last]))
+        graph.add_data_edge(last, token, len(graph.succs[last]))
         for n in firsts:
-            graph.add_edge(token, n, arg=len(graph.pred[n]))
+            graph.add_data_edge(token, n, len(graph.preds[n]))
 
 
 def _roots(graph: TraceGraph, start: int, end: int) -> list[int]:
