@@ -139,17 +139,20 @@ class StageGraphs(Sequence):
     def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:
         """A view of a shifted copy of a stage moved to stage s (training.shift_view), its collectives costed
         again where they are now (as kind_graph costs them), and its figures with the moved collectives' time."""
-        view = self._recosted(shift_view(view, self.plan.mesh, s, self._layer_offset(s, view.graph["stage"])))
-        return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in view.collectives())}
+        view = shift_view(view, self.plan.mesh, s, self._layer_offset(s, view.graph["stage"]))
+        collectives = list(view.collectives())  # (one pass over the view's nodes for both)
+        self._recosted(view, collectives)
+        return view, {**figures, "comm_us": sum(d.get("duration_us", 0.0) for _, d in collectives)}
 
     def _layer_offset(self, s: int, traced: int) -> int:
         return self.plan.stage(self.config, s).layers[0] - self.plan.stage(self.config, traced).layers[0]
 
-    def _recosted(self, graph: TraceGraph) -> TraceGraph:
-        """`graph` with its collectives costed where they are now: a moved group may span nodes where the
-        source's did not."""
+    def _recosted(self, graph: TraceGraph, collectives=None) -> TraceGraph:
+        """`graph` with its collectives (`collectives`: those, when listed) costed where they are now: a moved
+        group may span nodes where the source's did not."""
         if self.hw:
-            set_durations(graph, graph.collectives(), {}, self.hw, *self.software)
+            set_durations(graph, graph.collectives() if collectives is None else collectives, {}, self.hw,
+                          *self.software)
         return graph
 
 

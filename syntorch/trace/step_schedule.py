@@ -60,16 +60,20 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
     # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
     # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
     latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
-
+    collectives = [n for n, d in out.node_attrs.items() if d["kind"] == "collective"]  # and the steps', as placed
+    where = {}  # probe node -> (its name if state, else None; its step's (start, end, key)), found once a node
 
     def image(u, shift):
         """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
         the same node of the step in `out` that plays u's step's part."""
         if u < prefix:
             return u
-        if _state(u, probe.node_attrs[u]):
-            return latest[probe.node_attrs[u]["name"]][0]
-        start, end, (kind, k, c) = found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        if u not in where:
+            d = probe.node_attrs[u]
+            where[u] = (d["name"] if _state(u, d) else None), found[bisect.bisect_right(found, (u, float("inf"))) - 1]
+        state, (start, end, (kind, k, c)) = where[u]
+        if state:
+            return latest[state][0]
         a, b = blocks[source(kind, k + shift, c)]
         assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
         return placed[(kind, k + shift, c)] + u - start
@@ -82,10 +86,11 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
         base = placed[(kind, m, c)] = len(out)
         shift = m - (probed if kind == "optimizer" else key[1])
         out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out, latest),
-                   ((base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges),
-                   copy=not share)
+                   [(base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges],
+                   copy=not share)  # (a list, not a generator: ~30% faster for 10^4 edges a step)
         latest.update(step.written)
-    _renumber_orders(out)
+        collectives += [base + off for off in step.collectives]
+    _renumber_orders(out, collectives)
     roots = [[placed[step] + off for off in steps[source(*step)].roots] for step in order]
     return set_schedule(out, plan, order, [placed[step] for step in order], roots)
 
@@ -103,22 +108,27 @@ class _Step:
     node's inputs by their producers' ids (schedule_stage's)."""
 
     def __init__(self, probe: TraceGraph, a: int, b: int, by_source: bool = False):
-        self.a, self.nodes, self.moving, self.edges = a, [], {}, []
-        nodes = probe.node_attrs
-        for n in range(a, b):
-            data = nodes[n]
-            self.nodes.append(data)
-            inputs = sorted(probe.preds[n].items()) if by_source else probe.preds[n].items()
-            if data["kind"] == "collective" and data["collective"] in ("send", "recv"):
-                self.moving[n - a] = ("tag", None)
-            elif data["kind"] == "tensor" and (data["name"] == f"t{n}" or data["version"]):
-                earlier = [t for w, _ in inputs for t in (sorted(probe.preds[w]) if by_source else probe.preds[w])
-                           if nodes[t]["version"] == data["version"] - 1
-                           and nodes[t]["shape"] == data["shape"]] if data["version"] else []
+        nodes, preds = probe.node_attrs, probe.preds
+        self.a, self.nodes, self.moving, self.edges = a, [nodes[n] for n in range(a, b)], {}, []
+        self.state, self.collectives = [], []  # offsets of parameters and buffers, and of collectives
+        edges = self.edges
+        for n, data in enumerate(self.nodes, a):  # one pass: a stage's probed steps are 10^4 nodes
+            inputs = sorted(preds[n].items()) if by_source else preds[n].items()
+            if data["kind"] == "collective":
+                self.collectives.append(n - a)
+                if data["collective"] in ("send", "recv"):
+                    self.moving[n - a] = ("tag", None)
+            elif data["kind"] == "tensor":
                 named = data["name"] != f"t{n}"  # state written in place keeps its name; the others are renamed
-                self.moving[n - a] = ("named" if named else "tensor", earlier[0] if earlier else None)
-            self.edges += [(u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e) for u, e in inputs]
-        self.state = [n - a for n in range(a, b) if _state(n, nodes[n])]  # parameters and buffers
+                if named:
+                    self.state.append(n - a)  # (_state)
+                if not named or data["version"]:
+                    earlier = [t for w, _ in inputs for t in (sorted(preds[w]) if by_source else preds[w])
+                               if nodes[t]["version"] == data["version"] - 1
+                               and nodes[t]["shape"] == data["shape"]] if data["version"] else []
+                    self.moving[n - a] = ("named" if named else "tensor", earlier[0] if earlier else None)
+            for u, e in inputs:
+                edges.append((u - a, True, n - a, e) if a <= u < b else (u, False, n - a, e))
         # a copy's inputs from outside it are made before it, as the probed step's are: the same roots
         self.roots = [n - a for n in _roots(probe, a, b)]
 
@@ -166,11 +176,12 @@ def _state(n: int, d: dict) -> bool:
     return d["kind"] == "tensor" and d["name"] != f"t{n}"
 
 
-def _renumber_orders(graph: TraceGraph) -> None:
+def _renumber_orders(graph: TraceGraph, collectives: list[int] | None = None) -> None:
     """Each collective's `order` among its group's in the graph, in a new attribute dict (a shared one is the
-    probe's: schedule_stage's `share`)."""
+    probe's: schedule_stage's `share`); `collectives`: the graph's, in order, when known."""
     counts, nodes = {}, graph.node_attrs
-    for n, d in list(graph.collectives()):
+    for n in [n for n, _ in graph.collectives()] if collectives is None else collectives:
+        d = nodes[n]
         key = tuple(d["group"])
         nodes[n] = {**d, "order": counts.get(key, 0)}
         counts[key] = nodes[n]["order"] + 1
@@ -198,9 +209,9 @@ def add_schedule_deps(graph: TraceGraph, starts: list[int], roots: list | None =
         if last is None or not firsts:
             continue
         token = graph.add_tensor([], "none", 0, name=f"schedule[{k}]", device="meta")
-        graph.add_edge(last, token, arg=len(graph.succ[last]))
+        graph.add_data_edge(last, token, len(graph.succs[last]))
         for n in firsts:
-            graph.add_edge(token, n, arg=len(graph.pred[n]))
+            graph.add_data_edge(token, n, len(graph.preds[n]))
 
 
 def _roots(graph: TraceGraph, start: int, end: int) -> list[int]:

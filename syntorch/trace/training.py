@@ -201,7 +201,8 @@ def shift_view(view: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int) -
     copy of the same probe with the same schedule: the view's nodes moved as shift_stage moves them (a level's
     group, named by its module, renamed too), its edges shared, not copied (read-only). Scheduling, level views
     and Chakra nodes see names, modules and groups only as keys, and the move is one-to-one, so they make the
-    same nodes and edges of both; shift_stage's edge order, unlike the tracer's, is the same for every copy."""
+    same nodes and edges of both; shift_stage's edge order, unlike the tracer's, is the same for every copy. A tensor
+    whose name is kept is the view's own dict (read-only too)."""
     moved, attrs = _stage_move(view, mesh, to_stage, layer_offset)
     return with_node_attrs(view, {n: moved(d) for n, d in view.node_attrs.items()}, **attrs)
 
@@ -229,8 +230,10 @@ def _stage_move(graph: TraceGraph, mesh: Mesh, to_stage: int, layer_offset: int)
         return renamed[name]
 
     def moved(d: dict) -> dict:
-        if d["kind"] == "tensor":
-            return {**d, "name": rename(d["name"])}
+        if d["kind"] == "tensor":  # most keep their name (t<node>): then the dict itself (shift_stage copies it,
+            # shift_view's readers do not write tensors)
+            name = rename(d["name"])
+            return d if name == d["name"] else {**d, "name": name}
         if d["kind"] == "op":
             out = {**d, "module": rename(d["module"])}
             if "num_ops" in d:  # a level's group, named by its module
