@@ -159,77 +159,109 @@ def _in_traced_order(graph: nx.DiGraph) -> bool:
 
 
 NO_TENSORS = ("[]", "[]", "[]")
+IS_CPU_OP = ("is_cpu_op", "bool_val", False)
 
 
 def _chakra_nodes(graph, order, groups, p2p_all_to_all=False) -> list[NodeSpec]:
     nodes, pred, succ, out = graph.node_attrs, graph.preds, graph.succs, []
     deps_of = {}  # graph node -> the Chakra ids its consumers depend on (itself, or what a folded node depended on)
     last_comm = {}  # channel (a group's ranks, or a p2p pair) -> its previous communication node's Chakra id
-    tensor_text = {}  # tensor -> (id, shape, dtype) as JSON text, built once
+    tensor_text = {}  # tensor -> (id, shape, dtype, [shape], [dtype]) as JSON text, built once
     layout_text = {}  # (shape, dtype) -> their JSON text: a stage's 10^4 tensors have a few dozen
-
-    def ordered(adj):
-        return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else list(adj)
+    # (FLOPs, bytes, duration) -> an op's attributes, one list for every op that has them: a stage's 10^4 ops
+    # have ~100 (StageTemplate serializes each list once)
+    op_attrs = {}
 
     def text(t):
         d = nodes[t]
         key = tuple(d["shape"]), d["dtype"]
         if key not in layout_text:
-            layout_text[key] = "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"'
+            shape, dtype = "[" + ",".join(map(str, d["shape"])) + "]", '"' + d["dtype"] + '"'
+            layout_text[key] = shape, dtype, f"[{shape}]", f"[{dtype}]"  # and as lists of one
         tensor_text[t] = found = (str(t), *layout_text[key])
         return found
 
     def io_text(tensors):
         if len(tensors) == 1:  # most nodes' inputs and outputs: no lists to join
-            i, s, d = tensor_text.get(tensors[0]) or text(tensors[0])
-            return f"[{i}]", f"[{s}]", f"[{d}]"
+            i, _, _, shapes, types = tensor_text.get(tensors[0]) or text(tensors[0])
+            return f"[{i}]", shapes, types
         if not tensors:
             return NO_TENSORS
-        ids, shapes, types = zip(*[tensor_text.get(t) or text(t) for t in tensors])
+        ids, shapes, types, _, _ = zip(*[tensor_text.get(t) or text(t) for t in tensors])
         return f"[{','.join(ids)}]", f"[{','.join(shapes)}]", f"[{','.join(types)}]"
 
     phase = None  # written where it changes (the host's syncs the cost model needs: trace/cost.add_host_waits)
     for n in order:
         data = nodes[n]
-        if data["kind"] == "tensor":
+        kind = data["kind"]
+        if kind == "tensor":
             continue
-        inputs = ordered(pred[n])
-        if len(inputs) == 1 and len(pred[inputs[0]]) == 1:  # one producer (most nodes): its ids, sorted and distinct
-            deps = list(deps_of[next(iter(pred[inputs[0]]))])
+        sources = pred[n]
+        producers = pred[next(iter(sources))] if len(sources) == 1 else ()
+        if len(producers) == 1:  # one producer (most nodes): its ids as they are (sorted, distinct)
+            deps = deps_of[next(iter(producers))]
         else:
-            deps = sorted({i for t in inputs for p in pred[t] for i in deps_of[p]})
-        if _folded(data):
+            deps = sorted({i for t in sources for p in pred[t] for i in deps_of[p]})
+        if kind == "op" and _folded(data):
             deps_of[n] = deps
             continue
-        if data["kind"] == "op":
-            # ASTRA-sim's roofline runs num_ops / min(bw * num_ops / tensor_size, peak): 0 FLOPs would be 0/0,
-            # 1 FLOP gives a memory-bound op its tensor_size / bw
-            parts = [(et.COMP_NODE, [("num_ops", "int64_val", max(data["flops"], 1)),
-                                     ("tensor_size", "uint64_val", data["bytes_read"] + data["bytes_written"])],
-                      None, _node_name(data), data, True)]
-        else:
-            pg_name = str(groups[tuple(sorted(data["group"]))])
-            parts = (_p2p_parts(data, graph.graph.get("rank", 0), pg_name)
-                     if p2p_all_to_all and data["collective"] == "all_to_all" and "send_bytes" in data else
-                     [(*_comm_attrs(data, pg_name), _channel(data), _node_name(data), data, True)])
-        ids, outputs = [], ordered(succ[n])
+        inputs = _ordered(sources)
+        new_phase = None
+        if data.get("phase") != phase:
+            phase = data.get("phase")
+            new_phase = phase or ""
+        if kind == "op":
+            duration = data.get("duration_us") or 0
+            key = data["flops"], data["bytes_read"] + data["bytes_written"], duration
+            if new_phase is not None:  # the one op where the phase changes says so: its own list
+                attrs = _node_attrs(_comp_attrs(*key[:2]), new_phase, duration)
+            else:
+                attrs = op_attrs.get(key) or op_attrs.setdefault(key, _node_attrs(_comp_attrs(*key[:2]), None, duration))
+            nid = len(out)
+            out.append(NodeSpec(nid, _node_name(data), et.COMP_NODE, deps, [], round(duration), io_text(inputs),
+                                io_text(_ordered(succ[n])), attrs))
+            deps_of[n] = [nid]
+            continue
+        pg_name = str(groups[tuple(sorted(data["group"]))])
+        parts = (_p2p_parts(data, graph.graph.get("rank", 0), pg_name)
+                 if p2p_all_to_all and data["collective"] == "all_to_all" and "send_bytes" in data else
+                 [(*_comm_attrs(data, pg_name), _channel(data), _node_name(data), data, True)])
+        ids, outputs = [], _ordered(succ[n])
         for kind, attrs, channel, name, timed, whole in parts:  # whole: the graph node's, not one of its sends/recvs
-            nid, ctrl = len(out), []
-            if channel is not None:
-                ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
-            attrs.append(("is_cpu_op", "bool_val", False))
-            if data.get("phase") != phase:
-                phase = data.get("phase")
-                attrs.append(("phase", "string_val", phase or ""))
-            if timed.get("duration_us"):  # duration_micros is whole µs; syntorch predict replays this
-                attrs.append(("duration_ns", "uint64_val", round(timed["duration_us"] * 1e3)))
-            out.append(NodeSpec(nid, name, kind, deps, ctrl, round(timed.get("duration_us") or 0),
+            nid = len(out)
+            ctrl, last_comm[channel] = ([last_comm[channel]] if channel in last_comm else []), nid
+            duration = timed.get("duration_us") or 0
+            out.append(NodeSpec(nid, name, kind, deps, ctrl, round(duration),
                                 io_text(inputs if whole or kind == et.COMM_SEND_NODE else []),
-                                io_text(outputs if whole or kind == et.COMM_RECV_NODE else []), attrs))
+                                io_text(outputs if whole or kind == et.COMM_RECV_NODE else []),
+                                _node_attrs(attrs, new_phase, duration)))
+            new_phase = None  # said by the first part
             if whole or kind == et.COMM_RECV_NODE:  # what consumes an all-to-all's rows waits for all its recvs
                 ids.append(nid)
-        deps_of[n] = tuple(ids) or deps
+        deps_of[n] = ids or deps
     return out
+
+
+def _ordered(adj: dict) -> list:
+    """A node's inputs or outputs (tensors, by the edges' `adj`) in argument order."""
+    return sorted(adj, key=lambda t: adj[t].get("arg", 0)) if len(adj) > 1 else [*adj]
+
+
+def _comp_attrs(flops: int, nbytes: int) -> list:
+    # ASTRA-sim's roofline runs num_ops / min(bw * num_ops / tensor_size, peak): 0 FLOPs would be 0/0,
+    # 1 FLOP gives a memory-bound op its tensor_size / bw
+    return [("num_ops", "int64_val", max(flops, 1)), ("tensor_size", "uint64_val", nbytes)]
+
+
+def _node_attrs(attrs: list, phase: str | None, duration_us: float) -> list:
+    """`attrs` and what follows them on every node: is_cpu_op, the `phase` where it changes (None where not)
+    and, when timed, the duration in ns (duration_micros is whole µs; syntorch predict replays this)."""
+    attrs = [*attrs, IS_CPU_OP]
+    if phase is not None:
+        attrs.append(("phase", "string_val", phase))
+    if duration_us:
+        attrs.append(("duration_ns", "uint64_val", round(duration_us * 1e3)))
+    return attrs
 
 
 A2A_TAG_BASE = 1 << 24  # above the pipeline's tags (pipeline.tag: 2(mV + c)), so an all-to-all's never meets one

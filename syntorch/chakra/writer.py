@@ -159,6 +159,14 @@ def _attr_bytes(attrs: list) -> tuple[bytes, list[tuple[int, str, object]]]:
     return b"".join(out), per_rank
 
 
+def _cached(attrs_of: dict, attrs: list) -> tuple:
+    """_attr_bytes(attrs), made once per distinct list."""
+    key = tuple(attrs)
+    if key not in attrs_of:
+        attrs_of[key] = _attr_bytes(attrs)
+    return attrs_of[key]
+
+
 class GroupIds:
     """The comm-group ids of a mesh's groups (chakra/groups.py) as the stage templates of a run look them up:
     by their text in a node, and by the group a representative's group moves to for another rank (cached
@@ -207,13 +215,15 @@ class StageTemplate:
         self.header = header.SerializeToString()  # without `rank`, appended per rank the same way
         group_at: dict[tuple, list[int]] = {}  # representative's group -> offsets of its id in the body
         peer_at, self.peers = [], []  # offsets of the padded peers, and the representative's peers
-        chunks, size, attrs_of = [], 0, {}
+        chunks, size, attrs_of, of_list = [], 0, {}, {}
         for spec in specs:
             head = to_proto(spec, attrs=False).SerializeToString()
-            key = tuple(spec.attrs)  # a stage's nodes have ~100 distinct lists of attributes
-            if key not in attrs_of:
-                attrs_of[key] = _attr_bytes(spec.attrs)
-            tail, per_rank = attrs_of[key]
+            # a stage's nodes have ~100 distinct lists of attributes, most shared by chakra_nodes (ops of equal
+            # attributes have one list): looked up by the list first, by its values once per list
+            found = of_list.get(id(spec.attrs))  # (specs keeps every list alive: ids are not reused)
+            if found is None:
+                found = of_list[id(spec.attrs)] = _cached(attrs_of, spec.attrs)
+            tail, per_rank = found
             prefix = varint(len(head) + len(tail))
             at = size + len(prefix) + len(head)
             for offset, name, value in per_rank:
