@@ -36,6 +36,7 @@ from syntorch.trace.values import flat_tensors
 
 _UNWRITTEN = (0, None)  # a storage's (writes, last writer) before any recorded write
 _UNNAMED = ("", False)  # (name, is_param) of a tensor that is no parameter or buffer
+_storage_id = torch._C._storage_id
 
 
 @functools.cache
@@ -250,7 +251,8 @@ class Tracer:
                             _unique_bytes([*outputs, *written] if written else outputs), False)
         if duration_us is not None:
             data["duration_us"] = duration_us
-        data.update(attrs)
+        if attrs:
+            data.update(attrs)
         op = self.graph.add_node_data(data, in_nodes)
         written_ids = {id(t) for t in written} if written else set()
         for arg, t in enumerate(outputs):
@@ -352,8 +354,8 @@ def _modes_popped(modes) -> contextlib.ExitStack:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage()._cdata
+    try:  # (t.untyped_storage()._cdata, without making a storage object)
+        return _storage_id(t)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): their own identity
         return id(t)
 

@@ -259,3 +259,16 @@ def test_a_finished_tracer_is_freed_without_the_cyclic_collector():
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_storage_key_is_the_storage_objects_identity(device):
+    """_storage_key reads torch's storage id without making a storage object: the same key as the storage's own
+    (_cdata), shared by views, changed by a `.data` swap (FSDP's), and distinct for distinct storages."""
+    from syntorch.trace.tracer import _storage_key
+    a, b = torch.zeros(4, 6, device=device), torch.zeros(4, 6, device=device)
+    views = [a, a.view(-1), a[1:], a.t(), a.unsqueeze(0)]
+    assert {_storage_key(t) for t in views} == {a.untyped_storage()._cdata}
+    assert _storage_key(b) == b.untyped_storage()._cdata != _storage_key(a)
+    a.data = torch.zeros(24, device=device)
+    assert _storage_key(a) == a.untyped_storage()._cdata != views[1].untyped_storage()._cdata
