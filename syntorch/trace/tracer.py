@@ -36,6 +36,12 @@ from syntorch.trace.values import flat_tensors
 
 _UNWRITTEN = (0, None)  # a storage's (writes, last writer) before any recorded write
 _UNNAMED = ("", False)  # (name, is_param) of a tensor that is no parameter or buffer
+_storage_id = torch._C._storage_id
+# Phases our function mode has nothing to do in, run without it (~20% fewer Python calls of a training probe's
+# torch calls): autograd's backward keeps no function mode (a recomputed forward enters it again itself:
+# parallel/recompute.py), the code around it and the optimizer's make no autograd node a later backward runs
+# and call no attention. Same graphs (tests/trace/test_tracer.py).
+QUIET_PHASES = ("backward", "optimizer")
 
 
 @functools.cache
@@ -146,7 +152,8 @@ class Tracer:
             self._name_tensors()
         self.phases.append(name)
         try:
-            yield
+            with _function_mode_popped(self._modes) if name in QUIET_PHASES else contextlib.nullcontext():
+                yield
         finally:
             self.phases.pop()
 
@@ -250,7 +257,8 @@ class Tracer:
                             _unique_bytes([*outputs, *written] if written else outputs), False)
         if duration_us is not None:
             data["duration_us"] = duration_us
-        data.update(attrs)
+        if attrs:
+            data.update(attrs)
         op = self.graph.add_node_data(data, in_nodes)
         written_ids = {id(t) for t in written} if written else set()
         for arg, t in enumerate(outputs):
@@ -351,9 +359,16 @@ def _modes_popped(modes) -> contextlib.ExitStack:
     return popped
 
 
+def _function_mode_popped(modes) -> contextlib.AbstractContextManager:
+    """Our function mode off its stack while inside (nothing is popped if another mode sits above it)."""
+    if modes and torch.overrides._get_current_function_mode_stack()[-1:] == [modes[0]]:
+        return torch.overrides._pop_mode_temporarily()
+    return contextlib.nullcontext()
+
+
 def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage()._cdata
+    try:  # (t.untyped_storage()._cdata, without making a storage object)
+        return _storage_id(t)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): their own identity
         return id(t)
 

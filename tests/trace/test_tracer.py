@@ -259,3 +259,37 @@ def test_a_finished_tracer_is_freed_without_the_cyclic_collector():
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_storage_key_is_the_storage_objects_identity(device):
+    """_storage_key reads torch's storage id without making a storage object: the same key as the storage's own
+    (_cdata), shared by views, changed by a `.data` swap (FSDP's), and distinct for distinct storages."""
+    from syntorch.trace.tracer import _storage_key
+    a, b = torch.zeros(4, 6, device=device), torch.zeros(4, 6, device=device)
+    views = [a, a.view(-1), a[1:], a.t(), a.unsqueeze(0)]
+    assert {_storage_key(t) for t in views} == {a.untyped_storage()._cdata}
+    assert _storage_key(b) == b.untyped_storage()._cdata != _storage_key(a)
+    a.data = torch.zeros(24, device=device)
+    assert _storage_key(a) == a.untyped_storage()._cdata != views[1].untyped_storage()._cdata
+
+
+@pytest.mark.parametrize("plan", [
+    dict(tp=2, pp=2, sp=True, microbatches=4, seq=32, recompute="full"),  # a forward recomputed in backward
+    dict(dp=2, tp=2, zero=1, sp=True, microbatches=4, seq=32, bucket_mb=0.01, overlap_param_gather=True),  # buckets
+    dict(dp=2, pp=2, zero=3, microbatches=3, seq=32)])  # FSDP: gathers in backward, reshards in the optimizer
+def test_quiet_phases_trace_what_the_function_mode_would(monkeypatch, plan):
+    """Backward and the optimizer run without the tracer's function mode (QUIET_PHASES): the same probe graphs,
+    node for node and edge for edge, as with it."""
+    import syntorch.trace.tracer as tracer_module
+    from syntorch.parallel.plans import TrainPlan
+    from syntorch.trace.training import probe_stage
+    config, plan = tiny_config("llama-3-8b", n_layer=4, n_kv_head=2), TrainPlan(**plan)
+
+    def probes():
+        graphs = [probe_stage(config, plan, stage)[0] for stage in range(plan.pp)]
+        return [(list(g.nodes(data=True)), list(g.edges(data=True))) for g in graphs]
+
+    quiet = probes()
+    monkeypatch.setattr(tracer_module, "QUIET_PHASES", ())
+    assert quiet == probes()
