@@ -352,8 +352,7 @@ def _modes_popped(modes) -> contextlib.ExitStack:
     sits above ours, nothing is popped: the layer then runs through our modes, paused."""
     popped = contextlib.ExitStack()
     function_mode, dispatch_mode = modes
-    if (torch.overrides._get_current_function_mode_stack()[-1:] == [function_mode]
-            and torch.utils._python_dispatch._get_current_dispatch_mode() is dispatch_mode):
+    if _on_top(function_mode) and torch.utils._python_dispatch._get_current_dispatch_mode() is dispatch_mode:
         popped.enter_context(torch.overrides._pop_mode_temporarily())
         popped.enter_context(torch.utils._python_dispatch._pop_mode_temporarily())
     return popped
@@ -361,9 +360,14 @@ def _modes_popped(modes) -> contextlib.ExitStack:
 
 def _function_mode_popped(modes) -> contextlib.AbstractContextManager:
     """Our function mode off its stack while inside (nothing is popped if another mode sits above it)."""
-    if modes and torch.overrides._get_current_function_mode_stack()[-1:] == [modes[0]]:
+    if modes and _on_top(modes[0]):
         return torch.overrides._pop_mode_temporarily()
     return contextlib.nullcontext()
+
+
+def _on_top(function_mode) -> bool:
+    """Is `function_mode` the innermost torch-function mode?"""
+    return torch.overrides._get_current_function_mode_stack()[-1:] == [function_mode]
 
 
 def _storage_key(t: torch.Tensor) -> int:
