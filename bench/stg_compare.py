@@ -13,6 +13,12 @@ order) has EP inside DP: it gets --dp DP / EP so both write the same number of r
 --weight_sharded false (plain data parallel), as close as it comes. GPT-3 runs as its "gpt" model, dense
 Llama as "llama", Mixtral as "moe" (which always uses --tpsp).
 
+STG's "moe" model fails on every input at 3a7f49c (its latest commit, checked 2026-11-27), whatever the
+arguments: main.py renames Batch to MicroBatch again after MicroBatchReplicator already has, and ReplicateGraph
+renames by text inside CUSTOM ops' formulas, so the attention kernel's "(MicroBatch)" becomes
+"(Micro(MicroBatch))", a call of an undefined function Micro that its Chakra conversion cannot evaluate. The
+bench then prints that cause in one line instead of STG's row.
+
     python bench/stg_compare.py --stg DIR [--cases 256x1,...]   # both tools, module level
 """
 import importlib.util
@@ -52,11 +58,21 @@ def stg_args(case, out: Path) -> list[str]:
             "--micro_batch", str(case.dp), *moe]
 
 
+MOE_BUG = ("STG's moe model fails on any input: main.py renames Batch to MicroBatch twice, which turns the "
+           "attention kernel's formula into Micro(MicroBatch), an undefined function its Chakra conversion cannot "
+           "evaluate (TypeError: Cannot convert expression to float)")
+
+
 def run_stg(case, stg_dir) -> dict:
+    """STG's measurement of `case`; a RuntimeError with one line saying why when STG fails."""
     from train_trace_scale import measure
     out = Path(tempfile.mkdtemp(prefix="stg_compare.")) / "trace"
+    cmd = stg_args(case, out)
     try:
-        return measure([sys.executable, *stg_args(case, out)], out, cwd=stg_dir)
+        return measure([sys.executable, *cmd], out, cwd=stg_dir)
+    except RuntimeError as e:
+        known = "Cannot convert expression to float" in str(e) and cmd[cmd.index("--model_type") + 1] == "moe"
+        raise RuntimeError(MOE_BUG if known else f"STG failed: {str(e).splitlines()[-1]}") from None
     finally:
         shutil.rmtree(out.parent)
 
@@ -72,15 +88,20 @@ def main():
     if why := stg_missing(args.stg):
         print(f"STG not installed: {why}")
         return
-    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'RSS MB':>7} {'MB':>9} "
+    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'sys s':>6} {'RSS MB':>7} {'MB':>9} "
           f"{'rank KB':>8}  STG/syntorch (wall, CPU)")
     for name in args.cases.split(","):
         case = CASES[name]
         if needs := missing(case):
             print(f"{name:10} needs {' and '.join(needs)} (the model's shapes come from syntorch's registry)")
             continue
-        ours, theirs = run_syntorch(case, "module", validate=False), run_stg(case, args.stg)
+        ours = run_syntorch(case, "module", validate=False)
         print(row("syntorch", name, "module", ours), flush=True)
+        try:
+            theirs = run_stg(case, args.stg)
+        except RuntimeError as e:
+            print(f"{name:10} STG      {e}", flush=True)
+            continue
         print(row("STG", name, "STG", theirs) + f"  {theirs['wall_s'] / ours['wall_s']:.1f}x, "
               f"{theirs['cpu_s'] / ours['cpu_s']:.1f}x", flush=True)
 

@@ -166,7 +166,11 @@ def main():
         elif stg_needs := stg_missing(args.stg):
             print(f"{name:10} STG not runnable: {stg_needs}", flush=True)
         else:
-            theirs, base = run_stg(case, args.stg), ours.get("module")
+            try:
+                theirs, base = run_stg(case, args.stg), ours.get("module")
+            except RuntimeError as e:
+                print(f"{name:10} STG      {e}", flush=True)
+                continue
             print(row("STG", name, "STG", theirs) + (f"  STG/syntorch module: {theirs['wall_s'] / base['wall_s']:.1f}x "
                   f"wall, {theirs['cpu_s'] / base['cpu_s']:.1f}x CPU" if base else ""), flush=True)
 
