@@ -13,11 +13,11 @@ order) has EP inside DP: it gets --dp DP / EP so both write the same number of r
 --weight_sharded false (plain data parallel), as close as it comes. GPT-3 runs as its "gpt" model, dense
 Llama as "llama", Mixtral as "moe" (which always uses --tpsp).
 
-STG's "moe" model fails on every input at 3a7f49c (its latest commit, checked 2026-11-27), whatever the
-arguments: main.py renames Batch to MicroBatch again after MicroBatchReplicator already has, and ReplicateGraph
-renames by text inside CUSTOM ops' formulas, so the attention kernel's "(MicroBatch)" becomes
-"(Micro(MicroBatch))", a call of an undefined function Micro that its Chakra conversion cannot evaluate. The
-bench then prints that cause in one line instead of STG's row.
+STG's "moe" model fails at 3a7f49c whatever the arguments: main.py renames Batch to MicroBatch again after
+MicroBatchReplicator already has, and ReplicateGraph renames by text inside CUSTOM ops' formulas, so the
+attention kernel's "(MicroBatch)" becomes "(Micro(MicroBatch))", a call of an undefined function Micro that
+its Chakra conversion cannot evaluate. The bench prints that cause in one line instead of STG's row. (With that
+second rename deleted, in a copy, Mixtral runs: 64 ranks, 27-31 CPU s on the machine of 2026-11-27.)
 
     python bench/stg_compare.py --stg DIR [--cases 256x1,...]   # both tools, module level
 """
@@ -88,8 +88,8 @@ def main():
     if why := stg_missing(args.stg):
         print(f"STG not installed: {why}")
         return
-    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'sys s':>6} {'RSS MB':>7} {'MB':>9} "
-          f"{'rank KB':>8}  STG/syntorch (wall, CPU)")
+    print(f"{'case':10} {'tool':8} {'level':6} {'ranks':>6} {'wall s':>8} {'CPU s':>8} {'sys s':>6} {'RSS MB':>7} "
+          f"{'MB':>9} {'rank KB':>8}  STG/syntorch (wall, CPU)")
     for name in args.cases.split(","):
         case = CASES[name]
         if needs := missing(case):
