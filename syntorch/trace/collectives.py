@@ -5,6 +5,7 @@ backend alike) whose process group and reduce op are TorchScript objects; functi
 (`torch.distributed._functional_collectives`) arrive as `_c10d_functional.*` ops naming their group.
 `bytes` is the per-rank buffer a collective works on: the whole tensor for all-reduce and broadcast, the
 gathered (larger) tensor for all-gather and reduce-scatter, as nccl-tests count a collective's size.
+On meta a c10d op moves nothing, and the tracer records it with the result it would return (`meta_result`).
 """
 import math
 from dataclasses import dataclass, field
@@ -97,8 +98,10 @@ def meta_result(func, args: tuple):
     torch's, unavoidably: it is the meta kernel's own result, and no public Work completes (a Python subclass
     of dist.Work loses its `wait` when boxed, and c10d's wait then blocks)."""
     returns_first = META_KERNELS.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
+    if returns_first is None:
+        return None
     tensors = flat_tensors(args)
-    if returns_first is None or not tensors or not all(t.is_meta for t in tensors):
+    if not tensors or not all(t.is_meta for t in tensors):
         return None
     work = FakeWork().boxed()
     return (args[0], work) if returns_first else work

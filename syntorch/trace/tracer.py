@@ -13,7 +13,8 @@ Three pieces cooperate (DESIGN.md, facts):
   op structure does not depend on the device (on meta sdpa decomposes into the math path), with the FLOPs a
   flash kernel spends under a causal mask (attention.py);
 - a TorchDispatchMode records each aten op (after autograd) with FLOPs from torch.utils.flop_counter's
-  formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
+  formula registry, and each c10d collective with its group, reduce op and peers (collectives.py); on meta a
+  c10d op is not called: its meta kernel's result is made (collectives.meta_result).
 """
 import contextlib
 import functools
