@@ -5,11 +5,13 @@ backend alike) whose process group and reduce op are TorchScript objects; functi
 (`torch.distributed._functional_collectives`) arrive as `_c10d_functional.*` ops naming their group.
 `bytes` is the per-rank buffer a collective works on: the whole tensor for all-reduce and broadcast, the
 gathered (larger) tensor for all-gather and reduce-scatter, as nccl-tests count a collective's size.
+On meta a c10d op moves nothing, and the tracer records it with the result it would return (`meta_result`).
 """
 import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import FakeWork
 
 from syntorch.parallel.distributed import REDUCE_OPS
 from syntorch.trace.values import flat_tensors
@@ -34,6 +36,11 @@ C10D_OPS = {
     "recv_any_source_": ("recv", None, "tensors"),
     "barrier": ("barrier", None, None),
 }
+# c10d ops whose run on meta tensors is torch's meta kernel alone (torch/distributed/_meta_registrations.py, any
+# backend): it moves nothing and returns a new FakeWork after its first argument (True) or alone (False)
+META_KERNELS = {"allreduce_": True, "_allgather_base_": True, "allgather_": True, "_reduce_scatter_base_": True,
+                "reduce_scatter_": True, "broadcast_": True, "alltoall_": True, "alltoall_base_": False,
+                "send": False, "recv_": False, "recv_any_source_": False, "barrier": False}
 FUNCTIONAL_OPS = {  # functional collectives return a new tensor
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -82,6 +89,22 @@ def collective_call(func, arguments: tuple, args, kwargs, out) -> CollectiveCall
     if call.collective == "all_to_all" and values.get("input_split_sizes"):
         call.peer_bytes = _split_bytes(call, values["input_split_sizes"], values["output_split_sizes"])
     return call
+
+
+def meta_result(func, args: tuple):
+    """What c10d op `func` returns when its tensors are on meta, as its meta kernel makes it, without calling
+    it; None for ops to call. Called from Python, a c10d op spends ~20 us converting its TorchScript arguments
+    back (several times what recording it costs; a 175B probe calls ~350). FakeWork is a private name of
+    torch's, unavoidably: it is the meta kernel's own result, and no public Work completes (a Python subclass
+    of dist.Work loses its `wait` when boxed, and c10d's wait then blocks)."""
+    returns_first = META_KERNELS.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
+    if returns_first is None:
+        return None
+    tensors = flat_tensors(args)
+    if not tensors or not all(t.is_meta for t in tensors):
+        return None
+    work = FakeWork().boxed()
+    return (args[0], work) if returns_first else work
 
 
 def _split_bytes(call: CollectiveCall, in_splits, out_splits) -> dict:

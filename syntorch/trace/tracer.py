@@ -13,7 +13,8 @@ Three pieces cooperate (DESIGN.md, facts):
   op structure does not depend on the device (on meta sdpa decomposes into the math path), with the FLOPs a
   flash kernel spends under a causal mask (attention.py);
 - a TorchDispatchMode records each aten op (after autograd) with FLOPs from torch.utils.flop_counter's
-  formula registry, and each c10d collective with its group, reduce op and peers (collectives.py).
+  formula registry, and each c10d collective with its group, reduce op and peers (collectives.py); on meta a
+  c10d op is not called: its meta kernel's result is made (collectives.meta_result).
 """
 import contextlib
 import functools
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from syntorch.trace import meta_cache
 from syntorch.trace.aten_ops import AtenOp, aten_op, op_flops, schema_inputs
 from syntorch.trace.attention import SDPA, fused_attention  # noqa: F401 (SDPA: cost.py imports it from here)
-from syntorch.trace.collectives import collective_call
+from syntorch.trace.collectives import collective_call, meta_result
 from syntorch.trace.graph import TraceGraph, no_gc, op_attrs
 from syntorch.trace.replicate import LayerCall
 from syntorch.trace.values import flat_tensors
@@ -319,10 +320,12 @@ class _DispatchMode(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
             self.atomic.add(id(func))  # remembered: asking again costs more than most ops
-        if self.tracer.time_ops:
+        # a collective on meta: what it returns, made without calling it (collectives.meta_result)
+        out, duration_us = meta_result(func, args) if op.collective is not None else None, None
+        if out is None and self.tracer.time_ops:
             out, duration_us = self.tracer.timed(self.run, func, args, kwargs)
-        else:
-            out, duration_us = self.run(func, args, kwargs), None
+        elif out is None:
+            out = self.run(func, args, kwargs)
         self.tracer.record_aten(func, op, args, kwargs, out, duration_us)
         return out
 

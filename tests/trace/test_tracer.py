@@ -180,13 +180,14 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def test_collectives_on_the_fake_backend(fake_world):
-    x, pair = torch.ones(4, 8), fake_world
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # (on meta the collectives are not called: meta_result)
+def test_collectives_on_the_fake_backend(fake_world, device):
+    x, pair = torch.ones(4, 8, device=device), fake_world
     with Tracer(rank=2, world_size=4) as tracer:
         dist.all_reduce(x, group=pair, op=dist.ReduceOp.MAX)
         dist.all_reduce(x)
-        dist.all_gather_into_tensor(torch.empty(8, 8), x, group=pair)
-        dist.reduce_scatter_tensor(torch.empty(2, 8), x, group=pair, op=dist.ReduceOp.AVG)
+        dist.all_gather_into_tensor(torch.empty(8, 8, device=device), x, group=pair)
+        dist.reduce_scatter_tensor(torch.empty(2, 8, device=device), x, group=pair, op=dist.ReduceOp.AVG)
         dist.broadcast(x, src=1, group=pair)
         dist.send(x, dst=1, group=pair, tag=7)
         dist.recv(x, src=1, group=pair, tag=7)
@@ -293,3 +294,31 @@ def test_quiet_phases_trace_what_the_function_mode_would(monkeypatch, plan):
     quiet = probes()
     monkeypatch.setattr(tracer_module, "QUIET_PHASES", ())
     assert quiet == probes()
+
+
+def test_collectives_on_meta_trace_what_calling_them_would(monkeypatch):
+    """A c10d op on meta is recorded with the result its meta kernel would return, without calling it
+    (collectives.meta_result): the same probe graphs, node for node and edge for edge, as calling every one
+    (tensor and sequence parallel, the distributed optimizer's buckets, pipeline sends and recvs)."""
+    import syntorch.trace.collectives as collectives
+    import syntorch.trace.tracer as tracer_module
+    from syntorch.parallel.plans import TrainPlan
+    from syntorch.trace.training import probe_stage
+    config = tiny_config("gpt2")
+    plan = TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=1, microbatches=4, seq=32, bucket_mb=0.01)
+    made = []
+
+    def meta_result(func, args):
+        out = collectives.meta_result(func, args)
+        made.append(out is not None)
+        return out
+
+    def probes():
+        graphs = [probe_stage(config, plan, stage)[0] for stage in range(plan.pp)]
+        return [(list(g.nodes(data=True)), list(g.edges(data=True))) for g in graphs]
+
+    monkeypatch.setattr(tracer_module, "meta_result", meta_result)
+    made_graphs = probes()
+    assert made and all(made)  # every collective of the probes was made, none called
+    monkeypatch.setattr(collectives, "META_KERNELS", {})
+    assert made_graphs == probes()
