@@ -40,23 +40,28 @@ def _runs(graph: TraceGraph, key) -> list[list[int]]:
     work = [(n, d) for n, d in attrs.items() if d["kind"] != "tensor"]
     collectives = [n for n, d in work if d["kind"] == "collective"]
     reads = {r for c in collectives for t in succ[c] for r in succ[t]}  # what reads a collective's output
-    feeds = _feeding(graph, collectives)
+    return cut_runs(work, key, reads, feeding(graph, collectives))
+
+
+def cut_runs(work: list[tuple[int, dict]], key, reads: set, feeds: set) -> list[list[int]]:
+    """_runs of the ops and collectives `work` ((node, attributes), in order), given the nodes that read a
+    collective's output (`reads`) and those a collective reads (`feeds`: feeding's)."""
     runs, last = [], None
     for node, d in work:
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
         feeding = here is not None and node in feeds
-        if here is None or here != last or node in reads or (feeding and _launches_nothing(d)):
+        if here is None or here != last or node in reads or (feeding and launches_nothing(d)):
             runs.append([])
         runs[-1].append(node)
         last = None if feeding else here
     return runs
 
 
-def _launches_nothing(d: dict) -> bool:
+def launches_nothing(d: dict) -> bool:
     return d["kind"] == "op" and (d.get("is_view") or d.get("duration_us") == 0)
 
 
-def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
+def feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
     """The nodes a collective reads the output of, directly or through ops that launch nothing: walked back
     from the collectives (a few per layer), not asked of every op."""
     attrs, pred = graph.node_attrs, graph.preds
@@ -66,7 +71,7 @@ def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
             for p in pred[t]:
                 if p not in found:
                     found.add(p)
-                    if _launches_nothing(attrs[p]):
+                    if launches_nothing(attrs[p]):
                         todo.append(p)
     return found
 
@@ -102,25 +107,25 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
                         break
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = _copy_tensor(nodes, attrs[t])
+                new_tensor[t] = copy_tensor(nodes, attrs[t])
         node = len(nodes)
-        nodes.append(_group(attrs, members, level, orders))
+        nodes.append(run_attrs(attrs, members, level, orders))
         edges += [(new_tensor[t], node, {"arg": arg}) for arg, t in enumerate(inputs)]
         for arg, t in enumerate(outputs):
-            new_tensor[t] = _copy_tensor(nodes, attrs[t])
+            new_tensor[t] = copy_tensor(nodes, attrs[t])
             edges.append((node, new_tensor[t], {"arg": arg}))
     out.append(nodes, edges, copy=False)
     return out
 
 
-def _copy_tensor(nodes: list[dict], d: dict) -> int:
+def copy_tensor(nodes: list[dict], d: dict) -> int:
     """What add_tensor would make of tensor node d (its fields, a name if it had none), as the next of `nodes`."""
     node = len(nodes)
     nodes.append({**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])})
     return node
 
 
-def _group(attrs: dict, members: list[int], level: str, orders: dict) -> dict:
+def run_attrs(attrs: dict, members: list[int], level: str, orders: dict) -> dict:
     """The attributes of a run's node (`attrs`: the graph's node_attrs), as add_collective or add_op would make
     them (same fields, same order); `orders`: each group's collectives so far in the view (add_collective's
     `order`)."""
