@@ -145,11 +145,11 @@ class StageGraphs(Sequence):
     def _step_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict] | None:
         """step_views.scheduled_view of stage s (as kind_view makes it) and its figures, or None."""
         traced, (probe, blocks) = self.source[s], self.probes[self.source[s], kind]
-        key = traced, kind, level, traced != s  # (a shifted copy's inputs are in another order)
-        if key not in self._views:
-            self._views[key] = StepViews(probe, level, traced != s)
-        made = scheduled_view(self._views[key], blocks, self.plan, *((s, self._steps.setdefault((traced, kind), {}))
-                                                                     if traced != s else ()))
+        shifted = traced != s  # (then scheduled as kind_view schedules it: its inputs in another order)
+        if (traced, kind, level, shifted) not in self._views:
+            self._views[traced, kind, level, shifted] = StepViews(probe, level, shifted)
+        made = scheduled_view(self._views[traced, kind, level, shifted], blocks, self.plan, s if shifted else None,
+                              self._steps.setdefault((traced, kind), {}) if shifted else None)
         return made and (made[0], node_figures(made[1], made[0].graph["pipeline_schedule"]))
 
     def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:

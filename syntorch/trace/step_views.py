@@ -50,7 +50,7 @@ class StepViews:
         probe, attrs, pred, succ = self.probe, self.probe.node_attrs, self.probe.preds, self.probe.succs
         roots = {a + off for off in step.roots} if token_in else set()
         work = [(n, attrs[n]) for n in range(a, b) if attrs[n]["kind"] != "tensor"]
-        last = work[-1][0]
+        last = work[-1][0] if work else None
         feeds = self.feeds
         if collective_after:  # the schedule's tensor: the next step's first nodes read the last one's output
             feeds = feeds | {last} | (feeding(probe, [last]) if launches_nothing(attrs[last]) else set())
@@ -90,18 +90,24 @@ class StepViews:
         return self.ends[key]
 
     def read_in(self, key, step) -> list[tuple]:
-        """(probe node, reader's class) of what probed step `key` reads from outside it."""
+        """(probe node, (reader's class, whether a collective made it)) of what probed step `key` reads from
+        outside it."""
         if key not in self.outside:
-            self.outside[key] = list({(u, _reader(step.nodes[v])): None for u, inside, v, _ in step.edges if not inside})
+            self.outside[key] = list({(u, (_reader(step.nodes[v]), self._by_collective(u))): None
+                                      for u, inside, v, _ in step.edges if not inside})  # (an ordered set)
         return self.outside[key]
 
     def read_outside(self, key, a: int, b: int) -> set:
-        """(offset, reader's class) of probed step `key`'s tensors that other steps read."""
+        """(offset, (reader's class, whether a collective made it)) of probed step `key`'s tensors that other
+        steps read."""
         if key not in self.read:
             attrs, succ = self.probe.node_attrs, self.probe.succs
-            self.read[key] = {(t - a, _reader(attrs[r])) for t in range(a, b) if attrs[t]["kind"] == "tensor"
-                              for r in succ[t] if not a <= r < b}
+            self.read[key] = {(t - a, (_reader(attrs[r]), self._by_collective(t)))
+                              for t in range(a, b) if attrs[t]["kind"] == "tensor" for r in succ[t] if not a <= r < b}
         return self.read[key]
+
+    def _by_collective(self, t: int) -> bool:
+        return any(self.probe.node_attrs[p]["kind"] == "collective" for p in self.probe.preds[t])
 
 
 def _reader(d: dict) -> int:
@@ -122,11 +128,11 @@ def scheduled_view(views: StepViews, blocks: dict, plan, stage: int | None = Non
         return None
     nodes = [probe.node_attrs[n] for n in range(copies.prefix)]  # the scheduled graph's, as placed
     out, edges, orders, new_tensor = [], [], {}, {}  # new_tensor: scheduled node -> view node, as levels'
-    read, bases = [], []  # (scheduled node, reader's class) read from another step; each copy's first node
+    read, bases = [], []  # (scheduled node, read_in's classes) read from another step; each copy's first node
     for k, (step, base, shift, image) in enumerate(copies.placed_in(nodes)):
         nodes += step.copy(base, shift * plan.virtual_stages, image, nodes, copies.latest)
         bases.append(base)
-        read += [(image(u), reader) for u, reader in views.read_in(keys[k], step)]
+        read += [(image(u), classes) for u, classes in views.read_in(keys[k], step)]
         for inputs, node, outputs in views.view(keys[k], *copies.blocks[keys[k]], step, contexts[k]):
             ids = []
             for where, t in inputs:
@@ -141,7 +147,7 @@ def scheduled_view(views: StepViews, blocks: dict, plan, stage: int | None = Non
                 t, data = ((SCHEDULE, k + 1), _token(k + 1)) if t == SCHEDULE else (base + t, nodes[base + t])
                 new_tensor[t] = copy_tensor(out, data)
                 edges.append((n, new_tensor[t], {"arg": arg}))
-    if not _read_as_probed(views, copies, keys, bases, read, len(nodes)):
+    if not _read_as_probed(views, copies, keys, bases, read):
         return None
     view = TraceGraph(**{**probe.graph, **schedule_attrs(plan, copies.order), "level": level})
     view.append(out, edges, copy=False)
@@ -173,12 +179,12 @@ def _contexts(views, copies, keys) -> list[tuple] | None:
     return contexts
 
 
-def _read_as_probed(views, copies, keys, bases, read, end) -> bool:
-    """Do later steps read of each copy what the probe's other steps read of its probed step (the outputs
-    its view keeps, and what feeds a collective)?"""
+def _read_as_probed(views, copies, keys, bases, read) -> bool:
+    """Do later steps read of each copy what the probe's other steps read of its probed step (the outputs its
+    view keeps), alike (what feeds a collective, what a collective made: what cuts runs)?"""
     found = [set() for _ in keys]
-    for t, reader in read:
+    for t, classes in read:
         k = bisect.bisect_right(bases, t) - 1
-        if k >= 0 and t < end:
-            found[k].add((t - bases[k], reader))
+        if k >= 0:  # (not the probe's nodes before its steps)
+            found[k].add((t - bases[k], classes))
     return all(found[k] == views.read_outside(key, *copies.blocks[key]) for k, key in enumerate(keys))

@@ -41,7 +41,8 @@ def test_scheduled_view_is_the_scheduled_graph_viewed(layers, plan, level):
         stage = s if traced != s else None  # a shifted copy's: its own schedule, inputs by source
         if (traced, stage is None) not in views:  # one a probe for its own stage, one for its copies
             views[traced, stage is None] = StepViews(probe, level, stage is not None)
-        made = scheduled_view(views[traced, stage is None], blocks, plan, stage, steps.setdefault(traced, {}) if stage else None)
+        made = scheduled_view(views[traced, stage is None], blocks, plan, stage,
+                              steps.setdefault(traced, {}) if stage else None)
         assert made is not None  # (not left to the op graph)
         view, nodes = made
         graph = schedule_stage(probe, blocks, plan, keep=True, stage=stage)
