@@ -37,11 +37,10 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
-    by_source = stage is not None and stage != probe.graph["stage"]
     copies = Copies(probe, blocks, plan, stage, steps)
     order, found = copies.order, copies.found
     if copies.as_probed():
-        finished = copy_graph(probe, by_source) if keep or by_source else probe
+        finished = copy_graph(probe, copies.by_source) if keep or copies.by_source else probe
         _renumber_orders(finished)
         return set_schedule(finished, plan, order, [start for start, _, _ in found])
     prefix = copies.prefix
