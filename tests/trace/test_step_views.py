@@ -64,3 +64,13 @@ def test_kind_view_makes_module_views_from_step_views():
         assert view.node_attrs == level_view(graph, "module").node_attrs and figures == stage_figures(graph)
     assert set(workload.stages._views) == {(0, 0, "module", False), (1, 0, "module", False),
                                           (1, 0, "module", True), (3, 0, "module", False)}
+
+
+def test_a_copy_read_otherwise_than_its_probed_step_is_left_to_the_op_graph():
+    plan = TrainPlan(dp=2, tp=2, pp=2, sp=True, zero=1, microbatches=6, seq=16)
+    workload = trace_workload(tiny_config("gpt2", n_layer=4), plan, torch.float32, HW)
+    probe, blocks = workload.probes[0]
+    views = StepViews(probe, "module", False)
+    assert scheduled_view(views, blocks, plan) is not None
+    views.read_outside(("F", 3, 0), *blocks["F", 3, 0]).pop()  # as if the probe's backwards read less of it
+    assert scheduled_view(views, blocks, plan) is None
