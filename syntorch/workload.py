@@ -40,6 +40,7 @@ from syntorch.trace.graph import TraceGraph, no_gc
 from syntorch.trace.layer_probe import StageProbe, layer_probe, whole_probe
 from syntorch.trace.levels import level_view
 from syntorch.trace.step_schedule import schedule_stage, stage_steps
+from syntorch.trace.step_views import StepViews, scheduled_view
 from syntorch.trace.training import (COST_MICROBATCHES, PROBE_MICROBATCHES, probe_stage, shift_stage, shift_view,
                                      traced_stage_for)
 
@@ -107,6 +108,7 @@ class StageGraphs(Sequence):
         self.config, self.plan, self.probes, self.source, self.hw, self.software = \
             config, plan, probes, source, hw, software
         self._steps = {}  # (traced stage, kind) -> its probe's steps as prepared for copying to another stage
+        self._views = {}  # (traced stage, kind, level, shifted) -> its probe's StepViews
 
     def __len__(self) -> int:
         return self.plan.pp
@@ -127,14 +129,28 @@ class StageGraphs(Sequence):
     def kind_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict]:
         """level_view(kind_graph(s, kind), level) and its stage_figures; for a shifted copy, made as for its
         traced stage in the copy's schedule (schedule_stage's `stage`) and then moved (moved_view), with the
-        probe's steps as prepared for copying kept for the next copy."""
+        probe's steps as prepared for copying kept for the next copy. A module or layer view is made from
+        views of the probe's steps (step_views.py) where it can be, without the scheduled op graph."""
         traced = self.source[s]
+        made = self._step_view(s, kind, level) if level != "op" else None
+        if made:
+            return made if traced == s else self.moved_view(*made, s)
         if traced == s:
             graph = self.kind_graph(s, kind, share=True)
             return level_view(graph, level), stage_figures(graph)
         steps = self._steps.setdefault((traced, kind), {})
         graph = schedule_stage(*self.probes[traced, kind], self.plan, keep=True, stage=s, steps=steps, share=True)
         return self.moved_view(level_view(graph, level), stage_figures(graph), s)
+
+    def _step_view(self, s: int, kind: int, level: str) -> tuple[TraceGraph, dict] | None:
+        """step_views.scheduled_view of stage s (as kind_view makes it) and its figures, or None."""
+        traced, (probe, blocks) = self.source[s], self.probes[self.source[s], kind]
+        shifted = traced != s  # (then scheduled as kind_view schedules it: its inputs in another order)
+        if (traced, kind, level, shifted) not in self._views:
+            self._views[traced, kind, level, shifted] = StepViews(probe, level, shifted)
+        made = scheduled_view(self._views[traced, kind, level, shifted], blocks, self.plan, s if shifted else None,
+                              self._steps.setdefault((traced, kind), {}) if shifted else None)
+        return made and (made[0], node_figures(made[1], made[0].graph["pipeline_schedule"]))
 
     def moved_view(self, view: TraceGraph, figures: dict, s: int) -> tuple[TraceGraph, dict]:
         """A view of a shifted copy of a stage moved to stage s (training.shift_view), its collectives costed
@@ -245,10 +261,15 @@ def _progress(kinds: list, world: int, progress: bool):
 def stage_figures(graph: TraceGraph) -> dict:
     """What summary.json says of a stage from its graph (every rank of a stage has the same figures): FLOPs,
     compute bytes, communication bytes by kind, op counts, the schedule."""
+    return node_figures(graph.node_attrs.values(), graph.graph["pipeline_schedule"])
+
+
+def node_figures(nodes, schedule: list[str]) -> dict:
+    """stage_figures of a graph's nodes' attributes (in node order) and its pipeline schedule."""
     flops = dict.fromkeys(("forward", "backward", "optimizer"), 0)
     ops = compute_bytes = comm_bytes = compute_us = comm_us = 0
     by_kind = {}
-    for d in graph.node_attrs.values():  # one pass (10^4-10^5 nodes a stage), sums in node order
+    for d in nodes:  # one pass (10^4-10^5 nodes a stage), sums in node order
         if d["kind"] == "op":
             ops += 1
             if d["phase"] in flops:
@@ -262,8 +283,7 @@ def stage_figures(graph: TraceGraph) -> dict:
             comm_us += d.get("duration_us", 0.0)
     return {"flops": flops, "compute_bytes": compute_bytes, "comm_bytes": comm_bytes,
             "comm": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(by_kind.items())},
-            "ops": ops, "compute_us": compute_us, "comm_us": comm_us,
-            "schedule": graph.graph["pipeline_schedule"]}
+            "ops": ops, "compute_us": compute_us, "comm_us": comm_us, "schedule": schedule}
 
 
 FIGURES = ("flops", "compute_bytes", "comm_bytes", "comm", "ops", "chakra_nodes", "compute_us", "comm_us")

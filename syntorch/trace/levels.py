@@ -40,23 +40,28 @@ def _runs(graph: TraceGraph, key) -> list[list[int]]:
     work = [(n, d) for n, d in attrs.items() if d["kind"] != "tensor"]
     collectives = [n for n, d in work if d["kind"] == "collective"]
     reads = {r for c in collectives for t in succ[c] for r in succ[t]}  # what reads a collective's output
-    feeds = _feeding(graph, collectives)
+    return cut_runs(work, key, reads, feeding(graph, collectives))
+
+
+def cut_runs(work: list[tuple[int, dict]], key, reads: set, feeds: set) -> list[list[int]]:
+    """_runs of the ops and collectives `work` ((node, attributes), in order), given the nodes that read a
+    collective's output (`reads`) and those a collective reads (`feeds`: feeding's)."""
     runs, last = [], None
     for node, d in work:
         here = (key(d), d["phase"]) if d["kind"] == "op" else None  # collectives are never merged
         feeding = here is not None and node in feeds
-        if here is None or here != last or node in reads or (feeding and _launches_nothing(d)):
+        if here is None or here != last or node in reads or (feeding and launches_nothing(d)):
             runs.append([])
         runs[-1].append(node)
         last = None if feeding else here
     return runs
 
 
-def _launches_nothing(d: dict) -> bool:
+def launches_nothing(d: dict) -> bool:
     return d["kind"] == "op" and (d.get("is_view") or d.get("duration_us") == 0)
 
 
-def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
+def feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
     """The nodes a collective reads the output of, directly or through ops that launch nothing: walked back
     from the collectives (a few per layer), not asked of every op."""
     attrs, pred = graph.node_attrs, graph.preds
@@ -66,7 +71,7 @@ def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
             for p in pred[t]:
                 if p not in found:
                     found.add(p)
-                    if _launches_nothing(attrs[p]):
+                    if launches_nothing(attrs[p]):
                         todo.append(p)
     return found
 
@@ -74,69 +79,57 @@ def _feeding(graph: TraceGraph, collectives: list[int]) -> set[int]:
 def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGraph:
     """The view's nodes and edges are made as plain dicts, numbered as they come, and added at once."""
     out = TraceGraph(**{**graph.graph, "level": level})
+    attrs, pred, succ = graph.node_attrs, graph.preds, graph.succs
     nodes, edges, orders = [], [], {}
     new_tensor: dict[int, int] = {}
     for members in runs:
         # a run is every op and collective from its first to its last node: in the run iff in that range
         first, last = members[0], members[-1]
-        inputs = _boundary_inputs(graph, members, first, last)
+        inputs, outputs = {}, []  # (inputs: an ordered set)
+        for node in members:  # (one loop for both, inline: a level view asks this of 10^5 nodes)
+            for t in pred[node]:
+                if t in inputs or attrs[t]["is_param"]:
+                    continue
+                for p in pred[t]:
+                    if first <= p <= last:
+                        break  # made inside the run
+                else:
+                    inputs[t] = None
+            for t, edge in succ[node].items():  # read outside the run, or the final result nobody reads
+                readers = succ[t]
+                if not readers:
+                    if node == last and edge["arg"] == 0:
+                        outputs.append(t)
+                    continue
+                for r in readers:
+                    if not first <= r <= last:
+                        outputs.append(t)
+                        break
         for t in inputs:
             if t not in new_tensor:
-                new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
+                new_tensor[t] = copy_tensor(nodes, attrs[t])
         node = len(nodes)
-        nodes.append(_group(graph, members, level, orders))
+        nodes.append(run_attrs(attrs, members, level, orders))
         edges += [(new_tensor[t], node, {"arg": arg}) for arg, t in enumerate(inputs)]
-        for arg, t in enumerate(_boundary_outputs(graph, members, first, last)):
-            new_tensor[t] = _copy_tensor(nodes, graph.node_attrs[t])
+        for arg, t in enumerate(outputs):
+            new_tensor[t] = copy_tensor(nodes, attrs[t])
             edges.append((node, new_tensor[t], {"arg": arg}))
     out.append(nodes, edges, copy=False)
     return out
 
 
-def _boundary_inputs(graph, members, first, last) -> list[int]:
-    pred, nodes = graph.preds, graph.node_attrs
-    seen = {}  # ordered set
-    for node in members:
-        for t in pred[node]:
-            if t in seen or nodes[t]["is_param"]:
-                continue
-            for p in pred[t]:  # (loops, not any(): a level view asks this of 10^5 tensors)
-                if first <= p <= last:
-                    break  # made inside the run
-            else:
-                seen[t] = None
-    return list(seen)
-
-
-def _boundary_outputs(graph, members, first, last) -> list[int]:
-    """Outputs read outside the run, and the run's final result if nobody reads it (e.g. logits)."""
-    succ = graph.succs
-    found = []
-    for node in members:
-        for t, edge in succ[node].items():
-            readers = succ[t]
-            if not readers:
-                if node == last and edge["arg"] == 0:
-                    found.append(t)
-                continue
-            for r in readers:
-                if not first <= r <= last:
-                    found.append(t)
-                    break
-    return found
-
-
-def _copy_tensor(nodes: list[dict], d: dict) -> int:
+def copy_tensor(nodes: list[dict], d: dict) -> int:
     """What add_tensor would make of tensor node d (its fields, a name if it had none), as the next of `nodes`."""
     node = len(nodes)
     nodes.append({**d, "name": d["name"] or f"t{node}", "shape": list(d["shape"])})
     return node
 
 
-def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> dict:
-    """The attributes of a run's node, as add_collective or add_op would make them (same fields, same order);
-    `orders`: each group's collectives so far in the view (add_collective's `order`)."""
-    first = graph.node_attrs[members[0]]
+def run_attrs(attrs: dict, members: list[int], level: str, orders: dict) -> dict:
+    """The attributes of a run's node (`attrs`: the graph's node_attrs), as add_collective or add_op would make
+    them (same fields, same order); `orders`: each group's collectives so far in the view (add_collective's
+    `order`)."""
+    first = attrs[members[0]]
     if first["kind"] == "collective":
         group = tuple(first["group"])
         orders[group] = orders.get(group, -1) + 1
@@ -145,7 +138,7 @@ def _group(graph: TraceGraph, members: list[int], level: str, orders: dict) -> d
     flops = bytes_read = bytes_written = duration = 0
     is_view = timed = True
     for n in members:  # one pass: a level view sums 10^5 ops
-        d = graph.node_attrs[n]
+        d = attrs[n]
         flops += d["flops"]
         bytes_read += d["bytes_read"]
         bytes_written += d["bytes_written"]

@@ -37,62 +37,98 @@ def schedule_stage(probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, keep:
 
     When the stage runs just the probed steps in the probed order (e.g. one micro-batch) the copy would be
     the probe itself: then `probe` is finished in place and returned (`keep`: a copy of it)."""
-    by_source = stage is not None and stage != probe.graph["stage"]
-    stage, M = probe.graph["stage"] if stage is None else stage, plan.microbatches
-
-    def source(kind, m, c):
-        """The probed step a step is copied from (the optimizer's one step for itself)."""
-        return ("optimizer", None, None) if kind == "optimizer" else (kind, probed_microbatch(kind, m, M, probed), c)
-
-    probed = 1 + max(m for kind, m, _ in blocks if kind != "optimizer")
-    order = [*stage_steps(plan, stage), *([("optimizer", M, None)] if ("optimizer", None, None) in blocks else [])]
-    found = sorted((start, end, key) for key, (start, end) in blocks.items())
-    if [key for _, _, key in found] == [source(*step) if step[0] == "optimizer" else step for step in order]:
-        finished = copy_graph(probe, by_source) if keep or by_source else probe
+    copies = Copies(probe, blocks, plan, stage, steps)
+    order, found = copies.order, copies.found
+    if copies.as_probed():
+        finished = copy_graph(probe, copies.by_source) if keep or copies.by_source else probe
         _renumber_orders(finished)
         return set_schedule(finished, plan, order, [start for start, _, _ in found])
-    prefix = found[0][0]
+    prefix = copies.prefix
     out = TraceGraph(**probe.graph)
     out.append((probe.node_attrs[n] for n in range(prefix)),
                ((u, v, e) for u in range(prefix) for v, e in probe.succs[u].items() if v < prefix), copy=not share)
-    placed = {}  # (kind, microbatch) -> first node in `out`
-    steps = {} if steps is None else steps  # probed step -> _Step
-    # each parameter's or buffer's latest (node, version) in `out`: state a step reads from another step is
-    # whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
-    latest = {d["name"]: (n, d["version"]) for n, d in out.node_attrs.items() if _state(n, d)}
     collectives = [n for n, d in out.node_attrs.items() if d["kind"] == "collective"]  # and the steps', as placed
-    where = {}  # probe node -> (its name if state, else None; its step's (start, end, key)), found once a node
-
-    def image(u, shift):
-        """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
-        the same node of the step in `out` that plays u's step's part."""
-        if u < prefix:
-            return u
-        if u not in where:
-            d = probe.node_attrs[u]
-            where[u] = (d["name"] if _state(u, d) else None), found[bisect.bisect_right(found, (u, float("inf"))) - 1]
-        state, (start, end, (kind, k, c)) = where[u]
-        if state:
-            return latest[state][0]
-        a, b = blocks[source(kind, k + shift, c)]
-        assert b - a == end - start, f"probed steps {source(kind, k + shift, c)} and {(kind, k, c)} differ"
-        return placed[(kind, k + shift, c)] + u - start
-
-    for kind, m, c in order:
-        key = source(kind, m, c)
-        if key not in steps:  # each probed step prepared once, however many copies it makes
-            steps[key] = _Step(probe, *blocks[key], by_source)
-        step = steps[key]
-        base = placed[(kind, m, c)] = len(out)
-        shift = m - (probed if kind == "optimizer" else key[1])
-        out.append(step.copy(base, shift * plan.virtual_stages, lambda u: image(u, shift), out, latest),
-                   [(base + u if inside else image(u, shift), base + v, e) for u, inside, v, e in step.edges],
+    for step, base, shift, image in copies.placed_in(out):
+        out.append(step.copy(base, shift * plan.virtual_stages, image, out.node_attrs, copies.latest),
+                   [(base + u if inside else image(u), base + v, e) for u, inside, v, e in step.edges],
                    copy=not share)  # (a list, not a generator: ~30% faster for 10^4 edges a step)
-        latest.update(step.written)
         collectives += [base + off for off in step.collectives]
     _renumber_orders(out, collectives)
-    roots = [[placed[step] + off for off in steps[source(*step)].roots] for step in order]
-    return set_schedule(out, plan, order, [placed[step] for step in order], roots)
+    return set_schedule(out, plan, order, copies.starts(), copies.roots())
+
+
+class Copies:
+    """The steps of a stage's schedule as copies of a probe's steps (schedule_stage's; step_views.py's): which
+    probed step each copies, where it is placed and where its inputs from other steps are. `stage`, `steps`:
+    schedule_stage's."""
+
+    def __init__(self, probe: TraceGraph, blocks: dict, plan: plans.TrainPlan, stage: int | None = None,
+                 steps: dict | None = None):
+        self.probe, self.blocks, self.plan = probe, blocks, plan
+        self.by_source = stage is not None and stage != probe.graph["stage"]
+        stage = probe.graph["stage"] if stage is None else stage
+        self.probed = 1 + max(m for kind, m, _ in blocks if kind != "optimizer")
+        self.order = [*stage_steps(plan, stage),
+                      *([("optimizer", plan.microbatches, None)] if ("optimizer", None, None) in blocks else [])]
+        self.found = sorted((start, end, key) for key, (start, end) in blocks.items())
+        self.prefix = self.found[0][0]
+        self.steps = {} if steps is None else steps  # probed step -> _Step
+        # each parameter's or buffer's latest (node, version) as placed: state a step reads from another step
+        # is whatever was last written to it in this schedule (FSDP writes parameters every micro-batch)
+        nodes = probe.node_attrs
+        self.latest = {nodes[n]["name"]: (n, nodes[n]["version"]) for n in range(self.prefix) if _state(n, nodes[n])}
+        self.placed = {}  # (kind, microbatch, chunk) -> its first node as placed
+        self.where = {}  # probe node -> (its name if state, else None; its step's (start, end, key)), found once
+
+    def source(self, kind, m, c) -> tuple:
+        """The probed step a step is copied from (the optimizer's one step for itself)."""
+        if kind == "optimizer":
+            return "optimizer", None, None
+        return kind, probed_microbatch(kind, m, self.plan.microbatches, self.probed), c
+
+    def as_probed(self) -> bool:
+        """Does the stage run just the probed steps in the probed order?"""
+        return [key for _, _, key in self.found] == \
+            [self.source(*step) if step[0] == "optimizer" else step for step in self.order]
+
+    def step(self, key) -> "_Step":
+        if key not in self.steps:  # each probed step prepared once, however many copies it makes
+            self.steps[key] = _Step(self.probe, *self.blocks[key], self.by_source)
+        return self.steps[key]
+
+    def placed_in(self, out):
+        """Each step in order as (its probed step's _Step, its first node: len(out) when it comes, its shift in
+        micro-batches, image: what a probe node it reads from outside it is as placed); the caller places it."""
+        for kind, m, c in self.order:
+            key = self.source(kind, m, c)
+            step = self.step(key)
+            base = self.placed[(kind, m, c)] = len(out)
+            shift = m - (self.probed if kind == "optimizer" else key[1])
+            yield step, base, shift, lambda u, shift=shift: self.image(u, shift)
+            self.latest.update(step.written)
+
+    def image(self, u: int, shift: int) -> int:
+        """Probe node u (before or in another step) as read by a copy made `shift` micro-batches later:
+        the same node of the step placed that plays u's step's part."""
+        if u < self.prefix:
+            return u
+        if u not in self.where:
+            d = self.probe.node_attrs[u]
+            self.where[u] = (d["name"] if _state(u, d) else None), \
+                self.found[bisect.bisect_right(self.found, (u, float("inf"))) - 1]
+        state, (start, end, (kind, k, c)) = self.where[u]
+        if state:
+            return self.latest[state][0]
+        a, b = self.blocks[self.source(kind, k + shift, c)]
+        assert b - a == end - start, f"probed steps {self.source(kind, k + shift, c)} and {(kind, k, c)} differ"
+        return self.placed[(kind, k + shift, c)] + u - start
+
+    def starts(self) -> list[int]:
+        return [self.placed[step] for step in self.order]
+
+    def roots(self) -> list[list[int]]:
+        """Each placed step's first nodes (_roots): those of the step it copies, moved."""
+        return [[self.placed[step] + off for off in self.steps[self.source(*step)].roots] for step in self.order]
 
 
 def stage_steps(plan: plans.TrainPlan, stage: int) -> list[tuple[str, int, int]]:
@@ -132,11 +168,12 @@ class _Step:
         # a copy's inputs from outside it are made before it, as the probed step's are: the same roots
         self.roots = [n - a for n in _roots(probe, a, b)]
 
-    def copy(self, base: int, tag_shift: int, image, out: TraceGraph, latest: dict) -> list[dict]:
+    def copy(self, base: int, tag_shift: int, image, placed: dict | list, latest: dict) -> list[dict]:
         """The nodes' attributes for a copy at `base`, `tag_shift` tag pairs later (micro-batches times chunks):
         a send's or recv's tag (the micro-batch's), default tensor names, and the version of a tensor written in
         place (one past its earlier version there, e.g. a gradient accumulated over one more micro-batch; for a
-        parameter or buffer, one past its `latest`; what the copy writes is left in `written`)."""
+        parameter or buffer, one past its `latest`; what the copy writes is left in `written`). `placed`: the
+        attributes of the nodes placed before, by node."""
         nodes = list(self.nodes)
         for off, (what, earlier) in self.moving.items():
             data = nodes[off]
@@ -146,7 +183,7 @@ class _Step:
             data = {**data, "name": f"t{base + off}"} if what == "tensor" else dict(data)
             if earlier is not None:
                 inside = earlier - self.a
-                before = nodes[inside] if 0 <= inside < len(nodes) else out.nodes[image(earlier)]
+                before = nodes[inside] if 0 <= inside < len(nodes) else placed[image(earlier)]
                 data["version"] = before["version"] + 1
             nodes[off] = data
         written = {}  # what this copy writes, into `latest` once its in-edges are placed (they read the earlier)
@@ -190,11 +227,16 @@ def _renumber_orders(graph: TraceGraph, collectives: list[int] | None = None) ->
 def set_schedule(graph: TraceGraph, plan, order, starts, roots=None) -> TraceGraph:
     """`graph` (a stage's steps in `order`, step k from node starts[k]) with its schedule recorded and run in
     order (add_schedule_deps; `roots`: its)."""
-    graph.graph.update(schedule=plan.schedule, microbatches=plan.microbatches,
-                       pipeline_schedule=[f"{kind}{m}" + (f".{c}" if plan.virtual_stages > 1 else "")
-                                          for kind, m, c in order if kind != "optimizer"])
+    graph.graph.update(schedule_attrs(plan, order))
     add_schedule_deps(graph, starts, roots)
     return graph
+
+
+def schedule_attrs(plan, order) -> dict:
+    """The graph attributes that record a stage's schedule (its steps in `order`)."""
+    return dict(schedule=plan.schedule, microbatches=plan.microbatches,
+                pipeline_schedule=[f"{kind}{m}" + (f".{c}" if plan.virtual_stages > 1 else "")
+                                   for kind, m, c in order if kind != "optimizer"])
 
 
 def add_schedule_deps(graph: TraceGraph, starts: list[int], roots: list | None = None) -> None:

@@ -7,7 +7,7 @@ from conftest import tiny_config
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.cost import kernel_of, kernel_us
-from syntorch.trace.levels import _launches_nothing, _runs, layer_of
+from syntorch.trace.levels import launches_nothing, _runs, layer_of
 from syntorch.workload import trace_workload
 
 HW = load_hw_config("a100-80gb")
@@ -26,7 +26,7 @@ def graphs(workload):
 
 def _feeds(graph, node) -> bool:
     """Does a collective read node's output, directly or through ops that launch nothing? (asked per op)"""
-    return any(graph.node_attrs[r]["kind"] == "collective" or (_launches_nothing(graph.node_attrs[r]) and
+    return any(graph.node_attrs[r]["kind"] == "collective" or (launches_nothing(graph.node_attrs[r]) and
                                                                _feeds(graph, r))
                for t in graph.succs[node] for r in graph.succs[t])
 
@@ -41,7 +41,7 @@ def _plain_runs(graph, key) -> list[list[int]]:
     for node, d in graph.work():
         here = (key(d), d["phase"]) if d["kind"] == "op" else None
         feeding = here is not None and _feeds(graph, node)
-        if here is None or here != last or _reads(graph, node) or (feeding and _launches_nothing(d)):
+        if here is None or here != last or _reads(graph, node) or (feeding and launches_nothing(d)):
             runs.append([])
         runs[-1].append(node)
         last = None if feeding else here
@@ -52,7 +52,7 @@ def _plain_runs(graph, key) -> list[list[int]]:
 def test_runs_walked_back_from_collectives_are_the_runs_asked_per_op(graphs, key):
     for graph in graphs:
         work = [n for n, _ in graph.work()]
-        free_feeders = [n for n in work if _launches_nothing(graph.node_attrs[n]) and _feeds(graph, n)]
+        free_feeders = [n for n in work if launches_nothing(graph.node_attrs[n]) and _feeds(graph, n)]
         assert free_feeders  # the case the walk through ops that launch nothing is for
         runs = _runs(graph, key)
         assert runs == _plain_runs(graph, key)
