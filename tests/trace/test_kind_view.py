@@ -7,18 +7,13 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from graph_checks import edges
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.levels import level_view
 from syntorch.workload import stage_figures, trace_workload
 
 HW = load_hw_config("a100-80gb")
-
-
-def _edges(graph) -> tuple:
-    """Every edge with its attributes, in both of networkx's orders (level views and Chakra read both)."""
-    return ([(u, list(vs.items())) for u, vs in graph.succs.items()],
-            [(v, list(us.items())) for v, us in graph.preds.items()])
 
 
 @pytest.mark.parametrize("level", ["module", "op"])
@@ -40,6 +35,6 @@ def test_each_stage_view_is_its_own_graph_viewed(plan, level):
         own = level_view(graph, level)
         assert view.graph == own.graph
         assert view.node_attrs == own.node_attrs
-        assert _edges(view) == _edges(own)
+        assert edges(view) == edges(own)
         assert figures == stage_figures(graph)
     assert list(workload.stages._steps) == [(1, 0)]  # one probe's steps serve every copy

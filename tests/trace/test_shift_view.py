@@ -5,17 +5,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from graph_checks import edges
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.workload import _moves_to, _stage_view, trace_workload
 
 HW = load_hw_config("a100-80gb")
-
-
-def _edges(graph) -> tuple:
-    """Every edge with its attributes, in both of networkx's orders (level views and Chakra read both)."""
-    return ([(u, list(vs.items())) for u, vs in graph.succs.items()],
-            [(v, list(us.items())) for v, us in graph.preds.items()])
 
 
 @pytest.mark.parametrize("level", ["module", "op"])
@@ -31,7 +26,7 @@ def test_a_moved_view_is_the_stage_own(level):
     own, own_figures = _stage_view(workload, 3, 0, level, None)
     assert moved.graph == own.graph
     assert moved.node_attrs == own.node_attrs
-    assert _edges(moved) == _edges(own)
+    assert edges(moved) == edges(own)
     assert figures == own_figures
     sends = [{d["duration_us"] for _, d in view.collectives() if d["collective"] == "send" and d["phase"] == "forward"}
              for view in (last[2], own)]

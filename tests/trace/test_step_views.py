@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from graph_checks import edges
 from syntorch.hardware import load_hw_config
 from syntorch.parallel.plans import TrainPlan
 from syntorch.trace.levels import level_view
@@ -15,12 +16,6 @@ from syntorch.trace.step_views import StepViews, scheduled_view
 from syntorch.workload import node_figures, stage_figures, trace_workload
 
 HW = load_hw_config("h100-sxm")
-
-
-def _edges(graph) -> tuple:
-    """Every edge with its attributes, in both of networkx's orders (Chakra nodes read both)."""
-    return ([(u, list(vs.items())) for u, vs in graph.succs.items()],
-            [(v, list(us.items())) for v, us in graph.preds.items()])
 
 
 @pytest.mark.parametrize("level", ["module", "layer"])
@@ -49,7 +44,7 @@ def test_scheduled_view_is_the_scheduled_graph_viewed(layers, plan, level):
         own = level_view(graph, level)
         assert view.graph == own.graph
         assert view.node_attrs == own.node_attrs
-        assert _edges(view) == _edges(own)
+        assert edges(view) == edges(own)
         assert node_figures(nodes, view.graph["pipeline_schedule"]) == stage_figures(graph)
     if plan.pp == 5:
         assert workload.source[2:4] == [1, 1]
