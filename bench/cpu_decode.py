@@ -31,11 +31,12 @@ kernels with no glue between them is only ~0.4 ms faster: with these kernels the
 The ceiling (2026-11-27, load ~2.5, CPU time, one thread): floor 35.5 ms, gemv 36.8 (95.2% of the floor with
 the KV time), syntorch 39.2 (90.6%). gemv's products lose 1.2-1.8 ms to the floor's bare `x @ w` (~0.6 ms of
 it F.linear's bias and 3-d row, in one process) and, at two threads, the layers' matrices stream at 23-26 GB/s
-against the LM head's ~30: 95% needs faster products, not fewer small ops. Of the ~1.9 ms of glue (each op's cost measured by removing it from a
-captured step, alternated in one process): attention ~1.0-1.2 ms, of it ~50 us a call fixed (the flash kernel
-with one key costs 63 us after an 8 MB stream, 12 us warm; a bmm/softmax/bmm step costs more, K and V laid out
-[B, S, H, D] save ~5 us a layer); the LayerNorms ~0.2 ms, the GELUs ~0.1-0.16 ms; the graph's ~600 view and
-size nodes nothing measurable (torch.jit's CSE and DCE passes cut 200 of them and no time).
+against the LM head's ~30: 95% needs faster products, not fewer small ops. Of the ~1.9 ms of glue (each op's
+cost measured by removing it from a captured step, alternated in one process): attention ~1.0-1.2 ms, of it
+~50 us a call fixed (the flash kernel with one key costs 63 us after an 8 MB stream, 12 us warm; a
+bmm/softmax/bmm step costs more, K and V laid out [B, S, H, D] save ~5 us a layer); the LayerNorms ~0.2 ms,
+the GELUs ~0.1-0.16 ms; the graph's ~600 view and size nodes nothing measurable (torch.jit's CSE and DCE
+passes cut 200 of them and no time).
 """
 import argparse
 import contextlib
