@@ -36,7 +36,11 @@ cost measured by removing it from a captured step, alternated in one process): a
 ~50 us a call fixed (the flash kernel with one key costs 63 us after an 8 MB stream, 12 us warm; a
 bmm/softmax/bmm step costs more, K and V laid out [B, S, H, D] save ~5 us a layer); the LayerNorms ~0.2 ms,
 the GELUs ~0.1-0.16 ms; the graph's ~600 view and size nodes nothing measurable (torch.jit's CSE and DCE
-passes cut 200 of them and no time).
+passes cut 200 of them and no time). Larger than any of these on this (virtual) host: where the weights land.
+In one process, the first of two identically loaded models steps ~2 ms slower at one thread, and a 1.5 GB
+tensor touched and freed before loading makes the first the faster one: pages the process has used before
+stream faster than fresh ones, so the floor and syntorch children can differ by that much for no reason of
+their own.
 """
 import argparse
 import contextlib
