@@ -40,7 +40,11 @@ passes cut 200 of them and no time). Larger than any of these on this (virtual) 
 In one process, the first of two identically loaded models steps ~2 ms slower at one thread, and a 1.5 GB
 tensor touched and freed before loading makes the first the faster one: pages the process has used before
 stream faster than fresh ones, so the floor and syntorch children can differ by that much for no reason of
-their own.
+their own. syntorch now keeps its weights on huge pages (stream_friendly_weights), the floor child on 4 kB
+pages (--thp moves every child's big tensors to huge pages). That saved a captured step ~0.9 ms at two threads
+and ~2.3 ms at one (children with 4 kB and huge pages alternated, 4 pairs each). This bench then, load ~1.2: two
+threads floor 16.45 ms, gemv 17.21 (94.3%), syntorch 18.64 (88.3%); one thread floor 31.96, gemv 30.91
+(101.9%), syntorch 31.97 (100.0%).
 """
 import argparse
 import contextlib
