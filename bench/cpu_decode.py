@@ -3,15 +3,17 @@ memory-bandwidth floor, each run as a whole command in a fresh process.
 
     python bench/cpu_decode.py [--threads 1 2] [--reps 5] [--new_tokens 128] [--prompt_tokens 32] [--compile] [--thp]
 
-The same random weights (HF `GPT2Config()`, saved once) run in four kinds of child process, alternated `reps`
+The same random weights (HF `GPT2Config()`, saved once) run in five kinds of child process, alternated `reps`
 times under the same conditions: syntorch (load_checkpoint, stream_friendly_weights, generate: its decode steps
 replayed from a captured graph when the run is long enough to pay for it, syntorch/decode_capture.py), syntorch
-with every step eager, HF (`generate`, as bench/infer_speed.py runs it) and the floor; with --compile a fifth,
-syntorch under torch.compile. Decoding one row is memory-bound: each step must read every weight
-matrix once (the LM head included) and the KV cache written so far. The floor child times the weights' part as
-infer_speed does (one vector-matrix product per matrix), which also measures the bandwidth; the KV part is its
-bytes over that bandwidth. Per-step times are compared at their 10th percentile over all reps (other processes
-stretch many steps on a shared machine; the low percentile survives that), medians beside them.
+with every step eager, HF (`generate`, as bench/infer_speed.py runs it), the floor, and "gemv": a step of only
+syntorch's matrix products as its model runs them (its weights, layout and biases), the ceiling of a step made
+of these kernels; with --compile a sixth, syntorch under torch.compile. Decoding one row is memory-bound: each
+step must read every weight matrix once (the LM head included) and the KV cache written so far. The floor child
+times the weights' part as infer_speed does (one vector-matrix product per matrix), which also measures the
+bandwidth; the KV part is its bytes over that bandwidth (added to gemv's step, which reads no cache). Per-step
+times are compared at their 10th percentile over all reps (other processes stretch many steps on a shared
+machine; the low percentile survives that), medians beside them.
 
 A step is the time from one token's step to the next, the loop's own work included (HF's steps are the gaps
 between its stopping-criteria calls). Every step is timed twice: in wall time and in the CPU time of the thread
@@ -25,6 +27,24 @@ floor's bandwidth (the flash kernel reads each head's K and V as separate blocks
 GELUs, residual adds, cache writes and biases ~1.3 ms (10-25 us each, code and data cold after the weights
 streamed past); the tied embedding's lookup in the transposed head ~0.15 ms. A hand-written step of the same
 kernels with no glue between them is only ~0.4 ms faster: with these kernels the step stays near 92% of the floor.
+
+The ceiling (2026-11-27, load ~2.5, CPU time, one thread): floor 35.5 ms, gemv 36.8 (95.2% of the floor with
+the KV time), syntorch 39.2 (90.6%). gemv's products lose 1.2-1.8 ms to the floor's bare `x @ w` (~0.6 ms of
+it F.linear's bias and 3-d row, in one process) and, at two threads, the layers' matrices stream at 23-26 GB/s
+against the LM head's ~30: 95% needs faster products, not fewer small ops. Of the ~1.9 ms of glue (each op's
+cost measured by removing it from a captured step, alternated in one process): attention ~1.0-1.2 ms, of it
+~50 us a call fixed (the flash kernel with one key costs 63 us after an 8 MB stream, 12 us warm; a
+bmm/softmax/bmm step costs more, K and V laid out [B, S, H, D] save ~5 us a layer); the LayerNorms ~0.2 ms,
+the GELUs ~0.1-0.16 ms; the graph's ~600 view and size nodes nothing measurable (torch.jit's CSE and DCE
+passes cut 200 of them and no time). Larger than any of these on this (virtual) host: where the weights land.
+In one process, the first of two identically loaded models steps ~2 ms slower at one thread, and a 1.5 GB
+tensor touched and freed before loading makes the first the faster one: pages the process has used before
+stream faster than fresh ones, so the floor and syntorch children can differ by that much for no reason of
+their own. syntorch now keeps its weights on huge pages (stream_friendly_weights), the floor child on 4 kB
+pages (--thp moves every child's big tensors to huge pages). That saved a captured step ~0.9 ms at two threads
+and ~2.3 ms at one (children with 4 kB and huge pages alternated, 4 pairs each). This bench then, load ~1.2: two
+threads floor 16.45 ms, gemv 17.21 (94.3%), syntorch 18.64 (88.3%); one thread floor 31.96, gemv 30.91
+(101.9%), syntorch 31.97 (100.0%).
 """
 import argparse
 import contextlib
@@ -121,6 +141,27 @@ def floor_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
     return {"steps": steps, "cpu_steps": cpu_steps, "weight_bytes": weight_bytes, "kv_bytes": sum(kv_bytes) / len(kv_bytes)}
 
 
+def gemv_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """A step of only the matrix products of a syntorch decode step, as its model runs them (the syntorch
+    child's weights and layout, biases, a [B, 1, d] row): the most a step of these kernels can reach (the
+    floor's products have no bias)."""
+    from syntorch.checkpoints import load_checkpoint
+    from syntorch.generate import stream_friendly_weights
+    _, model = load_checkpoint(folder, dtype=torch.float32)
+    stream_friendly_weights(model)
+    linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    rows = {w.shape[1]: torch.randn(prompt.shape[0], 1, w.shape[1]) for w, _ in linears}
+    steps, cpu_steps = [], []
+    with torch.inference_mode():
+        for _ in range(new_tokens - 1):
+            begin = time.perf_counter(), time.thread_time()
+            for w, b in linears:
+                torch.nn.functional.linear(rows[w.shape[1]], w, b)
+            steps.append(time.perf_counter() - begin[0])
+            cpu_steps.append(time.thread_time() - begin[1])
+    return {"steps": steps, "cpu_steps": cpu_steps}
+
+
 def save_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
     """The weights every other child loads (in a child: a forked child would count the parent's peak RSS)."""
     from infer_speed import build_pair
@@ -128,8 +169,8 @@ def save_child(folder: str, prompt: torch.Tensor, new_tokens: int) -> dict:
     return {}
 
 
-CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "eager": eager_child,
-            "compiled": compiled_child}
+CHILDREN = {"syntorch": syntorch_child, "hf": hf_child, "floor": floor_child, "gemv": gemv_child,
+            "eager": eager_child, "compiled": compiled_child}
 
 
 def run_child(kind: str, folder: str, threads: int, args) -> dict:
@@ -161,7 +202,7 @@ def per_token(runs: dict, clock: str) -> dict:
 
 
 def bench(folder: str, threads: int, args) -> None:
-    kinds = [*CHILDREN][:5 if args.compile else 4]
+    kinds = [k for k in CHILDREN if k != "compiled" or args.compile]
     runs = {kind: [] for kind in kinds}
     timed = [k for k in kinds if k != "floor"]
     for _ in range(args.reps):
@@ -179,15 +220,19 @@ def bench(folder: str, threads: int, args) -> None:
         print(f"  per step in {label} time: floor {1e3 * floor:.2f} ms/token ({1e3 * weight_s:.2f} weights + "
               f"{1e3 * (floor - weight_s):.2f} KV at {bandwidth / 1e9:.1f} GB/s; median {1e3 * step['floor'][1]:.2f})")
         for kind in timed:
+            # the products alone read no cache: the ceiling adds the floor's KV time to them
+            kv = floor - weight_s if kind == "gemv" else 0
             print(f"    {kind:8s} {1e3 * step[kind][0]:6.2f} ms/token (median {1e3 * step[kind][1]:6.2f})  "
-                  f"{100 * floor / step[kind][0]:5.1f}% of floor")
+                  f"{100 * floor / (step[kind][0] + kv):5.1f}% of floor" + (" with the KV time" if kv else ""))
         print(f"    syntorch / HF generate: {step['hf'][0] / step['syntorch'][0]:.2f}x per decode step "
               f"(medians {step['hf'][1] / step['syntorch'][1]:.2f}x)")
     for kind in timed:
+        if kind == "gemv":  # a part of a step, not a command
+            continue
         best = {k: min(r[k] for r in runs[kind]) for k in ("wall", "cpu", "rss_mb")}
         print(f"  whole command, best of {args.reps}: {kind:8s} wall {best['wall']:5.2f} s  CPU {best['cpu']:5.2f} s  "
               f"peak RSS {best['rss_mb']:4.0f} MB")
-    first = {k: min(r["first_s"] for r in runs[k]) for k in kinds if k not in ("hf", "floor")}
+    first = {k: min(r["first_s"] for r in runs[k]) for k in kinds if "first_s" in runs[k][0]}
     print(f"  prefill + first two decode steps (wall): {first['syntorch']:.2f} s (captured if the run is long enough, "
           f"decode_capture.py) against {first['eager']:.2f} s eager"
           + (f", {first['compiled']:.1f} s under torch.compile" if args.compile else ""))

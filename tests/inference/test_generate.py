@@ -130,6 +130,8 @@ def test_stream_friendly_weights_keep_values_shapes_and_tying():
     stream_friendly_weights(model)  # idempotent: a second call must not transpose back
     assert not model.layers["0"].mlp.fc1.weight.is_contiguous()
     assert model.lm_head.weight is model.tok_emb.weight
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len({w.untyped_storage().data_ptr() for w in linears}) == 1  # one buffer (on huge pages where offered)
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(prompts(8)), expected)
