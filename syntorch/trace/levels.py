@@ -86,25 +86,8 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
         # a run is every op and collective from its first to its last node: in the run iff in that range
         first, last = members[0], members[-1]
         inputs, outputs = {}, []  # (inputs: an ordered set)
-        for node in members:  # (one loop for both, inline: a level view asks this of 10^5 nodes)
-            for t in pred[node]:
-                if t in inputs or attrs[t]["is_param"]:
-                    continue
-                for p in pred[t]:
-                    if first <= p <= last:
-                        break  # made inside the run
-                else:
-                    inputs[t] = None
-            for t, edge in succ[node].items():  # read outside the run, or the final result nobody reads
-                readers = succ[t]
-                if not readers:
-                    if node == last and edge["arg"] == 0:
-                        outputs.append(t)
-                    continue
-                for r in readers:
-                    if not first <= r <= last:
-                        outputs.append(t)
-                        break
+        for node in members:
+            add_boundary(attrs, pred, succ, node, first, last, inputs, outputs)
         for t in inputs:
             if t not in new_tensor:
                 new_tensor[t] = copy_tensor(nodes, attrs[t])
@@ -116,6 +99,31 @@ def _collapse(graph: TraceGraph, runs: list[list[int]], level: str) -> TraceGrap
             edges.append((node, new_tensor[t], {"arg": arg}))
     out.append(nodes, edges, copy=False)
     return out
+
+
+def add_boundary(attrs, pred, succ, node: int, first: int, last: int, inputs: dict, outputs: list,
+                 by_id: bool = False) -> None:
+    """Adds what member `node` of the run [first, last] reads from outside it to `inputs` (an ordered set; not
+    parameters) and what it writes that is read outside it, or is the run's final result nobody reads (e.g.
+    logits), to `outputs`. `by_id`: its inputs in the order of their ids, not of its edges."""
+    for t in sorted(pred[node]) if by_id else pred[node]:
+        if t in inputs or attrs[t]["is_param"]:
+            continue
+        for p in pred[t]:  # (loops, not any(): a level view asks this of 10^5 tensors)
+            if first <= p <= last:
+                break  # made inside the run
+        else:
+            inputs[t] = None
+    for t, edge in succ[node].items():
+        readers = succ[t]
+        if not readers:
+            if node == last and edge["arg"] == 0:
+                outputs.append(t)
+            continue
+        for r in readers:
+            if not first <= r <= last:
+                outputs.append(t)
+                break
 
 
 def copy_tensor(nodes: list[dict], d: dict) -> int:

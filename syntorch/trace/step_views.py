@@ -16,7 +16,7 @@ the next step), None: then the op graph is made and viewed.
 import bisect
 
 from syntorch.trace.graph import TraceGraph
-from syntorch.trace.levels import copy_tensor, cut_runs, feeding, launches_nothing, layer_of, run_attrs
+from syntorch.trace.levels import add_boundary, copy_tensor, cut_runs, feeding, launches_nothing, layer_of, run_attrs
 from syntorch.trace.step_schedule import Copies, schedule_attrs
 
 IN, OUT = "in", "out"  # an input of a run: a node of its step (an offset), a probe node outside it
@@ -58,27 +58,16 @@ class StepViews:
         for members in cut_runs(work, self.key, self.reads | roots if collective_before else self.reads, feeds):
             first, end = members[0], members[-1]
             inputs, outputs = {}, []  # (inputs: an ordered set) as levels._collapse finds them
-            for node in members:
-                for t in sorted(pred[node]) if self.by_source else pred[node]:
-                    if t in inputs or attrs[t]["is_param"]:
-                        continue
-                    for p in pred[t]:
-                        if first <= p <= end:
-                            break
-                    else:
-                        inputs[t] = None
+            for node in members:  # (a copy's inputs come in the order of their ids)
+                add_boundary(attrs, pred, succ, node, first, end, inputs, outputs, by_id=self.by_source)
                 if node in roots:
                     inputs[SCHEDULE] = None  # (add_schedule_deps: after the node's other inputs)
-                for t, edge in succ[node].items():  # (in order of the outputs' ids, as a copy has them)
-                    readers = succ[t]
-                    if not readers and node == end and edge["arg"] == 0 or any(not first <= r <= end for r in readers):
-                        outputs.append(t - a)
                 if token_out and node == last:
                     outputs.append(SCHEDULE)
             node = members[0] - a if attrs[members[0]]["kind"] == "collective" else \
                 run_attrs(attrs, members, self.level, {})
             runs.append(([(SCHEDULE, None) if t == SCHEDULE else (IN, t - a) if a <= t < b else (OUT, t)
-                          for t in inputs], node, outputs))
+                          for t in inputs], node, [t if t == SCHEDULE else t - a for t in outputs]))
         return runs
 
     def step_ends(self, key, a: int, b: int, step) -> tuple:

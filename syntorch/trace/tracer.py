@@ -321,11 +321,10 @@ class _DispatchMode(TorchDispatchMode):
                 return out
             self.atomic.add(id(func))  # remembered: asking again costs more than most ops
         # a collective on meta: what it returns, made without calling it (collectives.meta_result)
-        out, duration_us = meta_result(func, args) if op.collective is not None else None, None
-        if out is None and self.tracer.time_ops:
-            out, duration_us = self.tracer.timed(self.run, func, args, kwargs)
-        elif out is None:
-            out = self.run(func, args, kwargs)
+        out, duration_us = (meta_result(func, args) if op.collective is not None else None), None
+        if out is None:
+            out, duration_us = (self.tracer.timed(self.run, func, args, kwargs) if self.tracer.time_ops else
+                                (self.run(func, args, kwargs), None))
         self.tracer.record_aten(func, op, args, kwargs, out, duration_us)
         return out
 
